@@ -1,0 +1,460 @@
+"""The MLA + MoE transformer (DeepSeek-V3 / Kimi-K2 architecture) in plain torch.
+
+Parameter names follow the HF hub layout (`model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight`, ...),
+so `state_dict()` is a checkpoint and `kdtree.weights.load` fills it from one.
+
+One `forward` serves every step of speculative decoding:
+  * prefill        tokens [B, T], positions cache.length + arange(T), causal mask
+  * decode         tokens [B, 1]
+  * tree verify    tokens [B, N], explicit position ids, an N x N visibility mask over the appended block;
+                   every cached token stays visible. `KVCache.compact(keep)` then keeps the accepted path.
+
+`attn_impl` chooses the attention path:
+  * "naive":  K and V are decompressed per head from the cached latent (kv_b_proj applied to it).
+  * "absorb": only the 512-wide latent and the 64-wide rope key are read; kv_b_proj is folded into
+              the query (q_nope @ W_uk) and into the output (o_latent @ W_uv).
+Both read the same latent cache and agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs, yarn_mscale
+
+ATTN_IMPLS = ("naive", "absorb")
+
+
+# ----------------------------------------------------------------------------- small modules
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rope_dim/2] and the cos/sin magnitude factor (YaRN's attention factor)."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if args.rope_scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    rs = args.rope_scaling
+    factor = float(rs["factor"])
+    orig = rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 - ramp  # 1 -> keep the original frequency, 0 -> interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if mscale and mscale_all:
+        attn_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    else:
+        attn_factor = yarn_mscale(factor)
+    return inv_freq, float(attn_factor)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [..., P] by angles given as cos/sin [..., P/2] (broadcast over heads by the caller).
+
+    Interleaved (DeepSeek's storage): pairs (x[2i], x[2i+1]); the output is de-interleaved
+    [x_even*c - x_odd*s, x_odd*c + x_even*s], the same layout for queries and keys, so dot products
+    are those of the interleaved rotation.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid router with a selection-only correction bias and group-limited top-k (noaux_tc)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+        a = self.args
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if a.n_group > 1:
+            grouped = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)  # [N, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = group_scores.topk(a.topk_group, dim=-1).indices
+            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~gmask.repeat_interleave(a.n_routed_experts // a.n_group, dim=1),
+                                        float("-inf"))
+        idx = choice.topk(a.num_experts_per_tok, dim=-1).indices  # [N, k]
+        w = scores.gather(1, idx)
+        if a.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * a.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of n_routed_experts) plus the always-on shared expert."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.gate = Gate(args)
+        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size)
+                                     for _ in range(args.n_routed_experts))
+        self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+                               if args.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        weights, idx = self.gate(x)  # [N, k]
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok, slot = torch.where(idx == e)
+            out = self.experts[e](x[tok])
+            y.index_add_(0, tok, out.float() * weights[tok, slot, None])
+        y = y.to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+# ----------------------------------------------------------------------------- latent KV cache
+class KVCache:
+    """Per-layer latent cache: kv [layers, B, S, kv_lora_rank] (normalized) and pe [layers, B, S, rope_dim]
+    (rotated). `length` tokens are committed; `forward` appends a block after them."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        if not (isinstance(max_len, int) and 0 < max_len <= args.max_position_embeddings):
+            raise ValueError(f"KVCache max_len={max_len!r}: expected an int in [1, max_position_embeddings="
+                             f"{args.max_position_embeddings}]")
+        if not (isinstance(batch, int) and batch > 0):
+            raise ValueError(f"KVCache batch={batch!r}: expected a positive int")
+        L = args.num_hidden_layers
+        self.kv = torch.zeros(L, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
+        self.pe = torch.zeros(L, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
+        self.length = 0
+        self.block: tuple[int, int] | None = None  # (start, n) of the last appended block
+        self.max_len, self.batch = max_len, batch
+
+    def compact(self, keep_indices) -> None:
+        """Keep rows `keep_indices` (strictly increasing, within the last appended block) and drop the rest.
+
+        The kept rows move, in order, to the front of the block; `length` becomes block_start + len(keep).
+        """
+        if self.block is None:
+            raise RuntimeError("KVCache.compact: no appended block to compact (call forward first; compact once)")
+        start, n = self.block
+        keep = torch.as_tensor(keep_indices)
+        if keep.dtype not in (torch.int32, torch.int64) or keep.dim() != 1:
+            raise ValueError(f"compact keep_indices: expected a 1-D integer sequence, got dtype {keep.dtype}, "
+                             f"shape {tuple(keep.shape)}")
+        keep = keep.to(torch.int64)
+        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
+            raise IndexError(f"compact keep_indices: expected values in [0, {n}) (the appended block), "
+                             f"got min {int(keep.min())}, max {int(keep.max())}")
+        if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+            raise ValueError("compact keep_indices: expected strictly increasing indices (a path in tree order)")
+        k = keep.numel()
+        if k:
+            src = keep.to(self.kv.device) + start
+            self.kv[:, :, start:start + k] = self.kv[:, :, src]
+            self.pe[:, :, start:start + k] = self.pe[:, :, src]
+        self.length = start + k
+        self.block = None
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate length={length}: expected in [0, {self.length}]")
+        self.length, self.block = length, None
+
+
+# ----------------------------------------------------------------------------- attention
+class MLA(nn.Module):
+    """Multi-head latent attention. Shapes: B batch, T new tokens, S = cached + T, H heads,
+    R kv_lora_rank, P rope dim, Dn/Dv nope/value head dims."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        H, D = args.num_attention_heads, args.hidden_size
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * args.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, args.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, H * args.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * args.v_head_dim, D, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache, pe_cache, start, bias, attn_impl):
+        """x [B, T, D]; cos/sin [B, T, P/2]; kv_cache [B, Smax, R], pe_cache [B, Smax, P] for this layer
+        (the block is written at start..start+T); bias [B, T, S] additive mask. Returns [B, T, D]."""
+        a = self.args
+        B, T, _ = x.shape
+        H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
+        q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, a.qk_head_dim)
+        q_nope, q_pe = q.split([Dn, a.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], a.rope_interleave)  # [B, T, H, P]
+        kv, k_pe = self.kv_a_proj_with_mqa(x).split([R, a.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_layernorm(kv)  # [B, T, R]
+        k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
+        kv_cache[:, start:start + T] = kv
+        pe_cache[:, start:start + T] = k_pe
+        S = start + T
+        kv_all, pe_all = kv_cache[:, :S], pe_cache[:, :S]  # [B, S, R], [B, S, P]
+        scale = a.softmax_scale
+        if attn_impl == "naive":
+            kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)
+            k_nope, v = kvb.split([Dn, Dv], dim=-1)  # [B, S, H, Dn], [B, S, H, Dv]
+            k = torch.cat([k_nope, pe_all[:, :, None].expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
+            qf = torch.cat([q_nope, q_pe], dim=-1)
+            scores = torch.einsum("bthd,bshd->bhts", qf, k) * scale  # [B, H, T, S]
+            p = (scores.float() + bias[:, None]).softmax(-1).to(x.dtype)
+            o = torch.einsum("bhts,bshd->bthd", p, v)  # [B, T, H, Dv]
+        elif attn_impl == "absorb":
+            w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
+            q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
+            scores = (torch.einsum("bthr,bsr->bhts", q_lat, kv_all)
+                      + torch.einsum("bthp,bsp->bhts", q_pe, pe_all)) * scale
+            p = (scores.float() + bias[:, None]).softmax(-1).to(x.dtype)
+            o_lat = torch.einsum("bhts,bsr->bthr", p, kv_all)  # [B, T, H, R]
+            o = torch.einsum("bthr,hdr->bthd", o_lat, w[:, Dn:])  # [B, T, H, Dv]
+        else:
+            raise ValueError(f"attn_impl={attn_impl!r}: expected one of {ATTN_IMPLS}")
+        return self.o_proj(o.reshape(B, T, H * Dv))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.self_attn = MLA(args)
+        self.mlp = (MLP(args.hidden_size, args.intermediate_size) if layer_id < args.first_k_dense_replace
+                    else MoE(args))
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, pe_cache, start, bias, attn_impl):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, pe_cache, start, bias, attn_impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T, V] float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, T, D] output of that layer
+
+
+# ----------------------------------------------------------------------------- the model
+class Transformer(nn.Module):
+    """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or `kdtree.weights.load`."""
+
+    def __init__(self, args: ModelArgs, attn_impl: str = "absorb"):
+        super().__init__()
+        self.args = args
+        self.attn_impl = attn_impl
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        inv_freq, self.rope_attn_factor = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def attn_impl(self) -> str:
+        return self._attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        if value not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={value!r}: expected one of {ATTN_IMPLS}")
+        self._attn_impl = value
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache(self.args, batch, max_len, dtype=self.dtype, device=self.device)
+
+    def rope(self, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, P/2]
+        return ((freqs.cos() * self.rope_attn_factor).to(dtype), (freqs.sin() * self.rope_attn_factor).to(dtype))
+
+    def _check(self, tokens, cache, position_ids, mask):
+        """Validate every argument before anything is written; return (B, T, position_ids [B,T], mask [B,T,T])."""
+        a = self.args
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens: expected an int tensor [batch, T], got "
+                             f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
+        B, T = tokens.shape
+        if T == 0 or B == 0:
+            raise ValueError(f"tokens: expected a non-empty [batch, T], got {tuple(tokens.shape)}")
+        if tokens.device != self.device:
+            raise ValueError(f"tokens: expected device {self.device}, got {tokens.device}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= a.vocab_size:
+            raise ValueError(f"tokens: expected ids in [0, vocab_size={a.vocab_size}), got [{lo}, {hi}]")
+        start = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
+            if cache.batch != B:
+                raise ValueError(f"cache: batch {cache.batch} != tokens batch {B}")
+            if cache.kv.device != self.device or cache.kv.dtype != self.dtype:
+                raise ValueError(f"cache: expected {self.dtype} on {self.device}, got {cache.kv.dtype} on "
+                                 f"{cache.kv.device}")
+            start = cache.length
+            if start + T > cache.max_len:
+                raise ValueError(f"context overflow: cache holds {start} of max_len={cache.max_len} tokens, "
+                                 f"cannot append T={T}")
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=self.device).expand(B, T)
+        else:
+            position_ids = torch.as_tensor(position_ids, device=self.device)
+            if position_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"position_ids: expected an int tensor, got {position_ids.dtype}")
+            if position_ids.dim() == 1:
+                position_ids = position_ids[None].expand(B, -1)
+            if tuple(position_ids.shape) != (B, T):
+                raise ValueError(f"position_ids: expected shape [{T}] or [{B}, {T}], got {tuple(position_ids.shape)}")
+        plo, phi = int(position_ids.min()), int(position_ids.max())
+        if plo < 0 or phi >= a.max_position_embeddings:
+            raise ValueError(f"position_ids: expected values in [0, max_position_embeddings="
+                             f"{a.max_position_embeddings}), got [{plo}, {phi}]")
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None].expand(B, T, T)
+        else:
+            mask = torch.as_tensor(mask, device=self.device)
+            if mask.dtype != torch.bool:
+                raise ValueError(f"mask: expected a bool tensor, got {mask.dtype}")
+            if mask.dim() == 2:
+                mask = mask[None].expand(B, -1, -1)
+            if tuple(mask.shape) != (B, T, T):
+                raise ValueError(f"mask: expected shape [{T}, {T}] or [{B}, {T}, {T}], got {tuple(mask.shape)}")
+            if not bool(mask.diagonal(dim1=1, dim2=2).all()):
+                raise ValueError("mask: every appended token must see itself (the diagonal must be True)")
+        return B, T, start, position_ids, mask
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, position_ids=None, mask=None,
+                hidden_layers=(), logits_for=None) -> ForwardOutput:
+        """Run T new tokens after the cached ones.
+
+        tokens [B, T] int; cache: KVCache or None (no cache: the block attends to itself only);
+        position_ids [T] or [B, T] (default: cache.length + arange(T)); mask [T, T] or [B, T, T] bool,
+        mask[i, j] = token i sees appended token j (default causal; all cached tokens are always seen);
+        hidden_layers: decoder layer ids whose outputs are returned; logits_for: optional index tensor
+        into T selecting which rows get logits (default all).
+        Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]}).
+        On success the block is appended to the cache (cache.length += T); on a ValueError nothing changes.
+        """
+        B, T, start, position_ids, mask = self._check(tokens, cache, position_ids, mask)
+        for i in hidden_layers:
+            if not 0 <= i < self.args.num_hidden_layers:
+                raise ValueError(f"hidden_layers: layer {i} out of range [0, {self.args.num_hidden_layers})")
+        S = start + T
+        bias = torch.zeros(B, T, S, dtype=torch.float32, device=self.device)
+        bias[:, :, start:] = torch.zeros(B, T, T, device=self.device).masked_fill(~mask, float("-inf"))
+        if cache is None:
+            L = self.args.num_hidden_layers
+            kvs = torch.empty(L, B, T, self.args.kv_lora_rank, dtype=self.dtype, device=self.device)
+            pes = torch.empty(L, B, T, self.args.qk_rope_head_dim, dtype=self.dtype, device=self.device)
+        else:
+            kvs, pes = cache.kv, cache.pe
+        h = self.model.embed_tokens(tokens)  # [B, T, D]
+        cos, sin = self.rope(position_ids, h.dtype)
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kvs[i], pes[i], start, bias, self.attn_impl)
+            if i in hidden_layers:
+                hidden[i] = h
+        h = self.model.norm(h)
+        if logits_for is not None:
+            h = h[:, logits_for]
+        logits = self.lm_head(h).float()
+        if cache is not None:
+            cache.length, cache.block = S, (start, T)
+        return ForwardOutput(logits, hidden)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int = 0, scale: float = 1.0) -> Transformer:
+    """Random weights that give peaked, input-dependent logits (unlike the std 0.02 default init):
+    linear weights N(0, scale/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.1),
+    router correction bias N(0, 0.05) so that the selection-only path matters."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            v = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif "embed_tokens" in name:
+            v = torch.randn(p.shape, generator=g)
+        elif name == "lm_head.weight":
+            v = torch.randn(p.shape, generator=g) * (2.0 * scale / math.sqrt(p.shape[1]))
+        else:
+            v = torch.randn(p.shape, generator=g) * (scale / math.sqrt(p.shape[-1]))
+        p.copy_(v.to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_((0.05 * torch.randn(b.shape, generator=g)).to(b.dtype))
+    return model
+
+
+def build_model(args: ModelArgs, seed: int = 0, attn_impl: str = "absorb", dtype=torch.float32,
+                device="cpu") -> Transformer:
+    """A randomly initialised model (see `init_weights`) on `device` in `dtype`."""
+    m = Transformer(args, attn_impl)
+    init_weights(m, seed)
+    return m.to(device=device, dtype=dtype).eval()
