@@ -164,9 +164,8 @@ class KVCache:
     (rotated). `length` tokens are committed; `forward` appends a block after them."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
-        if not (isinstance(max_len, int) and 0 < max_len <= args.max_position_embeddings):
-            raise ValueError(f"KVCache max_len={max_len!r}: expected an int in [1, max_position_embeddings="
-                             f"{args.max_position_embeddings}]")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"KVCache max_len={max_len!r}: expected a positive int (rows of the cache)")
         if not (isinstance(batch, int) and batch > 0):
             raise ValueError(f"KVCache batch={batch!r}: expected a positive int")
         L = args.num_hidden_layers

@@ -1,0 +1,214 @@
+"""Generation loops: autoregressive, the DFlash chain, and DDTree.
+
+One speculative round (`_speculate`):
+    draft    drafter session proposes logits [L, V] below the root (the last committed token)
+    build    DDTree: top-K + best-first tree of <= budget nodes (DFlash: the argmax chain)
+    compile  verify block: root + nodes, position ids = root_pos + depth, ancestor mask
+    verify   one target forward over the block, every cached token visible
+    commit   walk the target's choices down the tree; compact the cache to the accepted path;
+             hand the accepted rows' features to the drafter; emit accepted tokens + the bonus token
+The target cache always holds every committed token but the last (the root of the next round).
+
+Greedy (temperature 0) speculative output equals greedy autoregressive output token for token.
+At temperature > 0 every row of the verify block gets one target sample and the walk follows the samples,
+so each emitted token is distributed exactly as the target's.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import golden
+from .model import Transformer
+
+STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                      # generated tokens (prompt excluded)
+    mode: str
+    target_forwards: int = 0               # prefill included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (>= 1)
+    tree_sizes: list[int] = field(default_factory=list)      # verify rows per round (root included)
+    stage_times: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in ("prefill",) + STAGES})
+    wall_time: float = 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        return self.target_forwards / max(len(self.tokens), 1)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """tau: mean tokens emitted per verify round (accepted drafts + the bonus token)."""
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else float("nan")
+
+    def summary(self) -> dict:
+        return {"mode": self.mode, "new_tokens": len(self.tokens), "target_forwards": self.target_forwards,
+                "forwards_per_token": self.forwards_per_token, "tau": self.mean_accept_length,
+                "rounds": len(self.accept_lengths), "wall_s": self.wall_time,
+                "stage_s": dict(self.stage_times)}
+
+
+class _Clock:
+    def __init__(self, stats: dict, device: torch.device):
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    def __call__(self, stage: str):
+        clock = self
+
+        class _Ctx:
+            def __enter__(self):
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                clock.stats[stage] += time.perf_counter() - self.t
+        return _Ctx()
+
+
+def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: int) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.flatten().tolist()
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("prompt: expected at least one token")
+    V = model.args.vocab_size
+    if min(prompt) < 0 or max(prompt) >= V:
+        raise ValueError(f"prompt: expected token ids in [0, {V}), got [{min(prompt)}, {max(prompt)}]")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive int")
+    need = len(prompt) + max_new_tokens + lookahead
+    if need > model.args.max_position_embeddings:
+        raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft "
+                         f"lookahead ({lookahead}) = {need} > max_position_embeddings "
+                         f"({model.args.max_position_embeddings})")
+    return prompt
+
+
+def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=gen).flatten().to(logits.device)
+
+
+def _check_temperature(temperature) -> float:
+    if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
+    return float(temperature)
+
+
+def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:
+    """Append `new` to `out` up to max_new and the first stop token; True when generation is over."""
+    for t in new:
+        out.append(t)
+        if t in stop or len(out) >= max_new:
+            return True
+    return False
+
+
+def generate_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
+                seed: int = 0) -> GenerationResult:
+    """Plain autoregressive decoding: one target forward per token."""
+    prompt = _check_prompt(model, prompt, max_new_tokens, 0)
+    temperature = _check_temperature(temperature)
+    gen = torch.Generator().manual_seed(seed)
+    res = GenerationResult([], "ar")
+    clock = _Clock(res.stage_times, model.device)
+    t0 = time.perf_counter()
+    cache = model.new_cache(len(prompt) + max_new_tokens)
+    stop = {int(t) for t in stop_tokens}
+    x = torch.tensor([prompt], device=model.device)
+    with clock("prefill"):
+        logits = model(x, cache, logits_for=[-1]).logits[0]
+    res.target_forwards += 1
+    while True:
+        with clock("commit"):
+            tok = int(_choose(logits, temperature, gen)[-1])
+        if _finish(res.tokens, [tok], max_new_tokens, stop):
+            break
+        with clock("verify"):
+            logits = model(torch.tensor([[tok]], device=model.device), cache).logits[0]
+        res.target_forwards += 1
+        res.accept_lengths.append(1)
+        res.tree_sizes.append(1)
+    res.wall_time = time.perf_counter() - t0
+    return res
+
+
+def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
+               stop_tokens=(), temperature: float = 0.0, seed: int = 0) -> GenerationResult:
+    prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
+    temperature = _check_temperature(temperature)
+    gen = torch.Generator().manual_seed(seed)
+    layers = tuple(drafter.target_layer_ids)
+    res = GenerationResult([], mode)
+    clock = _Clock(res.stage_times, model.device)
+    t0 = time.perf_counter()
+    stop = {int(t) for t in stop_tokens}
+    cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
+    session = drafter.session(cache.max_len)
+
+    def features(out, rows=None) -> torch.Tensor | None:
+        if not layers:
+            return None
+        f = torch.cat([out.hidden[i][0] for i in layers], dim=-1)  # [T, n_layers * D]
+        return f if rows is None else f[rows]
+
+    with clock("prefill"):
+        out = model(torch.tensor([prompt], device=model.device), cache, hidden_layers=layers)
+        first = int(_choose(out.logits[0, -1:], temperature, gen)[0])
+        session.start(prompt, features(out))
+    res.target_forwards += 1
+    committed = prompt + [first]
+    done = _finish(res.tokens, [first], max_new_tokens, stop)
+    while not done:
+        with clock("draft"):
+            draft = session.propose(committed)  # [L, V]
+        with clock("tree_build"):
+            tree = build(draft.float().cpu().numpy())
+        with clock("tree_compile"):
+            vb = golden.compile_tree(tree, committed[-1], len(committed) - 1)
+            toks = torch.from_numpy(vb.tokens)[None].to(model.device)
+            pos = torch.from_numpy(vb.positions).to(model.device)
+            mask = torch.from_numpy(vb.mask).to(model.device)
+        with clock("verify"):
+            out = model(toks, cache, position_ids=pos, mask=mask, hidden_layers=layers)
+        res.target_forwards += 1
+        with clock("commit"):
+            choice = _choose(out.logits[0], temperature, gen).cpu().numpy()
+            accepted, bonus = golden.walk(vb.tokens, vb.parents, choice)
+            cache.compact(torch.from_numpy(accepted))
+            rows = torch.from_numpy(accepted).to(model.device)
+            if layers:
+                session.accept(features(out, rows))
+            new = [int(t) for t in vb.tokens[accepted[1:]]] + [bonus]
+            committed += new
+            res.accept_lengths.append(len(new))
+            res.tree_sizes.append(vb.n)
+            done = _finish(res.tokens, new, max_new_tokens, stop)
+    res.wall_time = time.perf_counter() - t0
+    return res
+
+
+def generate_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, stop_tokens=(),
+                    temperature: float = 0.0, seed: int = 0) -> GenerationResult:
+    """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round."""
+    return _speculate(model, drafter, prompt, max_new_tokens, golden.chain_tree, "dflash",
+                      drafter.block_size, stop_tokens, temperature, seed)
+
+
+def generate_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, budget: int, stop_tokens=(),
+                    temperature: float = 0.0, seed: int = 0) -> GenerationResult:
+    """DDTree: verify the best-first tree of `budget` draft nodes each round."""
+    budget = golden._check_budget(budget)
+    return _speculate(model, drafter, prompt, max_new_tokens, lambda lg: golden.ddtree(lg, budget), "ddtree",
+                      budget + 1, stop_tokens, temperature, seed)

@@ -1,0 +1,312 @@
+"""Drafters: the DFlash block-diffusion drafter and a test oracle.
+
+DFlash (public Kimi-K2.5-DFlash layout). Config keys: block_size, mask_token_id, target_layer_ids,
+num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+rms_norm_eps, rope_theta. Weights: `fc` [hidden, len(target_layer_ids) * target_hidden] over the
+concatenated hidden states of the target layers, then `hidden_norm`; Qwen3-style layers (q/k RMSNorm per
+head, GQA, SwiGLU); a final `norm`. The target's embedding and lm_head are shared (not owned).
+
+One draft pass: the block [root, mask, ..., mask] (block_size tokens at positions root_pos + 0..bs-1) is
+embedded with the target's embedding; every layer's queries come from the block, its keys and values
+from [context features ; block], attention is non-causal. Logits at block rows 1..bs-1 are the draft
+distributions for depths 1..L (L = block_size - 1). Context keys/values (one projection of the context
+features per layer) are cached across rounds.
+
+A drafter hands out sessions with three calls the decode loop uses:
+    start(prompt_tokens, features)   features [P, F] of the prompt (or None)
+    propose(committed) -> [L, V]     draft logits below the root committed[-1] at position len(committed)-1
+    accept(features)                 features [k, F] of the newly committed tokens now in the target cache
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import MLP, RMSNorm, apply_rope
+
+
+@dataclass
+class DrafterArgs:
+    block_size: int = 8
+    mask_token_id: int = 1023
+    target_layer_ids: tuple = (0, 1, 3)
+    target_hidden_size: int = 256
+    vocab_size: int = 1024
+    num_hidden_layers: int = 2
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if not (isinstance(self.block_size, int) and self.block_size >= 2):
+            raise ValueError(f"DrafterArgs.block_size={self.block_size!r}: expected an int >= 2")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DrafterArgs.mask_token_id={self.mask_token_id}: expected in [0, {self.vocab_size})")
+        if not self.target_layer_ids:
+            raise ValueError("DrafterArgs.target_layer_ids: expected at least one target layer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DrafterArgs.num_key_value_heads={self.num_key_value_heads}: expected a divisor of "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"DrafterArgs.head_dim={self.head_dim}: expected an even number")
+
+    @classmethod
+    def for_target(cls, target, block_size: int = 8, num_hidden_layers: int = 2, **kw) -> "DrafterArgs":
+        """Defaults sized to a target's ModelArgs: layers spread over its depth, its vocab, a mask id at V-1."""
+        n = target.num_hidden_layers
+        k = min(n, 3)
+        ids = tuple(sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}))
+        heads = kw.pop("num_attention_heads", 4)
+        base = dict(block_size=block_size, mask_token_id=target.vocab_size - 1, target_layer_ids=ids,
+                    target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                    num_hidden_layers=num_hidden_layers, hidden_size=target.hidden_size,
+                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                    head_dim=target.hidden_size // heads, intermediate_size=2 * target.hidden_size,
+                    rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings)
+        base.update(kw)
+        return cls(**base)
+
+    def to_hf_config(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d.update(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_act="silu")
+        return d
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "DrafterArgs":
+        names = set(cls.__dataclass_fields__)
+        dflash = cfg.get("dflash_config", {})
+        kw = {k: v for k, v in {**cfg, **dflash}.items() if k in names}
+        return cls(**kw)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, a: DrafterArgs):
+        super().__init__()
+        self.a = a
+        D, H, Hk, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.q_proj = nn.Linear(D, H * hd, bias=False)
+        self.k_proj = nn.Linear(D, Hk * hd, bias=False)
+        self.v_proj = nn.Linear(D, Hk * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, a.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, a.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        """x [B, T, D] -> k, v [B, Hk, T, hd] (k normed and rotated)."""
+        B, T, _ = x.shape
+        a = self.a
+        k = self.k_norm(self.k_proj(x).view(B, T, a.num_key_value_heads, a.head_dim))
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleave=False)
+        v = self.v_proj(x).view(B, T, a.num_key_value_heads, a.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v):
+        """x [B, T, D] block states; ctx_k/ctx_v [B, Hk, C, hd] cached context. Non-causal."""
+        a = self.a
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, a.num_attention_heads, a.head_dim))
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
+        k, v = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        rep = a.num_attention_heads // a.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # [B, H, T, hd]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, a: DrafterArgs):
+        super().__init__()
+        self.self_attn = DraftAttention(a)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Block-diffusion drafter; `embed` and `lm_head` are the target's (shared, not in state_dict)."""
+
+    def __init__(self, args: DrafterArgs, target=None):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self._target = [target]  # a list keeps the target out of this module's parameters
+        if target is not None:
+            self.attach(target)
+
+    def attach(self, target) -> "DFlashDrafter":
+        a, t = self.args, target.args
+        if (t.vocab_size, t.hidden_size) != (a.vocab_size, a.target_hidden_size):
+            raise ValueError(f"drafter expects a target with vocab {a.vocab_size} and hidden {a.target_hidden_size}, "
+                             f"got {t.vocab_size} and {t.hidden_size}")
+        if a.hidden_size != t.hidden_size:
+            raise ValueError(f"drafter hidden_size {a.hidden_size} must equal the target's {t.hidden_size} "
+                             "(shared embedding and lm_head)")
+        if max(a.target_layer_ids) >= t.num_hidden_layers:
+            raise ValueError(f"target_layer_ids {a.target_layer_ids}: the target has {t.num_hidden_layers} layers")
+        self._target = [target]
+        return self
+
+    @property
+    def target(self):
+        if self._target[0] is None:
+            raise RuntimeError("DFlashDrafter: no target attached (DFlashDrafter(args, target) or .attach(target))")
+        return self._target[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple:
+        return self.args.target_layer_ids
+
+    def rope(self, pos: torch.Tensor, dtype):
+        f = pos[..., None].float() * self.inv_freq
+        return f.cos().to(dtype), f.sin().to(dtype)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, C, n_target_layers * target_hidden] -> [B, C, D]."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(self, block_tokens, block_pos, ctx_k, ctx_v) -> torch.Tensor:
+        """block_tokens [B, bs], block_pos [B, bs]; ctx_k/ctx_v per layer [B, Hk, C, hd] -> logits [B, bs, V]."""
+        x = self.target.model.embed_tokens(block_tokens).to(self.fc.weight.dtype)
+        cos, sin = self.rope(block_pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i])
+        return self.target.lm_head(self.norm(x).to(self.target.dtype)).float()
+
+    def session(self, max_len: int) -> "DFlashSession":
+        return DFlashSession(self, max_len)
+
+
+class DFlashSession:
+    """Per-request drafting state: the cached context keys/values of every drafter layer."""
+
+    def __init__(self, drafter: DFlashDrafter, max_len: int):
+        self.d, self.max_len = drafter, max_len
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.length = 0
+
+    @torch.no_grad()
+    def start(self, prompt_tokens, features: torch.Tensor) -> None:
+        a = self.d.args
+        dev, dt = self.d.fc.weight.device, self.d.fc.weight.dtype
+        shape = (1, a.num_key_value_heads, 0, a.head_dim)
+        self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.d.layers]
+        self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.d.layers]
+        self.length = 0
+        self.accept(features)
+
+    @torch.no_grad()
+    def accept(self, features: torch.Tensor) -> None:
+        """features [k, F] for the next k context positions."""
+        if features.dim() != 2 or features.shape[1] != self.d.fc.in_features:
+            raise ValueError(f"features: expected [k, {self.d.fc.in_features}], got {tuple(features.shape)}")
+        k = features.shape[0]
+        if k == 0:
+            return
+        ctx = self.d.project_context(features[None].to(self.d.fc.weight.dtype))  # [1, k, D]
+        pos = torch.arange(self.length, self.length + k, device=ctx.device)[None]
+        cos, sin = self.d.rope(pos, ctx.dtype)
+        for i, layer in enumerate(self.d.layers):
+            kk, vv = layer.self_attn.kv(ctx, cos, sin)
+            self.k[i] = torch.cat([self.k[i], kk], dim=2)
+            self.v[i] = torch.cat([self.v[i], vv], dim=2)
+        self.length += k
+
+    @torch.no_grad()
+    def propose(self, committed) -> torch.Tensor:
+        """Draft logits [L, V] for the L tokens after committed[-1] (at position len(committed) - 1)."""
+        a = self.d.args
+        root_pos = len(committed) - 1
+        dev = self.d.fc.weight.device
+        block = torch.full((1, a.block_size), a.mask_token_id, dtype=torch.int64, device=dev)
+        block[0, 0] = int(committed[-1])
+        pos = torch.arange(root_pos, root_pos + a.block_size, device=dev)[None]
+        return self.d(block, pos, self.k, self.v)[0, 1:]
+
+
+@torch.no_grad()
+def init_drafter(drafter: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in drafter.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return drafter
+
+
+def build_drafter(target, args: DrafterArgs | None = None, seed: int = 0, **kw) -> DFlashDrafter:
+    """A randomly initialised DFlash drafter attached to `target` (same device and dtype)."""
+    args = args or DrafterArgs.for_target(target.args, **kw)
+    d = init_drafter(DFlashDrafter(args), seed).to(device=target.device, dtype=target.dtype).eval()
+    return d.attach(target)
+
+
+# ----------------------------------------------------------------------------- test oracle
+class OracleDrafter:
+    """TEST ORACLE, not a model: it reads the target's own future greedy tokens.
+
+    `reference` is prompt + the target's greedy continuation. For a root at committed length n, depth d's
+    draft logits are N(0, 1) noise over the vocabulary plus a boost on reference[n - 1 + d]: with
+    probability `hit` a large one (the true token is the draft's argmax), otherwise a small one (it is
+    usually among the top few, so a tree finds it where a chain does not). Deterministic per (seed, n).
+    """
+
+    target_layer_ids: tuple = ()
+
+    def __init__(self, reference, vocab_size: int, block_size: int = 8, hit: float = 0.7,
+                 seed: int = 0, strong: float = 8.0, weak: tuple = (1.5, 3.0)):
+        self.reference = [int(t) for t in reference]
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.hit, self.seed, self.strong, self.weak = hit, seed, strong, weak
+
+    def session(self, max_len: int) -> "OracleDrafter":
+        return self
+
+    def start(self, prompt_tokens, features=None) -> None:
+        n = len(prompt_tokens)
+        if self.reference[:n] != [int(t) for t in prompt_tokens]:
+            raise ValueError("OracleDrafter: the reference does not start with this prompt")
+
+    def accept(self, features=None) -> None:
+        pass
+
+    def propose(self, committed) -> torch.Tensor:
+        n = len(committed)
+        L, V = self.block_size - 1, self.vocab_size
+        rng = np.random.default_rng((self.seed, n))
+        logits = rng.standard_normal((L, V)).astype(np.float32)
+        on_track = self.reference[:n] == list(map(int, committed))
+        for d in range(1, L + 1):
+            j = n - 1 + d
+            if on_track and j < len(self.reference):
+                boost = self.strong if rng.random() < self.hit else rng.uniform(*self.weak)
+                logits[d - 1, self.reference[j]] += boost
+        return torch.from_numpy(logits)

@@ -1,0 +1,281 @@
+"""Numpy golden references: each function is the contract of a (later) CUDA kernel.
+
+Trees
+-----
+A draft tree of n <= budget nodes hangs below a root (the last committed token, depth 0). Node i has a
+token, a depth in 1..L, a parent (-1 = the root; otherwise an index < i) and a score: the float32 sum of
+its path's log-probabilities, accumulated root-down: score(child) = float32(score(parent) + logprob).
+
+Order and tie-break. All prefixes are totally ordered by the key
+    (-score, depth, rank path)
+where the rank path lists, per depth, the rank of the chosen token in that depth's top-K list (ranks
+themselves order tokens by log-probability descending, then token id ascending). The tree is the first
+`budget` prefixes of finite score in this order, emitted in this order. Because a log-probability is
+<= 0, a parent never sorts after its child (equal score -> smaller depth first), so the set is
+prefix-closed and parents precede children. Best-first search reproduces it exactly: pop the smallest
+key, emit it, push its next sibling (same parent, rank + 1) and its first child (depth + 1, rank 0).
+
+Log-probabilities. logprob = float32(float64(x) - logsumexp64(row)), where x is the float32 logit
+(bf16 logits are widened exactly). -inf logits are allowed (such tokens are never in a tree); NaN, +inf
+and all -inf rows are rejected.
+
+Verify block (compile). N = n + 1 rows: the root first, then node i at row i + 1. Position ids are
+start_pos + depth; parents are shifted by one (root -1); mask[i, j] = row j is row i or an ancestor of it.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _as_logits(logits, name="logits") -> np.ndarray:
+    x = np.asarray(logits)
+    if x.dtype.kind != "f":
+        raise ValueError(f"{name}: expected a float array [L, V], got dtype {x.dtype}")
+    x = x.astype(np.float32)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name}: expected a non-empty float array [L, V], got shape {x.shape}")
+    if np.isnan(x).any():
+        r = int(np.argwhere(np.isnan(x))[0, 0])
+        raise ValueError(f"{name}: NaN at depth row {r}; expected finite values or -inf")
+    if np.isposinf(x).any():
+        raise ValueError(f"{name}: +inf present; expected finite values or -inf")
+    dead = np.isneginf(x).all(axis=1)
+    if dead.any():
+        raise ValueError(f"{name}: row {int(np.argmax(dead))} is all -inf; expected at least one finite logit per depth")
+    return x
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
+        raise ValueError(f"budget={budget!r}: expected a positive int (number of draft nodes)")
+    return int(budget)
+
+
+# ----------------------------------------------------------------------------- top-K + log-softmax
+def log_softmax(logits) -> np.ndarray:
+    """[L, V] -> float32 log-probabilities (float64 normaliser, one rounding at the end)."""
+    x = _as_logits(logits)
+    x64 = x.astype(np.float64)
+    m = x64.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(x64 - m).sum(axis=1, keepdims=True))
+    return (x64 - lse).astype(np.float32)
+
+
+def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per depth, the k best tokens: (tokens [L, k] int64, logprobs [L, k] float32), sorted by
+    log-probability descending, ties by token id ascending. k is clipped to V."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+        raise ValueError(f"k={k!r}: expected a positive int")
+    lp = log_softmax(logits)
+    L, V = lp.shape
+    k = min(int(k), V)
+    order = np.lexsort((np.broadcast_to(np.arange(V), lp.shape), -lp.astype(np.float64)), axis=1)[:, :k]
+    return order.astype(np.int64), np.take_along_axis(lp, order, axis=1)
+
+
+# ----------------------------------------------------------------------------- tree build
+@dataclass
+class Tree:
+    tokens: np.ndarray   # [n] int64
+    depths: np.ndarray   # [n] int32, 1..L
+    parents: np.ndarray  # [n] int32, -1 = root
+    scores: np.ndarray   # [n] float32, summed log-probability of the path
+    ranks: np.ndarray    # [n] int32, rank of the token in its depth's top-K list
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
+    """Best-first DDTree build over per-depth top-K lists ([L, K] each, sorted as `topk_logprobs` sorts).
+
+    Returns the first `budget` finite-score prefixes in (-score, depth, rank path) order (module docstring)."""
+    budget = _check_budget(budget)
+    tt = np.asarray(top_tokens)
+    lp = np.asarray(top_logprobs, dtype=np.float32)
+    if tt.ndim != 2 or lp.shape != tt.shape or tt.shape[0] == 0 or tt.shape[1] == 0:
+        raise ValueError(f"top_tokens/top_logprobs: expected equal non-empty shapes [L, K], got {tt.shape} and {lp.shape}")
+    if np.isnan(lp).any() or np.isposinf(lp).any() or (lp > 0).any():
+        raise ValueError("top_logprobs: expected log-probabilities (<= 0, no NaN)")
+    L, K = lp.shape
+    tokens, depths, parents, scores, ranks = [], [], [], [], []
+    # heap entries: (-score, depth, rank_path, parent_index, parent_score)
+    heap = []
+    if np.isfinite(lp[0, 0]):
+        heap.append((-float(lp[0, 0]), 1, (0,), -1, np.float32(0.0)))
+    while heap and len(tokens) < budget:
+        neg, d, path, par, par_score = heapq.heappop(heap)
+        r = path[-1]
+        idx = len(tokens)
+        score = np.float32(-neg)
+        tokens.append(int(tt[d - 1, r])); depths.append(d); parents.append(par)
+        scores.append(score); ranks.append(r)
+        # next sibling: same parent, rank + 1
+        if r + 1 < K and np.isfinite(lp[d - 1, r + 1]):
+            s = np.float32(par_score + lp[d - 1, r + 1]) if par >= 0 else np.float32(lp[d - 1, r + 1])
+            heapq.heappush(heap, (-float(s), d, path[:-1] + (r + 1,), par, par_score))
+        # first child: depth + 1, rank 0
+        if d < L and np.isfinite(lp[d, 0]):
+            s = np.float32(score + lp[d, 0])
+            heapq.heappush(heap, (-float(s), d + 1, path + (0,), idx, score))
+    return Tree(np.array(tokens, np.int64), np.array(depths, np.int32), np.array(parents, np.int32),
+                np.array(scores, np.float32), np.array(ranks, np.int32))
+
+
+def ddtree(logits, budget: int) -> Tree:
+    """Draft logits [L, V] -> tree (top-K with K = min(budget, V), then the best-first build)."""
+    budget = _check_budget(budget)
+    tt, lp = topk_logprobs(logits, budget)
+    return build_tree(tt, lp, budget)
+
+
+def chain_tree(logits) -> Tree:
+    """The DFlash chain: the argmax token of every depth, each the child of the previous."""
+    tt, lp = topk_logprobs(logits, 1)
+    L = tt.shape[0]
+    return Tree(tt[:, 0].copy(), np.arange(1, L + 1, dtype=np.int32), np.arange(-1, L - 1, dtype=np.int32),
+                np.cumsum(lp[:, 0], dtype=np.float32), np.zeros(L, np.int32))
+
+
+# ----------------------------------------------------------------------------- compile
+@dataclass
+class VerifyBlock:
+    tokens: np.ndarray     # [N] int64, root first
+    positions: np.ndarray  # [N] int64, start_pos + depth
+    parents: np.ndarray    # [N] int32, -1 for the root
+    mask: np.ndarray       # [N, N] bool, ancestor-or-self
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def ancestor_mask(parents) -> np.ndarray:
+    """parents [N] (-1 = none, parents[i] < i) -> [N, N] bool, mask[i, j] = j is i or an ancestor of i."""
+    p = np.asarray(parents)
+    N = p.shape[0]
+    if p.ndim != 1 or (p >= np.arange(N)).any() or (p < -1).any():
+        raise ValueError("parents: expected a 1-D array with -1 <= parents[i] < i")
+    m = np.eye(N, dtype=bool)
+    for i in range(N):
+        if p[i] >= 0:
+            m[i] |= m[p[i]]
+    return m
+
+
+def pack_mask_bits(mask) -> np.ndarray:
+    """[N, N] bool -> [N, ceil(N/32)] uint32; bit (j % 32) of word j // 32 is mask[i, j]."""
+    m = np.asarray(mask, dtype=bool)
+    N = m.shape[1]
+    W = (N + 31) // 32
+    padded = np.zeros((m.shape[0], W * 32), dtype=np.uint64)
+    padded[:, :N] = m
+    weights = (np.uint64(1) << np.arange(32, dtype=np.uint64))
+    return (padded.reshape(m.shape[0], W, 32) * weights).sum(axis=2).astype(np.uint32)
+
+
+def compile_tree(tree: Tree, root_token: int, start_pos: int) -> VerifyBlock:
+    """Tree + root -> the verify block: tokens, position ids (start_pos + depth), parents, ancestor mask."""
+    if start_pos < 0:
+        raise ValueError(f"start_pos={start_pos}: expected >= 0 (the root's position)")
+    tokens = np.concatenate([[root_token], tree.tokens]).astype(np.int64)
+    positions = start_pos + np.concatenate([[0], tree.depths]).astype(np.int64)
+    parents = np.concatenate([[-1], tree.parents + 1]).astype(np.int32)
+    return VerifyBlock(tokens, positions, parents, ancestor_mask(parents))
+
+
+# ----------------------------------------------------------------------------- walk
+def walk(tokens, parents, target_choice) -> tuple[np.ndarray, int]:
+    """Follow the target down the verify block.
+
+    tokens [N], parents [N] (row 0 the root), target_choice [N]: the target's next token at every row
+    (argmax for greedy, a sample for T > 0). From the root, move to the child whose token equals the
+    target's choice while one exists. Returns (accepted rows [k] int64, starting with 0; bonus token =
+    target_choice at the last accepted row)."""
+    tokens = np.asarray(tokens); parents = np.asarray(parents); choice = np.asarray(target_choice)
+    N = tokens.shape[0]
+    if parents.shape != (N,) or choice.shape != (N,):
+        raise ValueError(f"walk: expected tokens, parents, target_choice all of shape [{N}], got "
+                         f"{tokens.shape}, {parents.shape}, {choice.shape}")
+    children: dict[tuple[int, int], int] = {}
+    for i in range(1, N):
+        children.setdefault((int(parents[i]), int(tokens[i])), i)
+    path = [0]
+    while (nxt := children.get((path[-1], int(choice[path[-1]])))) is not None:
+        path.append(nxt)
+    return np.array(path, np.int64), int(choice[path[-1]])
+
+
+def greedy_walk(tokens, parents, target_logits) -> tuple[np.ndarray, int]:
+    """walk() with the target's argmax (lowest token id on ties) at every row; target_logits [N, V]."""
+    return walk(tokens, parents, np.asarray(target_logits).argmax(axis=-1))
+
+
+def sampled_walk(tokens, parents, target_samples) -> tuple[np.ndarray, int]:
+    """walk() with one target sample per row (drawn from the target's distribution at T > 0)."""
+    return walk(tokens, parents, target_samples)
+
+
+# ----------------------------------------------------------------------------- MLA tree-verify attention
+def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """MLA-absorb attention for one request, in float64.
+
+    q_lat [N, H, R] (q_nope folded through W_uk), q_pe [N, H, P] (rotated), kv [S, R] latent cache,
+    pe [S, P] rotated rope keys, S = prefix + N with the appended block last; mask [N, N] bool over the
+    block (every prefix row visible). Returns (out [N, H, R] = softmax(scores) @ kv, lse [N, H])."""
+    q_lat = np.asarray(q_lat, np.float64); q_pe = np.asarray(q_pe, np.float64)
+    kv = np.asarray(kv, np.float64); pe = np.asarray(pe, np.float64); mask = np.asarray(mask, bool)
+    N, H, R = q_lat.shape
+    S = kv.shape[0]
+    if q_pe.shape[:2] != (N, H) or kv.shape != (S, R) or pe.shape != (S, q_pe.shape[2]) or mask.shape != (N, N) or S < N:
+        raise ValueError("mla_tree_attention: shapes q_lat [N,H,R], q_pe [N,H,P], kv [S,R], pe [S,P], mask [N,N], S >= N")
+    scores = (np.einsum("nhr,sr->nhs", q_lat, kv) + np.einsum("nhp,sp->nhs", q_pe, pe)) * scale
+    visible = np.concatenate([np.ones((N, S - N), bool), mask], axis=1)  # [N, S]
+    scores = np.where(visible[:, None, :], scores, -np.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("nhs,sr->nhr", p / denom, kv)
+    return out, (m + np.log(denom))[..., 0]
+
+
+# ----------------------------------------------------------------------------- KV compaction
+def compact_kv(cache, block_start: int, keep) -> tuple[np.ndarray, int]:
+    """Gather semantics: out[block_start + j] = cache[block_start + keep[j]] for every j at once; all other
+    rows unchanged. keep: strictly increasing indices into the block. Returns (out, new_length)."""
+    c = np.array(cache, copy=True)
+    keep = np.asarray(keep, np.int64)
+    if keep.ndim != 1 or (keep.size > 1 and (np.diff(keep) <= 0).any()):
+        raise ValueError("compact_kv keep: expected a strictly increasing 1-D index array")
+    if keep.size and (keep[0] < 0 or block_start + keep[-1] >= c.shape[0]):
+        raise IndexError(f"compact_kv keep: expected values in [0, {c.shape[0] - block_start}), got "
+                         f"[{keep[0]}, {keep[-1]}]")
+    c[block_start:block_start + keep.size] = np.asarray(cache)[block_start + keep]
+    return c, block_start + keep.size
+
+
+# ----------------------------------------------------------------------------- brute-force oracle (tests)
+def all_prefixes_ranked(top_tokens, top_logprobs):
+    """Every finite prefix as (key, tokens) sorted by the tree order; exponential: tests only."""
+    lp = np.asarray(top_logprobs, np.float32)
+    L, K = lp.shape
+    out = []
+
+    def rec(d, path, score):
+        for r in range(K):
+            if not np.isfinite(lp[d, r]):
+                continue
+            s = np.float32(score + lp[d, r]) if d else np.float32(lp[d, r])
+            p = path + (r,)
+            out.append(((-float(s), d + 1, p), tuple(int(top_tokens[j][p[j]]) for j in range(d + 1))))
+            if d + 1 < L:
+                rec(d + 1, p, s)
+
+    rec(0, (), np.float32(0))
+    out.sort(key=lambda e: e[0])
+    return out
