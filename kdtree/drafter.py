@@ -273,19 +273,23 @@ def build_drafter(target, args: DrafterArgs | None = None, seed: int = 0, **kw) 
 class OracleDrafter:
     """TEST ORACLE, not a model: it reads the target's own future greedy tokens.
 
-    `reference` is prompt + the target's greedy continuation. For a root at committed length n, depth d's
-    draft logits are N(0, 1) noise over the vocabulary plus a boost on reference[n - 1 + d]: with
-    probability `hit` a large one (the true token is the draft's argmax), otherwise a small one (it is
-    usually among the top few, so a tree finds it where a chain does not). Deterministic per (seed, n).
+    `reference` is prompt + the target's greedy continuation. For a root at committed length n, each depth d
+    gets a calibrated draft distribution around the true token t = reference[n - 1 + d]: `k` decoy tokens and
+    t share weights w ~ Dirichlet(concentration) (sorted, largest first), and t takes slot j with probability
+    w[j], so the truth is a sample of the draft's own distribution. With probability `miss` the truth is left
+    out (it gets background mass only). Background: the remaining `background` mass spread over the
+    vocabulary with N(0, noise) log-jitter. Deterministic per (seed, n). Off the reference (never, while the
+    decoding is lossless) the truth is unknown and only decoys are drawn.
     """
 
     target_layer_ids: tuple = ()
 
-    def __init__(self, reference, vocab_size: int, block_size: int = 8, hit: float = 0.7,
-                 seed: int = 0, strong: float = 8.0, weak: tuple = (1.5, 3.0)):
+    def __init__(self, reference, vocab_size: int, block_size: int = 8, concentration: float = 0.3,
+                 k: int = 4, miss: float = 0.05, background: float = 0.02, noise: float = 0.5, seed: int = 0):
         self.reference = [int(t) for t in reference]
         self.vocab_size, self.block_size = vocab_size, block_size
-        self.hit, self.seed, self.strong, self.weak = hit, seed, strong, weak
+        self.concentration, self.k, self.miss = concentration, k, miss
+        self.background, self.noise, self.seed = background, noise, seed
 
     def session(self, max_len: int) -> "OracleDrafter":
         return self
@@ -302,11 +306,18 @@ class OracleDrafter:
         n = len(committed)
         L, V = self.block_size - 1, self.vocab_size
         rng = np.random.default_rng((self.seed, n))
-        logits = rng.standard_normal((L, V)).astype(np.float32)
         on_track = self.reference[:n] == list(map(int, committed))
+        probs = np.full((L, V), self.background / V)
+        probs *= np.exp(self.noise * rng.standard_normal((L, V)))
         for d in range(1, L + 1):
             j = n - 1 + d
-            if on_track and j < len(self.reference):
-                boost = self.strong if rng.random() < self.hit else rng.uniform(*self.weak)
-                logits[d - 1, self.reference[j]] += boost
-        return torch.from_numpy(logits)
+            truth = self.reference[j] if on_track and j < len(self.reference) else -1
+            k = min(self.k + 1, V)
+            w = np.sort(rng.dirichlet([self.concentration] * k))[::-1] * (1 - self.background)
+            tokens = rng.permutation(V)[:k + 1]
+            tokens = [t for t in tokens if t != truth][:k]
+            if truth >= 0 and rng.random() >= self.miss:
+                slot = int(rng.choice(k, p=w / w.sum()))
+                tokens[slot] = truth
+            probs[d - 1, tokens] += w
+        return torch.from_numpy(np.log(probs).astype(np.float32))

@@ -1,0 +1,228 @@
+"""Validation routines shared by the tests and notebook 00.
+
+* `transformers_agreement`: our logits vs transformers' DeepseekV3ForCausalLM on a checkpoint that
+  transformers itself saved (prefill and cached decode, both attn_impl paths), float32.
+* `golden_property_checks`: random trees checked against a brute-force enumeration of all prefixes.
+* `losslessness`: speculative decoding vs autoregressive greedy output on random prompts.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import golden
+from .config import ModelArgs
+from .decode import generate_ar, generate_ddtree, generate_dflash
+from .drafter import OracleDrafter, build_drafter
+from .model import Transformer
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error ||x - ref|| / ||ref|| (Frobenius), computed in float64."""
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+# ----------------------------------------------------------------------------- transformers reference
+def hf_reference_model(args: ModelArgs, seed: int = 0):
+    """transformers' DeepseekV3ForCausalLM for `args`, eager attention, weights scaled up from the std-0.02
+    default (N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1)) and a random correction bias so
+    that a wrong routing or scale shows."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # test reference only
+
+    skip = ("architectures", "model_type", "scoring_func", "topk_method")
+    cfg = DeepseekV3Config(**{k: v for k, v in args.to_hf_config().items() if k not in skip})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = DeepseekV3ForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return m
+
+
+def transformers_agreement(args: ModelArgs, seed: int = 0, batch: int = 2, prompt_len: int = 24,
+                           decode_steps: int = 4) -> dict:
+    """Max relative logits error of kdtree vs transformers, per attn_impl, for prefill and cached decode.
+
+    The checkpoint goes through transformers' save_pretrained and kdtree.weights.load (hub layout)."""
+    from . import weights
+
+    hf = hf_reference_model(args, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    toks = torch.randint(0, args.vocab_size, (batch, prompt_len + decode_steps), generator=g)
+    with torch.no_grad():
+        ref_prefill = hf(toks[:, :prompt_len], use_cache=True)
+        cache = getattr(ref_prefill, "cache", None) or ref_prefill.past_key_values
+        ref_steps = []
+        for t in range(decode_steps):
+            o = hf(toks[:, prompt_len + t:prompt_len + t + 1], cache=cache, use_cache=True)
+            cache = getattr(o, "cache", None) or o.past_key_values
+            ref_steps.append(o.logits[:, -1])
+    ref_decode = torch.stack(ref_steps, 1)
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        for impl in ("naive", "absorb"):
+            ours = weights.load(d, attn_impl=impl)
+            kv = ours.new_cache(prompt_len + decode_steps, batch)
+            pre = ours(toks[:, :prompt_len], kv).logits
+            steps = torch.cat([ours(toks[:, prompt_len + t:prompt_len + t + 1], kv).logits
+                               for t in range(decode_steps)], 1)
+            out[impl] = {"prefill": rel_err(pre, ref_prefill.logits), "decode": rel_err(steps, ref_decode)}
+    out["max"] = max(v for impl in ("naive", "absorb") for v in out[impl].values())
+    out["logits_std"] = float(ref_prefill.logits.std())
+    return out
+
+
+# ----------------------------------------------------------------------------- golden properties
+def random_logits(rng: np.random.Generator, L: int, V: int) -> np.ndarray:
+    """Draft-like logits with the hard cases mixed in: exact ties, -inf entries, peaked rows."""
+    kind = rng.integers(4)
+    if kind == 0:
+        x = rng.standard_normal((L, V)) * rng.uniform(0.1, 5)
+    elif kind == 1:  # many exact ties
+        x = rng.integers(-3, 3, size=(L, V)).astype(np.float64)
+    elif kind == 2:  # identical rows: equal scores across depths
+        x = np.repeat(rng.standard_normal((1, V)), L, axis=0)
+    else:  # peaked with -inf holes
+        x = rng.standard_normal((L, V)) * 3
+        x[rng.random((L, V)) < 0.3] = -np.inf
+        x[np.arange(L), rng.integers(V, size=L)] = 5.0
+    return x.astype(np.float32)
+
+
+def check_tree(logits: np.ndarray, budget: int) -> list[str]:
+    """All the properties of one tree; returns the list of violations (empty when all hold)."""
+    errs = []
+    tt, lp = golden.topk_logprobs(logits, budget)
+    tree = golden.build_tree(tt, lp, budget)
+    ranked = golden.all_prefixes_ranked(tt, lp)
+    want = ranked[:budget]
+    if tree.n != len(want):
+        errs.append(f"size {tree.n} != {len(want)}")
+    # paths of the tree, in emitted order
+    paths = []
+    for i in range(tree.n):
+        p = int(tree.parents[i])
+        if p >= i:
+            errs.append(f"parent {p} of node {i} does not precede it")
+            return errs
+        paths.append((paths[p] if p >= 0 else ()) + (int(tree.tokens[i]),))
+        if tree.depths[i] != len(paths[-1]):
+            errs.append(f"node {i} depth {tree.depths[i]} != path length {len(paths[-1])}")
+    if [w[1] for w in want] != paths:
+        errs.append("tree != the top-B prefixes in (-score, depth, rank path) order")
+    pset = set(paths)
+    if any(p[:-1] and p[:-1] not in pset for p in paths):
+        errs.append("not prefix-closed")
+    if tree.n and not np.all(np.isfinite(tree.scores)):
+        errs.append("non-finite score in tree")
+    vb = golden.compile_tree(tree, 0, 10)
+    for i in range(vb.n):  # mask row = the path to the root
+        anc, j = {i}, i
+        while vb.parents[j] >= 0:
+            j = int(vb.parents[j]); anc.add(j)
+        if set(np.flatnonzero(vb.mask[i])) != anc:
+            errs.append(f"mask row {i} != ancestors")
+            break
+    return errs
+
+
+def golden_property_checks(n_cases: int = 200, seed: int = 0, max_L: int = 4, max_V: int = 6,
+                           max_budget: int = 40) -> dict:
+    """Random small cases (brute force is exponential): tree == top-B prefixes, prefix-closed, parents first."""
+    rng = np.random.default_rng(seed)
+    failures = []
+    for c in range(n_cases):
+        L, V = int(rng.integers(1, max_L + 1)), int(rng.integers(1, max_V + 1))
+        budget = int(rng.integers(1, max_budget + 1))
+        errs = check_tree(random_logits(rng, L, V), budget)
+        if errs:
+            failures.append({"case": c, "L": L, "V": V, "budget": budget, "errors": errs})
+    return {"cases": n_cases, "failures": failures}
+
+
+# ----------------------------------------------------------------------------- losslessness
+@dataclass
+class LosslessCase:
+    mode: str           # "dflash" or "ddtree"
+    drafter: str        # "dflash" (the random-init DFlash drafter) or "oracle"
+    block_size: int
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        b = f" B={self.budget}" if self.budget else ""
+        return f"{self.mode}[{self.drafter} bs={self.block_size}{b}]"
+
+
+DEFAULT_CASES = (
+    LosslessCase("dflash", "dflash", 8),
+    LosslessCase("dflash", "oracle", 8),
+    LosslessCase("ddtree", "dflash", 4, 8),
+    LosslessCase("ddtree", "oracle", 8, 32),
+    LosslessCase("ddtree", "oracle", 16, 128),
+    LosslessCase("ddtree", "oracle", 2, 1),
+)
+
+
+def random_prompts(args: ModelArgs, n: int, seed: int, min_len: int = 4, max_len: int = 24) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, args.vocab_size, size=int(rng.integers(min_len, max_len + 1))).tolist()
+            for _ in range(n)]
+
+
+def losslessness(model: Transformer, n_prompts: int = 20, max_new_tokens: int = 64, cases=DEFAULT_CASES,
+                 seed: int = 0, oracle: dict | None = None, progress: bool = False) -> dict:
+    """Greedy speculative output vs greedy AR output on random prompts. `oracle`: keyword arguments of
+    OracleDrafter. Returns, per case name (and 'ar'): prompts, mismatches, target forwards, tokens,
+    forwards_per_token and every round's accept length."""
+    prompts = random_prompts(model.args, n_prompts, seed)
+    drafters = {}
+    report = {c.name: {"mismatches": 0, "prompts": 0, "forwards": 0, "tokens": 0, "accept_lengths": []}
+              for c in cases}
+    report["ar"] = {"mismatches": 0, "prompts": 0, "forwards": 0, "tokens": 0, "accept_lengths": []}
+    it = prompts
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(prompts, desc=f"losslessness ({len(cases)} cases)")
+    for i, prompt in enumerate(it):
+        ar = generate_ar(model, prompt, max_new_tokens)
+        _tally(report["ar"], ar, True)
+        for c in cases:
+            if c.drafter == "oracle":
+                d = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, c.block_size, seed=seed + i,
+                                  **(oracle or {}))
+            else:
+                if c.block_size not in drafters:
+                    drafters[c.block_size] = build_drafter(model, seed=seed, block_size=c.block_size)
+                d = drafters[c.block_size]
+            if c.mode == "dflash":
+                r = generate_dflash(model, d, prompt, max_new_tokens)
+            else:
+                r = generate_ddtree(model, d, prompt, max_new_tokens, budget=c.budget)
+            _tally(report[c.name], r, r.tokens == ar.tokens)
+    return report
+
+
+def _tally(rep: dict, r, equal: bool) -> None:
+    rep["prompts"] += 1
+    rep["mismatches"] += int(not equal)
+    rep["forwards"] += r.target_forwards
+    rep["tokens"] += len(r.tokens)
+    rep["accept_lengths"] += r.accept_lengths
+    rep["forwards_per_token"] = rep["forwards"] / max(rep["tokens"], 1)
