@@ -16,15 +16,10 @@ from pathlib import Path
 from typing import Any
 
 def _config_dir() -> Path:
-    """data/configs, shipped inside the installed package as kdtree.configs."""
-    try:
-        from importlib.resources import files
-        p = Path(str(files("kdtree.configs")))
-        if p.is_dir():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parent.parent / "data" / "configs"
+    """data/configs of the checkout, or kdtree/configs/ inside an installed (non-editable) package."""
+    here = Path(__file__).resolve().parent
+    installed = here / "configs"
+    return installed if installed.is_dir() else here.parent / "data" / "configs"
 
 
 CONFIG_DIR = _config_dir()

@@ -226,3 +226,46 @@ def _tally(rep: dict, r, equal: bool) -> None:
     rep["tokens"] += len(r.tokens)
     rep["accept_lengths"] += r.accept_lengths
     rep["forwards_per_token"] = rep["forwards"] / max(rep["tokens"], 1)
+
+
+# ----------------------------------------------------------------------------- oracle sweep (notebook 00)
+def oracle_sweep(model: Transformer, prompts, max_new_tokens: int, block_size: int, budgets, seed: int = 0,
+                 oracle: dict | None = None, progress: bool = False) -> dict:
+    """Target forwards per generated token for AR, the DFlash chain and DDTree at each budget, all driven by
+    the OracleDrafter (so acceptance reflects the tree, not a drafter's training). Also checks equality."""
+    rows = {"ar": [], "dflash": [], **{f"ddtree B={b}": [] for b in budgets}}
+    taus = {k: [] for k in rows}
+    equal = True
+    it = prompts
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(prompts, desc=f"oracle sweep ({len(budgets)} budgets)")
+    for i, prompt in enumerate(it):
+        ar = generate_ar(model, prompt, max_new_tokens)
+        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i, **(oracle or {}))
+        runs = {"ar": ar, "dflash": generate_dflash(model, o, prompt, max_new_tokens)}
+        for b in budgets:
+            runs[f"ddtree B={b}"] = generate_ddtree(model, o, prompt, max_new_tokens, budget=b)
+        for k, r in runs.items():
+            equal &= r.tokens == ar.tokens
+            rows[k].append(r.target_forwards / len(r.tokens))
+            taus[k] += r.accept_lengths
+    return {"forwards_per_token": {k: float(np.mean(v)) for k, v in rows.items()},
+            "accept_lengths": taus, "all_equal_ar": bool(equal)}
+
+
+def example_round(model: Transformer, drafter, prompt, budget: int):
+    """One DDTree round after the prompt's prefill: (verify block, accepted rows, bonus token)."""
+    layers = tuple(drafter.target_layer_ids)
+    cache = model.new_cache(len(prompt) + budget + 2)
+    out = model(torch.tensor([prompt], device=model.device), cache, hidden_layers=layers)
+    committed = list(prompt) + [int(out.logits[0, -1].argmax())]
+    s = drafter.session(cache.max_len)
+    s.start(prompt, torch.cat([out.hidden[i][0] for i in layers], -1) if layers else None)
+    tree = golden.ddtree(s.propose(committed).float().cpu().numpy(), budget)
+    vb = golden.compile_tree(tree, committed[-1], len(committed) - 1)
+    v = model(torch.from_numpy(vb.tokens)[None].to(model.device), cache,
+              position_ids=torch.from_numpy(vb.positions).to(model.device),
+              mask=torch.from_numpy(vb.mask).to(model.device))
+    accepted, bonus = golden.greedy_walk(vb.tokens, vb.parents, v.logits[0].cpu().numpy())
+    return vb, accepted, bonus

@@ -1,0 +1,38 @@
+# kdtree lab. `make lab` runs the notebooks (GPU if present, tiny CPU defaults otherwise); `make test` passes the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is installed first only when the venv has none: 2.13.0 is the CPU build on our machines.
+TORCH  ?= torch==2.13.0
+EXTRAS ?= lab,test
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+CUDA_ARCH ?= sm_90a
+
+.PHONY: setup lab test test-fast cuda-check clean
+
+$(VENV)/.kdtree-setup: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $@
+
+setup: $(VENV)/.kdtree-setup
+
+lab: setup
+	$(PY) -m kdtree lab $(LAB_ARGS)
+
+# The notebook's checked cells run under nbval; its files go to a scratch folder, never into outputs/.
+test: setup
+	KDTREE_OUT_DIR=$$(mktemp -d) $(PY) -m pytest -q --nbval-lax tests notebooks/00_golden_validation.ipynb $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+
+# Every CUDA source must compile for Hopper (also run by tests/test_build.py when nvcc is present).
+cuda-check:
+	@for f in cuda/*.cu; do [ -e "$$f" ] || continue; echo "nvcc $$f"; \
+	  nvcc -std=c++17 -arch=$(CUDA_ARCH) -c "$$f" -o /dev/null || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

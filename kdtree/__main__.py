@@ -1,0 +1,36 @@
+"""Command line: `python -m kdtree lab ...` runs notebooks; `python -m kdtree info` prints the setup."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m kdtree {lab,info} ...  (python -m kdtree lab --help)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "lab":
+        from .lab import main_lab
+        return main_lab(rest)
+    if cmd == "info":
+        import platform
+
+        import numpy
+        import torch
+
+        from . import __version__
+        from .lab import output_dir, pick_device
+        dev = pick_device("auto")
+        print(f"kdtree {__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+              f"numpy {numpy.__version__}")
+        print(f"device: {dev}" + (f" ({torch.cuda.get_device_name()})" if dev == "cuda" else ""))
+        print(f"lab outputs: {output_dir(dev)}")
+        return 0
+    print(f"unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

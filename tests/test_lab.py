@@ -1,0 +1,59 @@
+"""`python -m kdtree lab`: papermill run into a chosen folder, argument handling, packaging of data files."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdtree import lab
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_lab_cli_runs_notebook_00_with_parameters(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
+    cmd = [sys.executable, "-m", "kdtree", "lab", "00", "--device", "cpu", "--out-dir", str(tmp_path),
+           "-p", "config", '["tiny-b"]', "-p", "n_prompts", "1", "-p", "max_new_tokens", "12",
+           "-p", "budgets", "[4]", "-p", "budget", "8", "-p", "block_size", "4", "-p", "golden_cases", "10"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "golden_validation.json").read_text())
+    assert rec["params"]["n_prompts"] == 1 and rec["params"]["config"] == ["tiny-b"]
+    c = rec["configs"]["tiny-b"]
+    assert c["max_rel_logits_err_vs_transformers"] <= 1e-4
+    assert c["ddtree_equals_ar"] is True and c["dflash_equals_ar"] is True
+    assert c["target_forwards_per_token"]["ar"] == 1.0
+    for png in ("golden_tree.png", "golden_forwards_per_token.png", "golden_accept_hist.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert (tmp_path / "00_golden_validation.ipynb").exists()
+
+
+def test_parse_value():
+    assert lab.parse_value("3") == 3 and lab.parse_value("0.5") == 0.5
+    assert lab.parse_value("[1, 2]") == [1, 2] and lab.parse_value("true") is True
+    assert lab.parse_value("tiny-a") == "tiny-a"
+
+
+def test_bad_lab_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError, match="00_golden_validation.ipynb"):
+        lab.find_notebooks(["99_nope"])
+    with pytest.raises(ValueError, match="device"):
+        lab.pick_device("tpu")
+    assert lab.main_lab(["99_nope", "--out-dir", str(tmp_path)]) == 2
+
+
+def test_cpu_records_never_land_in_a_gpu_folder():
+    assert lab.output_dir("cpu") == lab.OUTPUTS
+    assert lab.device_slug("cpu") is None
+
+
+def test_package_data_is_importable():
+    """cuda/ and data/configs/ ship inside the package (kdtree.cuda, kdtree.configs)."""
+    from importlib.resources import files
+
+    from kdtree.config import CONFIG_DIR
+    assert (CONFIG_DIR / "kimi-k2.6.json").is_file()
+    assert files("kdtree.cuda").is_dir()
