@@ -6,7 +6,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m kdtree {lab,info} ...  (python -m kdtree lab --help)"
+    usage = "usage: python -m kdtree {lab,bench,info} ...  (python -m kdtree lab --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -14,6 +14,22 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "lab":
         from .lab import main_lab
         return main_lab(rest)
+    if cmd == "bench":
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="python -m kdtree bench", description="GPU kernel benchmarks")
+        ap.add_argument("--out", default=None, help="output folder (default: outputs/<gpu>/)")
+        ap.add_argument("--quick", action="store_true", help="a few shapes only")
+        a = ap.parse_args(rest)
+        import torch
+        if not torch.cuda.is_available():
+            print("error: the kernel benchmarks need a CUDA GPU", file=sys.stderr)
+            return 2
+        from . import bench
+        from .lab import output_dir
+        rec = bench.run(a.out or output_dir("cuda"), quick=a.quick)
+        print(bench.summary(rec))
+        return 0
     if cmd == "info":
         import platform
 

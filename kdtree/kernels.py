@@ -1,0 +1,385 @@
+"""CuPy RawModule wrappers for the CUDA kernels in cuda/ (shipped as kdtree.cuda).
+
+Torch tensors in, torch tensors out; every launch goes on torch's current stream, with no host round
+trip, so a round can be captured in a CUDA graph (pass check_values=False there: value checks read the
+device). Every argument is checked before anything is compiled or launched; a bad one raises ValueError
+naming it. Kernel contracts are in each .cu file's header; golden twins in kdtree/golden.py.
+
+    topk_logprobs(logits, k)                -> (tokens int32 [R, k], logprobs float32 [R, k])
+    tree_build(logits, budget, root, start) -> TreeBatch (verify blocks of budget + 1 rows)
+    tree_walk(tokens, parents, choice)      -> (accepted int32 [b, A], acc_len int32 [b], bonus int32 [b])
+    kv_compact(cache, page_table, ...)      in place
+    verify_attn(q, cache, page_table, seq_len, mask, scale) -> (out bf16 [b, N, H, 512], lse fp32 [b, N, H])
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAX_BUDGET = 1024
+MAX_VOCAB = 524288
+MAX_DEPTH = 64
+MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's shared memory
+MAX_CHUNK = 32768
+PAGE_SIZE = 64
+D_QK, D_V = 576, 512
+
+
+# ----------------------------------------------------------------------------- module loading
+def cuda_source_dir() -> Path:
+    """cuda/ inside the installed package (kdtree.cuda), else the checkout's cuda/ (PYTHONPATH runs)."""
+    try:
+        return Path(str(files("kdtree.cuda")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "cuda"
+
+
+def cuda_sources() -> list[Path]:
+    return sorted(cuda_source_dir().glob("*.cu"))  # headers (*.cuh) are included by these
+
+
+@functools.cache
+def _module(name: str):
+    """Compile cuda/<name>.cu once per process (NVRTC via CuPy); `#line` keeps errors pointing at the file."""
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError("the kernel backend needs CuPy (pip install -e '.[gpu]') and a CUDA GPU") from e
+    path = cuda_source_dir() / f"{name}.cu"
+    code = f'#line 1 "{path}"\n' + path.read_text()
+    return cupy.RawModule(code=code, options=("-std=c++17", f"-I{cuda_source_dir()}"))
+
+
+@functools.cache
+def _kernel(module: str, name: str):
+    return _module(module).get_function(name)
+
+
+_SMEM_OPTIN: dict = {}
+
+
+def _launch(module: str, name: str, grid, block, args, smem: int = 0) -> None:
+    import cupy
+    k = _kernel(module, name)
+    if smem > 48 * 1024 and not _SMEM_OPTIN.get((module, name)):
+        dev = torch.cuda.current_device()
+        limit = cupy.cuda.runtime.getDeviceProperties(dev)["sharedMemPerBlockOptin"]
+        if smem > limit:
+            raise ValueError(f"{name}: needs {smem} bytes of shared memory, the device allows {limit}")
+        k.max_dynamic_shared_size_bytes = limit - k.shared_size_bytes
+        _SMEM_OPTIN[(module, name)] = True
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        k(grid, block, args, shared_mem=smem)
+
+
+def _p(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _i(x) -> np.int32:
+    return np.int32(x)
+
+
+# ----------------------------------------------------------------------------- checks
+POISON = False  # tests set this: outputs are filled with NaN / -7777 before every launch
+
+
+def _empty(*shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if POISON:
+        t.fill_(float("nan") if dtype.is_floating_point else -7777)
+    return t
+
+
+def _need(name: str, t, dtypes, ndim=None, shape=None, contiguous=True) -> None:
+    """Type, dtype, rank, shape, contiguity, then device (so the first four are checkable on a CPU)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous())")
+
+
+def _on_one_gpu(**tensors) -> None:
+    """After the static checks: every tensor on the same CUDA device."""
+    for k, v in tensors.items():
+        if v.device.type != "cuda":
+            raise ValueError(f"{k}: expected a CUDA tensor, got device {v.device}")
+    devs = {k: v.device for k, v in tensors.items()}
+    if len(set(devs.values())) > 1:
+        raise ValueError(f"tensors on different devices: {devs}")
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget!r}: expected an int in [1, {MAX_BUDGET}]")
+    return int(budget)
+
+
+def check_logit_values(logits: torch.Tensor, name: str = "logits") -> None:
+    """NaN, +inf or an all -inf row -> ValueError (reads the device: not for graph capture)."""
+    x = logits.float() if logits.dtype != torch.float32 else logits
+    if bool(torch.isnan(x).any()):
+        raise ValueError(f"{name}: NaN present; expected finite values or -inf")
+    if bool(torch.isposinf(x).any()):
+        raise ValueError(f"{name}: +inf present; expected finite values or -inf")
+    if bool(torch.isneginf(x).all(dim=-1).any()):
+        raise ValueError(f"{name}: a row is all -inf; expected at least one finite logit per depth")
+
+
+# ----------------------------------------------------------------------------- top-K + log-softmax
+def _chunking(R: int, V: int, K: int, sms: int = 132) -> tuple[int, int]:
+    nch = max(1, min(math.ceil(2 * sms / R), MAX_CANDIDATES // K, math.ceil(V / 256)))
+    nch = max(nch, math.ceil(V / MAX_CHUNK))
+    return nch, math.ceil(V / nch)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
+    """logits [R, V] (or [..., V]) bf16/fp32 -> (tokens int32 [R, k'], logprobs fp32 [R, k']), k' = min(k, V);
+    sorted by log-probability descending, then token ascending (golden.topk_logprobs)."""
+    _need("logits", logits, (torch.float32, torch.bfloat16))
+    if logits.dim() < 2 or logits.shape[-1] == 0 or logits.numel() == 0:
+        raise ValueError(f"logits: expected a non-empty [..., V] tensor, got shape {tuple(logits.shape)}")
+    V = logits.shape[-1]
+    if V > MAX_VOCAB:
+        raise ValueError(f"logits: vocabulary {V} exceeds the supported maximum {MAX_VOCAB}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_BUDGET:
+        raise ValueError(f"k={k!r}: expected an int in [1, {MAX_BUDGET}]")
+    _on_one_gpu(logits=logits)
+    if check_values:
+        check_logit_values(logits)
+    x = logits.reshape(-1, V)
+    R, K = x.shape[0], min(int(k), V)
+    nch, chunk = _chunking(R, V, K)
+    dev = x.device
+    cand_key = _empty(R, nch, K, dtype=torch.int32, device=dev)
+    cand_tok = _empty(R, nch, K, dtype=torch.int32, device=dev)
+    part_max = _empty(R, nch, dtype=torch.float32, device=dev)
+    part_sum = _empty(R, nch, dtype=torch.float64, device=dev)
+    out_tok = _empty(R, K, dtype=torch.int32, device=dev)
+    out_lp = _empty(R, K, dtype=torch.float32, device=dev)
+    name = "topk_partial_bf16" if x.dtype == torch.bfloat16 else "topk_partial_f32"
+    _launch("tree_build", name, (nch, R), (512,),
+            (_p(x), _i(V), _i(K), _i(chunk), _p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum)),
+            smem=chunk * 4)
+    Kp = 1 << max(0, math.ceil(math.log2(K)))
+    _launch("tree_build", "topk_merge", (R,), (1024,),
+            (_p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum), _i(nch), _i(K), _i(Kp), _p(out_tok),
+             _p(out_lp)), smem=Kp * 8 + nch * K * 8)
+    return out_tok, out_lp
+
+
+# ----------------------------------------------------------------------------- tree build
+@dataclass
+class TreeBatch:
+    """Verify blocks of N = budget + 1 rows per request (root first); see cuda/tree_build.cu."""
+    tokens: torch.Tensor     # int32 [b, N]
+    positions: torch.Tensor  # int32 [b, N]
+    parents: torch.Tensor    # int32 [b, N]
+    depths: torch.Tensor     # int32 [b, N]
+    scores: torch.Tensor     # float32 [b, N]
+    mask: torch.Tensor       # uint32 bits as int32 [b, N, ceil(N / 32)]
+    n_nodes: torch.Tensor    # int32 [b]
+
+    def dense_mask(self) -> torch.Tensor:
+        """bool [b, N, N] from the bits."""
+        N = self.tokens.shape[1]
+        j = torch.arange(N, device=self.mask.device)
+        words = self.mask[:, :, j // 32]
+        return ((words >> (j % 32)) & 1).bool()
+
+
+def tree_smem_bytes(B: int) -> int:
+    H, N = B + 2, B + 1
+    return 4 * (H + B) + 4 * B + 2 * (2 * H + 2 * B + N) + (H + B) + 16
+
+
+def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, start_pos: torch.Tensor,
+               check_values: bool = True) -> TreeBatch:
+    """Draft logits [b, L, V] (bf16/fp32) -> per request the best-first tree of `budget` nodes, compiled.
+
+    root_tokens, start_pos: int32/int64 [b] (the root's token and position). Same result as
+    golden.ddtree + golden.compile_tree + golden.pack_mask_bits, request by request."""
+    budget = _check_budget(budget)
+    _need("logits", logits, (torch.float32, torch.bfloat16), ndim=3)
+    b, L, V = logits.shape
+    if b == 0 or L == 0 or V == 0:
+        raise ValueError(f"logits: expected a non-empty [batch, L, V], got {tuple(logits.shape)}")
+    if L > MAX_DEPTH:
+        raise ValueError(f"logits: depth L={L} exceeds the supported maximum {MAX_DEPTH}")
+    _need("root_tokens", root_tokens, (torch.int32, torch.int64), shape=(b,), contiguous=False)
+    _need("start_pos", start_pos, (torch.int32, torch.int64), shape=(b,), contiguous=False)
+    _on_one_gpu(logits=logits, root_tokens=root_tokens, start_pos=start_pos)
+    tok, lp = topk_logprobs(logits.reshape(b * L, V), budget, check_values)
+    K = tok.shape[1]
+    N = budget + 1
+    W = (N + 31) // 32
+    dev = logits.device
+    out = TreeBatch(*(_empty(b, N, dtype=dt, device=dev) for dt in
+                      (torch.int32, torch.int32, torch.int32, torch.int32, torch.float32)),
+                    mask=_empty(b, N, W, dtype=torch.int32, device=dev),
+                    n_nodes=_empty(b, dtype=torch.int32, device=dev))
+    root = root_tokens.to(torch.int32).contiguous()
+    start = start_pos.to(torch.int32).contiguous()
+    _launch("tree_build", "tree_build", (b,), (256,),
+            (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _p(root), _p(start), _p(out.tokens), _p(out.positions),
+             _p(out.parents), _p(out.depths), _p(out.scores), _p(out.mask), _p(out.n_nodes)),
+            smem=tree_smem_bytes(budget))
+    return out
+
+
+# ----------------------------------------------------------------------------- walk + compaction
+def tree_walk(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor, max_accept: int = MAX_DEPTH + 1):
+    """Accept down the tree along the target's choices (golden.walk), for a batch of verify blocks.
+
+    tokens, parents int32 [b, N]; choice int32/int64 [b, N] (target argmax or per-row samples).
+    Returns accepted int32 [b, max_accept] (rows, root first, -1 padded), acc_len int32 [b], bonus int32 [b]."""
+    _need("tokens", tokens, (torch.int32,), ndim=2)
+    b, N = tokens.shape
+    _need("parents", parents, (torch.int32,), shape=(b, N))
+    _need("choice", choice, (torch.int32, torch.int64), shape=(b, N), contiguous=False)
+    _on_one_gpu(tokens=tokens, parents=parents, choice=choice)
+    if not 1 <= max_accept <= 1024:
+        raise ValueError(f"max_accept={max_accept}: expected in [1, 1024]")
+    ch = choice.to(torch.int32).contiguous()
+    accepted = _empty(b, max_accept, dtype=torch.int32, device=tokens.device)
+    acc_len = _empty(b, dtype=torch.int32, device=tokens.device)
+    bonus = _empty(b, dtype=torch.int32, device=tokens.device)
+    _launch("tree_walk", "tree_walk", (b,), (32,),
+            (_p(tokens), _p(parents), _p(ch), _i(N), _i(max_accept), _p(accepted), _p(acc_len), _p(bonus)))
+    return accepted, acc_len, bonus
+
+
+def _check_pages(page_table: torch.Tensor, num_pages: int, check_values: bool) -> None:
+    if check_values and page_table.numel():
+        lo, hi = int(page_table.min()), int(page_table.max())
+        if lo < 0 or hi >= num_pages:
+            raise ValueError(f"page_table: page index out of range: expected [0, {num_pages}), got [{lo}, {hi}]")
+
+
+def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch.Tensor, accepted: torch.Tensor,
+               acc_len: torch.Tensor, page_size: int = PAGE_SIZE, check_values: bool = True) -> None:
+    """In place, per request and layer: row block_start + j <- row block_start + accepted[j], j < acc_len
+    (golden.compact_kv). cache [layers, rows, D] (rows = pages * page_size; D * itemsize a multiple of 16)."""
+    _need("cache", cache, (torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    n_layers, rows, D = cache.shape
+    row_bytes = D * cache.element_size()
+    if row_bytes % 16:
+        raise ValueError(f"cache: row of {row_bytes} bytes; expected a multiple of 16")
+    if rows % page_size:
+        raise ValueError(f"cache: {rows} rows is not a whole number of pages of {page_size}")
+    _need("page_table", page_table, (torch.int32,), ndim=2)
+    b, max_pages = page_table.shape
+    _need("block_start", block_start, (torch.int32,), shape=(b,))
+    _need("accepted", accepted, (torch.int32,), ndim=2)
+    _need("acc_len", acc_len, (torch.int32,), shape=(b,))
+    _on_one_gpu(cache=cache, page_table=page_table, block_start=block_start, accepted=accepted, acc_len=acc_len)
+    _check_pages(page_table, rows // page_size, check_values)
+    if accepted.shape[0] != b:
+        raise ValueError(f"accepted: expected {b} rows (batch), got {accepted.shape[0]}")
+    A = accepted.shape[1]
+    if check_values:
+        ln = acc_len.cpu()
+        if int(ln.min()) < 0 or int(ln.max()) > A:
+            raise ValueError(f"acc_len: expected values in [0, {A}]")
+        acc = accepted.cpu()
+        for i in range(b):
+            a = acc[i, :int(ln[i])]
+            if a.numel() and (int(a.min()) < 0 or (a.numel() > 1 and not bool((a[1:] > a[:-1]).all()))):
+                raise ValueError(f"accepted[{i}]: expected strictly increasing rows >= 0")
+            end = int(block_start[i]) + (int(a.max()) if a.numel() else 0)
+            if end >= max_pages * page_size:
+                raise ValueError(f"accepted[{i}]: row {end} is past the request's pages ({max_pages * page_size} rows)")
+    _launch("tree_walk", "kv_compact", (b, n_layers), (128,),
+            (_p(cache), np.int64(rows * row_bytes // 16), _i(row_bytes // 16), _p(page_table), _i(max_pages),
+             _i(page_size), _p(block_start), _p(accepted), _i(A), _p(acc_len)), smem=A * row_bytes)
+
+
+# ----------------------------------------------------------------------------- verify attention
+VERIFY_SMEM = 64 * 584 * 2 + 2 * 32 * 584 * 2 + 64 * 40 * 2 + 4 * 64 * 4
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [b, N, N] -> int32 bit words [b, N, ceil(N / 32)] (bit j % 32 of word j // 32)."""
+    b, N, _ = mask.shape
+    W = (N + 31) // 32
+    m = torch.zeros(b, N, W * 32, dtype=torch.int64, device=mask.device)
+    m[:, :, :N] = mask.to(torch.int64)
+    weights = (1 << torch.arange(32, device=mask.device, dtype=torch.int64))
+    words = (m.view(b, N, W, 32) * weights).sum(-1)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+
+
+def default_splits(b: int, NH: int, max_keys: int, sms: int = 132) -> int:
+    blocks = b * math.ceil(NH / 64)
+    tiles = math.ceil(max_keys / 32)
+    return max(1, min(64, math.ceil(sms / blocks), max(1, tiles // 4)))
+
+
+def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
+                mask: torch.Tensor, scale: float, page_size: int = PAGE_SIZE, n_splits: int | None = None,
+                check_values: bool = True):
+    """MLA-absorb tree-verify attention (golden.mla_tree_attention).
+
+    q bf16 [b, N, H, 576]; cache bf16 [rows, 576] (one layer, paged); page_table int32 [b, max_pages];
+    seq_len int32 [b] (cached rows including the N appended ones); mask: bool [b, N, N] or packed int32
+    words [b, N, ceil(N/32)] over the appended block; scale: softmax scale (YaRN mscale included).
+    Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
+    _need("q", q, (torch.bfloat16,), ndim=4)
+    b, N, H, Dq = q.shape
+    if Dq != D_QK:
+        raise ValueError(f"q: expected head dim {D_QK} (512 latent + 64 rope), got {Dq}")
+    _need("cache", cache, (torch.bfloat16,), ndim=2)
+    if cache.shape[1] != D_QK:
+        raise ValueError(f"cache: expected rows of {D_QK}, got shape {tuple(cache.shape)}")
+    if cache.shape[0] % page_size:
+        raise ValueError(f"cache: {cache.shape[0]} rows is not a whole number of pages of {page_size}")
+    _need("page_table", page_table, (torch.int32,), ndim=2)
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table: expected {b} rows (batch), got {page_table.shape[0]}")
+    _need("seq_len", seq_len, (torch.int32,), shape=(b,))
+    W = (N + 31) // 32
+    if mask.dtype == torch.bool:
+        _need("mask", mask, (torch.bool,), shape=(b, N, N), contiguous=False)
+    else:
+        _need("mask", mask, (torch.int32,), shape=(b, N, W))
+    _on_one_gpu(q=q, cache=cache, page_table=page_table, seq_len=seq_len, mask=mask)
+    _check_pages(page_table, cache.shape[0] // page_size, check_values)
+    if mask.dtype == torch.bool:
+        if check_values and not bool(mask.diagonal(dim1=1, dim2=2).all()):
+            raise ValueError("mask: every appended row must see itself (the diagonal must be True)")
+        mask = pack_mask(mask)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: expected a positive finite float")
+    max_keys = page_table.shape[1] * page_size
+    if check_values:
+        lo, hi = int(seq_len.min()), int(seq_len.max())
+        if lo < N or hi > max_keys:
+            raise ValueError(f"seq_len: expected values in [N={N}, {max_keys}] (pages x page_size), got [{lo}, {hi}]")
+    NH = N * H
+    if n_splits is None:
+        n_splits = default_splits(b, NH, max_keys)
+    if not 1 <= n_splits <= 64:
+        raise ValueError(f"n_splits={n_splits}: expected in [1, 64]")
+    dev = q.device
+    ws_o = _empty(n_splits, b, NH, D_V, dtype=torch.float32, device=dev)
+    ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)
+    out = _empty(b, N, H, D_V, dtype=torch.bfloat16, device=dev)
+    lse = _empty(b, N, H, dtype=torch.float32, device=dev)
+    _launch("verify_attn", "verify_attn_partial", (n_splits, math.ceil(NH / 64), b), (256,),
+            (_p(q), _p(cache), _p(page_table), _i(page_table.shape[1]), _i(page_size), _p(seq_len), _p(mask),
+             _i(N), _i(H), np.float32(scale * math.log2(math.e)), _p(ws_o), _p(ws_ml)), smem=VERIFY_SMEM)
+    _launch("verify_attn", "verify_attn_combine", (NH, b), (128,),
+            (_p(ws_o), _p(ws_ml), _i(n_splits), _i(NH), _p(out), _p(lse)))
+    return out, lse

@@ -1,0 +1,66 @@
+"""The kernel wrappers reject bad arguments before anything is compiled or launched (runs on a CPU)."""
+import pytest
+import torch
+
+from kdtree import kernels as K
+
+
+def test_tree_build_rejects():
+    x = torch.zeros(2, 4, 10)
+    r = torch.zeros(2, dtype=torch.int64)
+    for budget in (0, -1, 1025, 2.0, True):
+        with pytest.raises(ValueError, match="budget"):
+            K.tree_build(x, budget, r, r)
+    with pytest.raises(ValueError, match="logits: expected dtype"):
+        K.tree_build(x.to(torch.float16), 8, r, r)
+    with pytest.raises(ValueError, match="logits: expected 3 dims"):
+        K.tree_build(torch.zeros(4, 10), 8, r, r)
+    with pytest.raises(ValueError, match="logits: expected a contiguous"):
+        K.tree_build(torch.zeros(2, 10, 4).transpose(1, 2), 8, r, r)
+    with pytest.raises(ValueError, match="logits: expected a CUDA tensor"):
+        K.tree_build(x, 8, r, r)
+
+
+def test_topk_rejects():
+    with pytest.raises(ValueError, match="k="):
+        K.topk_logprobs(torch.zeros(2, 5), 0)
+    with pytest.raises(ValueError, match="CUDA"):
+        K.topk_logprobs(torch.zeros(2, 5), 3)
+
+
+def test_walk_and_compact_reject():
+    t = torch.zeros(2, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="tokens: expected dtype"):
+        K.tree_walk(t.long(), t, t)
+    with pytest.raises(ValueError, match="parents: expected shape"):
+        K.tree_walk(t, t[:, :3].contiguous(), t)
+    with pytest.raises(ValueError, match="cache: expected dtype"):
+        K.kv_compact(torch.zeros(1, 64, 576, dtype=torch.int8), t, t[:, 0], t, t[:, 0])
+
+
+def test_verify_attn_rejects():
+    q = torch.zeros(1, 2, 4, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(128, 576, dtype=torch.bfloat16)
+    pt = torch.zeros(1, 2, dtype=torch.int32)
+    sl = torch.tensor([10], dtype=torch.int32)
+    m = torch.ones(1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="q: expected dtype"):
+        K.verify_attn(q.float(), cache, pt, sl, m, 0.1)
+    with pytest.raises(ValueError, match="q: expected head dim 576"):
+        K.verify_attn(q[..., :512].contiguous(), cache, pt, sl, m, 0.1)
+    with pytest.raises(ValueError, match="cache: expected rows of 576"):
+        K.verify_attn(torch.zeros(1, 2, 4, 576, dtype=torch.bfloat16), cache[:, :512].contiguous(), pt, sl, m, 0.1)
+    with pytest.raises(ValueError, match="whole number of pages"):
+        K.verify_attn(q, cache[:100], pt, sl, m, 0.1)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        K.verify_attn(q, cache, pt, sl, m, 0.1)
+
+
+def test_pack_mask_matches_golden():
+    import numpy as np
+
+    from kdtree import golden
+    m = torch.rand(3, 40, 40) < 0.5
+    got = K.pack_mask(m).numpy().view(np.uint32)
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], golden.pack_mask_bits(m[i].numpy()))
