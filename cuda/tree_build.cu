@@ -13,11 +13,11 @@
 //      The row's top-K over all candidates (radix select on the key, then on the token among equal keys),
 //      bitonic-sorted by (key descending, token ascending); lse = m + log(sum) combined in double;
 //      out_tok int32 [R, K], out_lp float [R, K] = float(double(x) - lse)   (-inf stays -inf).
-// 3. tree_build                grid batch, block 256, dynamic smem from B (see tree_smem_bytes in kernels.py)
-//      Best-first search over the per-depth top-K lists (rows b*L .. b*L+L-1), budget B <= 1024:
+// 3. tree_build                grid batch, block 128, dynamic smem from B and C (tree_smem_bytes in kernels.py)
+//      Best-first search over the per-depth top-K lists (rows b*L .. b*L+L-1), budget B <= 1024, L <= 63:
 //      pop the smallest (-score, depth, rank path) key, emit it, push its next sibling and first child;
-//      score(child) = float(score(parent) + logprob), round-to-nearest, no contraction. One thread runs
-//      the heap; all threads write the verify block. N = B + 1 rows per request, root first:
+//      score(child) = float(score(parent) + logprob), round-to-nearest, no contraction. Warp 0 runs the
+//      search over a frontier of 32 * C slots (C = ceil((2B + 1) / 32) + 1); all warps write the block. N = B + 1 rows per request, root first:
 //        tokens int32 [batch, N]     root_tok[b], then node tokens; padding rows repeat the root token
 //        positions int32 [batch, N]  start_pos[b] + depth
 //        parents int32 [batch, N]    -1 for the root and padding rows, else the parent's row
@@ -95,32 +95,58 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
 }
 
 // Radix select over keys[0..n) in shared memory: the key of the `want`-th largest element (1-based),
-// restricted to elements for which `active(i)` holds; *remaining = how many elements equal to the result
-// are still needed (want - count of larger ones). `descending` false selects the want-th smallest.
+// restricted to elements for which `get` reports ok; *remaining_out = how many elements equal to the
+// result are still needed (want - count of larger ones). `descending` false selects the want-th smallest.
+// Histogram atomics are aggregated per warp (__match_any_sync); warp 0 searches the 256 bins in parallel.
 template <typename Get>
 __device__ uint32_t radix_select(int n, int want, bool descending, Get get, uint32_t* hist, int* s_int,
                                  int* remaining_out) {
+    const int lane = threadIdx.x & 31;
     uint32_t prefix = 0, mask = 0;
     int remaining = want;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            bool ok;
-            uint32_t k = get(i, &ok);
-            if (ok && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        for (int base = 0; base < n; base += blockDim.x) {
+            const int i = base + threadIdx.x;
+            bool ok = false;
+            uint32_t k = 0;
+            if (i < n) k = get(i, &ok);
+            ok = ok && (k & mask) == prefix;
+            const uint32_t bin = ok ? (k >> shift) & 255u : 0xffffffffu;
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (uint32_t)__popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int cum = 0, sel = descending ? 0 : 255;
-            for (int t = 0; t < 256; ++t) {
-                int b = descending ? 255 - t : t;
-                int h = (int)hist[b];
-                if (cum + h >= remaining) { sel = b; break; }
-                cum += h;
+        if (threadIdx.x < 32) {
+            int c[8], tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int t = lane * 8 + j, bin = descending ? 255 - t : t;
+                c[j] = (int)hist[bin];
+                tot += c[j];
             }
-            s_int[0] = sel;
-            s_int[1] = remaining - cum;
+            int incl = tot;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const int excl = incl - tot;
+            const unsigned owner = __ballot_sync(0xffffffffu, excl < remaining && remaining <= incl);
+            if (lane == __ffs(owner) - 1) {
+                int cum = excl;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (cum + c[j] >= remaining) {
+                        const int t = lane * 8 + j;
+                        s_int[0] = descending ? 255 - t : t;
+                        s_int[1] = remaining - cum;
+                        break;
+                    }
+                    cum += c[j];
+                }
+            }
         }
         __syncthreads();
         prefix |= ((uint32_t)s_int[0]) << shift;
@@ -266,125 +292,151 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge(
 }
 
 // ---------------------------------------------------------------------------------------- tree build
-struct TreeSmem {
-    float* h_score; int16_t* h_par; int16_t* h_rank; int8_t* h_depth;   // heap [B + 2]
-    float* n_score; int16_t* n_par; int16_t* n_rank; int8_t* n_depth; int32_t* n_tok;  // nodes [B]
+// One warp runs the best-first search. The frontier lives in shared memory, lane l owning slots
+// [l*C, (l+1)*C) (pushes go to lanes round-robin; popped slots get key 0). Each pop: every lane scans its
+// own slots, then a warp butterfly finds the best entry. key = f2key(score) << 32 | (63 - depth) << 26, so
+// one 64-bit compare settles score and depth; equal keys fall back to the rank-path walk.
+struct Tree {
+    uint64_t* f_key; int16_t* f_par; int16_t* f_rank;                          // frontier [32 * C]
+    float* n_score; int32_t* n_tok; int16_t* n_par; int16_t* n_rank; int8_t* n_depth;  // nodes [B]
 };
 
-// Does heap entry a sort before entry b?  (-score, depth, rank path) ascending.
-__device__ __forceinline__ bool before(const TreeSmem& s, float sa, int da, int pa, int ra, float sb, int db,
-                                       int pb, int rb) {
-    if (sa != sb) return sa > sb;
-    if (da != db) return da < db;
-    while (pa != pb) { ra = s.n_rank[pa]; rb = s.n_rank[pb]; pa = s.n_par[pa]; pb = s.n_par[pb]; }
+__device__ __forceinline__ bool better(const Tree& t, uint64_t ka, int sa, uint64_t kb, int sb) {
+    if (ka != kb) return ka > kb;
+    if (ka == 0ull || sa == sb) return false;
+    int pa = t.f_par[sa], pb = t.f_par[sb], ra = t.f_rank[sa], rb = t.f_rank[sb];
+    while (pa != pb) { ra = t.n_rank[pa]; rb = t.n_rank[pb]; pa = t.n_par[pa]; pb = t.n_par[pb]; }
     return ra < rb;
 }
 
-__device__ __forceinline__ bool heap_before(const TreeSmem& s, int i, int j) {
-    return before(s, s.h_score[i], s.h_depth[i], s.h_par[i], s.h_rank[i], s.h_score[j], s.h_depth[j], s.h_par[j],
-                  s.h_rank[j]);
+__device__ __forceinline__ uint64_t entry_key(float score, int depth) {
+    return ((uint64_t)f2key(score) << 32) | ((uint64_t)(63 - depth) << 26);
 }
 
-__device__ __forceinline__ void heap_swap(const TreeSmem& s, int i, int j) {
-    float f = s.h_score[i]; s.h_score[i] = s.h_score[j]; s.h_score[j] = f;
-    int16_t p = s.h_par[i]; s.h_par[i] = s.h_par[j]; s.h_par[j] = p;
-    int16_t q = s.h_rank[i]; s.h_rank[i] = s.h_rank[j]; s.h_rank[j] = q;
-    int8_t d = s.h_depth[i]; s.h_depth[i] = s.h_depth[j]; s.h_depth[j] = d;
-}
-
-__device__ void heap_push(const TreeSmem& s, int& size, float score, int par, int rank, int depth) {
-    int i = size++;
-    s.h_score[i] = score; s.h_par[i] = (int16_t)par; s.h_rank[i] = (int16_t)rank; s.h_depth[i] = (int8_t)depth;
-    while (i > 0) {
-        int p = (i - 1) >> 1;
-        if (!heap_before(s, i, p)) break;
-        heap_swap(s, i, p);
-        i = p;
-    }
-}
-
-__device__ void heap_pop(const TreeSmem& s, int& size) {
-    --size;
-    if (size == 0) return;
-    s.h_score[0] = s.h_score[size]; s.h_par[0] = s.h_par[size];
-    s.h_rank[0] = s.h_rank[size]; s.h_depth[0] = s.h_depth[size];
-    int i = 0;
-    while (true) {
-        int l = 2 * i + 1, r = l + 1, m = i;
-        if (l < size && heap_before(s, l, m)) m = l;
-        if (r < size && heap_before(s, r, m)) m = r;
-        if (m == i) break;
-        heap_swap(s, i, m);
-        i = m;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) tree_build(
-    const int32_t* __restrict__ top_tok, const float* __restrict__ top_lp, int L, int K, int B,
+extern "C" __global__ void __launch_bounds__(128) tree_build(
+    const int32_t* __restrict__ top_tok, const float* __restrict__ top_lp, int L, int K, int B, int C, int stage_lp,
     const int32_t* __restrict__ root_tok, const int32_t* __restrict__ start_pos,
     int32_t* __restrict__ tokens, int32_t* __restrict__ positions, int32_t* __restrict__ parents,
     int32_t* __restrict__ depths, float* __restrict__ scores, uint32_t* __restrict__ mask,
     int32_t* __restrict__ n_nodes) {
-    extern __shared__ float smf[];
-    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5, H = B + 2;
-    TreeSmem s;
-    s.h_score = smf;
-    s.n_score = s.h_score + H;
-    s.n_tok = (int32_t*)(s.n_score + B);
-    s.h_par = (int16_t*)(s.n_tok + B);
-    s.h_rank = s.h_par + H;
-    s.n_par = s.h_rank + H;
-    s.n_rank = s.n_par + B;
-    int16_t* prow = s.n_rank + B;                 // parent row of each verify row [N]
-    s.h_depth = (int8_t*)(prow + N);
-    s.n_depth = s.h_depth + H;
+    extern __shared__ uint64_t sm_tree[];
+    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5, F = 32 * C;
+    Tree t;
+    t.f_key = sm_tree;
+    t.n_score = (float*)(t.f_key + F);
+    t.n_tok = (int32_t*)(t.n_score + B);
+    float* lp_s = (float*)(t.n_tok + B);           // [L * K] when staged
+    t.f_par = (int16_t*)(lp_s + (stage_lp ? L * K : 0));
+    t.f_rank = t.f_par + F;
+    t.n_par = t.f_rank + F;
+    t.n_rank = t.n_par + B;
+    int16_t* prow = t.n_rank + B;  // parent row of each verify row [N]
+    t.n_depth = (int8_t*)(prow + N);
     __shared__ int s_n;
     const int32_t* tt = top_tok + (size_t)b * L * K;
     const float* lp = top_lp + (size_t)b * L * K;
+    if (stage_lp) {
+        for (int i = threadIdx.x; i < L * K; i += blockDim.x) lp_s[i] = lp[i];
+        __syncthreads();
+        lp = lp_s;
+    }
 
-    if (threadIdx.x == 0) {
-        int size = 0, n = 0;
-        if (lp[0] != NEG_INF) heap_push(s, size, lp[0], -1, 0, 1);
-        while (size > 0 && n < B) {
-            float sc = s.h_score[0];
-            int par = s.h_par[0], r = s.h_rank[0], d = s.h_depth[0];
-            heap_pop(s, size);
-            int idx = n++;
-            s.n_score[idx] = sc; s.n_par[idx] = (int16_t)par; s.n_rank[idx] = (int16_t)r;
-            s.n_depth[idx] = (int8_t)d; s.n_tok[idx] = tt[(size_t)(d - 1) * K + r];
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int cnt = 0, pushes = 0, n = 0;
+        uint64_t mk = 0ull;  // this lane's best entry (key, slot)
+        int ms = -1;
+        auto push = [&](uint64_t key, int par, int rank) {
+            if (lane == (pushes & 31)) {
+                const int sl = lane * C + cnt++;
+                t.f_key[sl] = key; t.f_par[sl] = (int16_t)par; t.f_rank[sl] = (int16_t)rank;
+                if (better(t, key, sl, mk, ms)) { mk = key; ms = sl; }
+            }
+            ++pushes;
+        };
+        if (lp[0] != NEG_INF) push(entry_key(lp[0], 1), -1, 0);
+        __syncwarp();
+        while (n < B) {
+            uint64_t bk = mk;
+            int bs = ms;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const uint64_t ok = __shfl_xor_sync(0xffffffffu, bk, o);
+                const int os = __shfl_xor_sync(0xffffffffu, bs, o);
+                if (better(t, ok, os, bk, bs)) { bk = ok; bs = os; }
+            }
+            if (bk == 0ull) break;
+            const float sc = key2f((uint32_t)(bk >> 32));
+            const int d = 63 - (int)((bk >> 26) & 63ull), par = t.f_par[bs], r = t.f_rank[bs];
+            const int idx = n++, owner = bs / C;
+            __syncwarp();
+            if (lane == 0) {
+                t.f_key[bs] = 0ull;
+                t.n_score[idx] = sc; t.n_par[idx] = (int16_t)par; t.n_rank[idx] = (int16_t)r; t.n_depth[idx] = (int8_t)d;
+            }
+            __syncwarp();
+            // the owner's new best: a short lane rescans its slots alone; a long one is rescanned by the warp
+            if (C <= 16) {
+                if (lane == owner) {
+                    mk = 0ull; ms = -1;
+                    for (int i = 0; i < cnt; ++i) {
+                        const int sl = lane * C + i;
+                        const uint64_t k = t.f_key[sl];
+                        if (better(t, k, sl, mk, ms)) { mk = k; ms = sl; }
+                    }
+                }
+            } else {
+                const int ocnt = __shfl_sync(0xffffffffu, cnt, owner);
+                uint64_t rk = 0ull;
+                int rs = -1;
+                for (int i = lane; i < ocnt; i += 32) {
+                    const int sl = owner * C + i;
+                    const uint64_t k = t.f_key[sl];
+                    if (better(t, k, sl, rk, rs)) { rk = k; rs = sl; }
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const uint64_t ok = __shfl_xor_sync(0xffffffffu, rk, o);
+                    const int os = __shfl_xor_sync(0xffffffffu, rs, o);
+                    if (better(t, ok, os, rk, rs)) { rk = ok; rs = os; }
+                }
+                if (lane == owner) { mk = rk; ms = rs; }
+            }
             if (r + 1 < K) {
-                float l2 = lp[(size_t)(d - 1) * K + r + 1];
-                if (l2 != NEG_INF) heap_push(s, size, __fadd_rn(par >= 0 ? s.n_score[par] : 0.0f, l2), par, r + 1, d);
+                const float l2 = lp[(d - 1) * K + r + 1];
+                if (l2 != NEG_INF) push(entry_key(__fadd_rn(par >= 0 ? t.n_score[par] : 0.0f, l2), d), par, r + 1);
             }
             if (d < L) {
-                float l3 = lp[(size_t)d * K];
-                if (l3 != NEG_INF) heap_push(s, size, __fadd_rn(sc, l3), idx, 0, d + 1);
+                const float l3 = lp[d * K];
+                if (l3 != NEG_INF) push(entry_key(__fadd_rn(sc, l3), d + 1), idx, 0);
             }
+            __syncwarp();
         }
-        s_n = n;
+        if (lane == 0) s_n = n;
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < s_n; i += blockDim.x) t.n_tok[i] = tt[(t.n_depth[i] - 1) * K + t.n_rank[i]];
     __syncthreads();
     const int n = s_n;
     const int32_t root = root_tok[b], sp = start_pos[b];
     for (int i = threadIdx.x; i < N; i += blockDim.x) {
         const size_t o = (size_t)b * N + i;
         if (i >= 1 && i <= n) {
-            int k = i - 1, p = s.n_par[k] + 1;
-            int pr = (s.n_par[k] >= 0) ? p : 0;
-            tokens[o] = s.n_tok[k]; positions[o] = sp + s.n_depth[k]; parents[o] = pr;
-            depths[o] = s.n_depth[k]; scores[o] = s.n_score[k]; prow[i] = (int16_t)pr;
+            const int k = i - 1, pr = t.n_par[k] + 1;  // the root's children get row 0
+            tokens[o] = t.n_tok[k]; positions[o] = sp + t.n_depth[k]; parents[o] = pr;
+            depths[o] = t.n_depth[k]; scores[o] = t.n_score[k]; prow[i] = (int16_t)pr;
         } else {
             tokens[o] = root; positions[o] = sp; parents[o] = -1; depths[o] = 0; scores[o] = 0.0f;
             prow[i] = -1;
         }
     }
     __syncthreads();
-    for (int t = threadIdx.x; t < N * W; t += blockDim.x) {
-        int i = t / W, w = t - i * W;
+    for (int q = threadIdx.x; q < N * W; q += blockDim.x) {
+        const int i = q / W, w = q - i * W;
         uint32_t bits = 0;
         for (int j = i; j >= 0; j = (i <= n) ? prow[j] : -1)
             if ((j >> 5) == w) bits |= 1u << (j & 31);
-        mask[(size_t)b * N * W + t] = bits;
+        mask[(size_t)b * N * W + q] = bits;
     }
     if (threadIdx.x == 0) n_nodes[b] = n;
 }

@@ -54,6 +54,30 @@ def _wall_median(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def _graph_median(fns, repeats: int) -> float:
+    """Capture each fn (one per rotated input set) in a CUDA graph; median event time of replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()  # warm-up: compile, allocate
+    torch.cuda.current_stream().wait_stream(s)
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    k = [0]
+
+    def replay():
+        graphs[k[0] % len(graphs)].replay()
+        k[0] += 1
+    t = _events_median(replay, repeats, warmup=len(graphs))
+    del graphs
+    return t
+
+
 def measure_ceilings() -> dict:
     """Copy bandwidth (bytes read + written) and bf16 matmul rate on random data."""
     n = 2 * 2**30 // 2
@@ -104,25 +128,11 @@ def bench_tree(V=163840, L=15, budgets=(16, 64, 256, 1024), batches=(1, 8, 32, 1
         xs = [(torch.randn(b, L, V, device="cuda", generator=g) * 3).to(torch.bfloat16) for _ in range(n_sets)]
         root = torch.randint(0, V, (b,), device="cuda", dtype=torch.int32)
         start = torch.full((b,), 1000, device="cuda", dtype=torch.int32)
-        # GPU path, CUDA-graph captured per input set
-        graphs = []
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for x in xs:
-                kernels.tree_build(x, B, root, start, check_values=False)  # warm-up / compile
-        torch.cuda.current_stream().wait_stream(s)
-        for x in xs:
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                kernels.tree_build(x, B, root, start, check_values=False)
-            graphs.append(gr)
-        k = [0]
-
-        def replay():
-            graphs[k[0] % n_sets].replay()
-            k[0] += 1
-        t_gpu = _events_median(replay, repeats, warmup=n_sets)
+        # GPU path, CUDA-graph captured per input set; the top-K stage alone too (breakdown)
+        t_gpu = _graph_median([lambda x=x: kernels.tree_build(x, B, root, start, check_values=False) for x in xs],
+                              repeats)
+        t_topk_k = _graph_median([lambda x=x: kernels.topk_logprobs(x.view(b * L, V), B, check_values=False)
+                                  for x in xs], repeats)
         k2 = [0]
 
         def eager():
@@ -142,10 +152,11 @@ def bench_tree(V=163840, L=15, budgets=(16, 64, 256, 1024), batches=(1, 8, 32, 1
             reference_tree_round(xs[k4[0] % n_sets], B, rr, ss)
             k4[0] += 1
         t_ref = _wall_median(ref, ref_repeats)
-        rows.append({"batch": b, "budget": B, "V": V, "L": L, "gpu_graph_s": t_gpu, "gpu_eager_wall_s": t_eager,
+        rows.append({"batch": b, "budget": B, "V": V, "L": L, "gpu_graph_s": t_gpu, "gpu_topk_stage_s": t_topk_k,
+                     "gpu_tree_stage_s": t_gpu - t_topk_k, "gpu_eager_wall_s": t_eager,
                      "torch_topk_lse_s": t_topk, "reference_s": t_ref, "speedup_vs_reference": t_ref / t_gpu,
                      "speedup_vs_topk_lse": t_topk / t_gpu, "logit_bytes": set_bytes})
-        del xs, graphs
+        del xs
         torch.cuda.empty_cache()
     return rows
 
@@ -266,9 +277,10 @@ def summary(rec: dict) -> str:
     c = rec["ceilings"]
     lines = [f"{rec['device']}: copy {c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
              f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "tree round (V=163840, L=15):  batch budget   gpu_us  eager_us  topk+lse_us    ref_us  x_ref  floor_us"]
+             "tree round (V=163840, L=15):  batch budget   gpu_us (topk  tree)  eager_us  torch_topk+lse_us    ref_us  x_ref  floor_us"]
     for r in rec["tree_round"]:
-        lines.append(f"  {r['batch']:5d} {r['budget']:6d} {r['gpu_graph_s'] * 1e6:8.1f} {r['gpu_eager_wall_s'] * 1e6:9.1f} "
+        lines.append(f"  {r['batch']:5d} {r['budget']:6d} {r['gpu_graph_s'] * 1e6:8.1f} ({r['gpu_topk_stage_s'] * 1e6:6.1f} "
+                     f"{r['gpu_tree_stage_s'] * 1e6:6.1f}) {r['gpu_eager_wall_s'] * 1e6:9.1f} "
                      f"{r['torch_topk_lse_s'] * 1e6:12.1f} {r['reference_s'] * 1e6:9.0f} {r['speedup_vs_reference']:6.0f} "
                      f"{r['floor_s'] * 1e6:8.1f}")
     lines.append("verify_attn (H=64):  ctx  nodes batch   us    TFLOP/s  GB/s  %mm  %bw  naive_us  x_naive")

@@ -144,8 +144,21 @@ def generate_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(),
     return res
 
 
+BACKENDS = ("golden", "kernel")
+
+
+def _check_backend(backend: str, model: Transformer) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "kernel" and model.device.type != "cuda":
+        raise ValueError("backend='kernel' needs the model on a CUDA device")
+    return backend
+
+
 def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
-               stop_tokens=(), temperature: float = 0.0, seed: int = 0) -> GenerationResult:
+               stop_tokens=(), temperature: float = 0.0, seed: int = 0, backend: str = "golden",
+               budget: int | None = None) -> GenerationResult:
+    backend = _check_backend(backend, model)
     prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
     temperature = _check_temperature(temperature)
     gen = torch.Generator().manual_seed(seed)
@@ -170,6 +183,43 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
     res.target_forwards += 1
     committed = prompt + [first]
     done = _finish(res.tokens, [first], max_new_tokens, stop)
+    while not done and backend == "kernel":
+        with clock("draft"):
+            draft = session.propose(committed).to(model.device)  # [L, V]
+        dev = model.device
+        with clock("tree_build"):
+            root = torch.tensor([committed[-1]], dtype=torch.int32, device=dev)
+            start = torch.tensor([len(committed) - 1], dtype=torch.int32, device=dev)
+            if budget is None:  # the DFlash chain: argmax per depth
+                L = draft.shape[0]
+                toks = torch.cat([root, draft.argmax(-1).to(torch.int32)])[None]
+                parents = torch.arange(-1, L, dtype=torch.int32, device=dev)[None]
+                positions = start + torch.arange(L + 1, dtype=torch.int32, device=dev)[None]
+                mask = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril()[None]
+            else:
+                from . import kernels
+                tb = kernels.tree_build(draft[None].contiguous(), budget, root, start)
+                toks, parents, positions = tb.tokens, tb.parents, tb.positions
+        with clock("tree_compile"):
+            if budget is not None:
+                mask = tb.dense_mask()
+        with clock("verify"):
+            out = model(toks.long(), cache, position_ids=positions[0], mask=mask, hidden_layers=layers)
+        res.target_forwards += 1
+        with clock("commit"):
+            from . import kernels
+            choice = _choose(out.logits[0], temperature, gen)[None]
+            acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
+            n_acc = int(acc_len[0])  # the round's one device-to-host read: how many rows were accepted
+            rows = acc[0, :n_acc].long()
+            new = toks[0, rows[1:]].tolist() + [int(bonus[0])]
+            cache.compact_rows(acc, n_acc)
+            if layers:
+                session.accept(features(out, rows))
+            committed += new
+            res.accept_lengths.append(len(new))
+            res.tree_sizes.append(toks.shape[1])
+            done = _finish(res.tokens, new, max_new_tokens, stop)
     while not done:
         with clock("draft"):
             draft = session.propose(committed)  # [L, V]
@@ -200,15 +250,21 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
 
 
 def generate_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, stop_tokens=(),
-                    temperature: float = 0.0, seed: int = 0) -> GenerationResult:
-    """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round."""
+                    temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
+    """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round.
+    backend "golden": tree steps in numpy; "kernel": walk and compaction on the GPU (kdtree.kernels)."""
     return _speculate(model, drafter, prompt, max_new_tokens, golden.chain_tree, "dflash",
-                      drafter.block_size, stop_tokens, temperature, seed)
+                      drafter.block_size, stop_tokens, temperature, seed, backend)
 
 
 def generate_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, budget: int, stop_tokens=(),
-                    temperature: float = 0.0, seed: int = 0) -> GenerationResult:
-    """DDTree: verify the best-first tree of `budget` draft nodes each round."""
+                    temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
+    """DDTree: verify the best-first tree of `budget` draft nodes each round.
+    backend "golden": build/compile/walk in numpy (golden.py); "kernel": the whole round on the GPU
+    (kernels.tree_build, the model's verify forward, kernels.tree_walk, kernels.kv_compact); the verify
+    block then always has budget + 1 rows (padding rows see only themselves and are never accepted)."""
     budget = golden._check_budget(budget)
+    if backend == "kernel" and budget > 1024:
+        raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
     return _speculate(model, drafter, prompt, max_new_tokens, lambda lg: golden.ddtree(lg, budget), "ddtree",
-                      budget + 1, stop_tokens, temperature, seed)
+                      budget + 1, stop_tokens, temperature, seed, backend, budget)

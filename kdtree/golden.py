@@ -9,13 +9,14 @@ its path's log-probabilities, accumulated root-down: score(child) = float32(scor
 Order and tie-break. All prefixes are totally ordered by the key
     (-score, depth, rank path)
 where the rank path lists, per depth, the rank of the chosen token in that depth's top-K list (ranks
-themselves order tokens by log-probability descending, then token id ascending). The tree is the first
+order tokens by logit descending, then token id ascending; see below). The tree is the first
 `budget` prefixes of finite score in this order, emitted in this order. Because a log-probability is
 <= 0, a parent never sorts after its child (equal score -> smaller depth first), so the set is
 prefix-closed and parents precede children. Best-first search reproduces it exactly: pop the smallest
 key, emit it, push its next sibling (same parent, rank + 1) and its first child (depth + 1, rank 0).
 
-Log-probabilities. logprob = float32(float64(x) - logsumexp64(row)), where x is the float32 logit
+Log-probabilities. Each depth's top-K list is sorted by the float32 logit descending, ties by token id
+ascending; logprob = float32(float64(x) - logsumexp64(row)), where x is the float32 logit
 (bf16 logits are widened exactly). -inf logits are allowed (such tokens are never in a tree); NaN, +inf
 and all -inf rows are rejected.
 
@@ -66,14 +67,17 @@ def log_softmax(logits) -> np.ndarray:
 
 
 def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per depth, the k best tokens: (tokens [L, k] int64, logprobs [L, k] float32), sorted by
-    log-probability descending, ties by token id ascending. k is clipped to V."""
+    """Per depth, the k best tokens: (tokens [L, k] int64, logprobs [L, k] float32), sorted by the float32
+    logit descending (so by log-probability, which is monotone in it), ties by token id ascending.
+    k is clipped to V. Ordering by the logit, not by the rounded log-probability, keeps two logits that
+    round to one log-probability in logit order."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise ValueError(f"k={k!r}: expected a positive int")
     lp = log_softmax(logits)
+    x = _as_logits(logits) + np.float32(0.0)  # -0.0 -> +0.0
     L, V = lp.shape
     k = min(int(k), V)
-    order = np.lexsort((np.broadcast_to(np.arange(V), lp.shape), -lp.astype(np.float64)), axis=1)[:, :k]
+    order = np.argsort(-x, axis=1, kind="stable")[:, :k]  # stable: equal logits keep token order
     return order.astype(np.int64), np.take_along_axis(lp, order, axis=1)
 
 

@@ -24,7 +24,7 @@ import torch
 
 MAX_BUDGET = 1024
 MAX_VOCAB = 524288
-MAX_DEPTH = 64
+MAX_DEPTH = 63
 MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's shared memory
 MAX_CHUNK = 32768
 PAGE_SIZE = 64
@@ -200,9 +200,18 @@ class TreeBatch:
         return ((words >> (j % 32)) & 1).bool()
 
 
-def tree_smem_bytes(B: int) -> int:
-    H, N = B + 2, B + 1
-    return 4 * (H + B) + 4 * B + 2 * (2 * H + 2 * B + N) + (H + B) + 16
+def tree_frontier_slots(B: int) -> int:
+    """Frontier slots per lane: pushes go round-robin to 32 lanes, at most 2B + 1 pushes in all."""
+    return math.ceil((2 * B + 1) / 32) + 1
+
+
+def tree_smem_bytes(B: int, L: int = 0, K: int = 0) -> int:
+    """Dynamic shared memory of tree_build; L, K > 0 adds the staged log-probabilities [L, K]."""
+    F, N = 32 * tree_frontier_slots(B), B + 1
+    return 8 * F + 4 * B + 4 * B + 4 * L * K + 2 * (2 * F + 2 * B + N) + B + 16
+
+
+TREE_SMEM_LIMIT = 200 * 1024
 
 
 def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, start_pos: torch.Tensor,
@@ -232,10 +241,12 @@ def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, sta
                     n_nodes=_empty(b, dtype=torch.int32, device=dev))
     root = root_tokens.to(torch.int32).contiguous()
     start = start_pos.to(torch.int32).contiguous()
-    _launch("tree_build", "tree_build", (b,), (256,),
-            (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _p(root), _p(start), _p(out.tokens), _p(out.positions),
+    stage = tree_smem_bytes(budget, L, K) <= TREE_SMEM_LIMIT
+    _launch("tree_build", "tree_build", (b,), (128,),
+            (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _i(tree_frontier_slots(budget)), _i(int(stage)), _p(root),
+             _p(start), _p(out.tokens), _p(out.positions),
              _p(out.parents), _p(out.depths), _p(out.scores), _p(out.mask), _p(out.n_nodes)),
-            smem=tree_smem_bytes(budget))
+            smem=tree_smem_bytes(budget, L, K) if stage else tree_smem_bytes(budget))
     return out
 
 

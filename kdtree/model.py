@@ -13,7 +13,10 @@ One `forward` serves every step of speculative decoding:
   * "naive":  K and V are decompressed per head from the cached latent (kv_b_proj applied to it).
   * "absorb": only the 512-wide latent and the 64-wide rope key are read; kv_b_proj is folded into
               the query (q_nope @ W_uk) and into the output (o_latent @ W_uv).
-Both read the same latent cache and agree to rounding.
+  * "kernel": "absorb" with the attention itself in the CUDA kernel kdtree.kernels.verify_attn (paged
+              bf16 latent cache, tree mask); needs kv_lora_rank 512, qk_rope_head_dim 64, a CUDA device
+              and a bf16 cache (`new_cache` makes one).
+All read the same latent cache and agree to rounding.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from torch import nn
 
 from .config import ModelArgs, yarn_mscale
 
-ATTN_IMPLS = ("naive", "absorb")
+ATTN_IMPLS = ("naive", "absorb", "kernel")
 
 
 # ----------------------------------------------------------------------------- small modules
@@ -160,17 +163,22 @@ class MoE(nn.Module):
 
 # ----------------------------------------------------------------------------- latent KV cache
 class KVCache:
-    """Per-layer latent cache: kv [layers, B, S, kv_lora_rank] (normalized) and pe [layers, B, S, rope_dim]
-    (rotated). `length` tokens are committed; `forward` appends a block after them."""
+    """Per-layer latent cache: latent [layers, B, S_pad, kv_lora_rank + rope_dim], the normalized latent
+    (`kv` view) then the rotated rope key (`pe` view). Rows are padded to whole pages of PAGE_SIZE, so that
+    one layer, viewed as [B * S_pad, 576], is a paged cache whose page table is `page_table()`.
+    `length` tokens are committed; `forward` appends a block after them."""
+
+    PAGE_SIZE = 64
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"KVCache max_len={max_len!r}: expected a positive int (rows of the cache)")
         if not (isinstance(batch, int) and batch > 0):
             raise ValueError(f"KVCache batch={batch!r}: expected a positive int")
-        L = args.num_hidden_layers
-        self.kv = torch.zeros(L, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
-        self.pe = torch.zeros(L, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
+        L, R = args.num_hidden_layers, args.kv_lora_rank
+        s_pad = -(-max_len // self.PAGE_SIZE) * self.PAGE_SIZE
+        self.latent = torch.zeros(L, batch, s_pad, R + args.qk_rope_head_dim, dtype=dtype, device=device)
+        self.kv, self.pe = self.latent[..., :R], self.latent[..., R:]
         self.length = 0
         self.block: tuple[int, int] | None = None  # (start, n) of the last appended block
         self.max_len, self.batch = max_len, batch
@@ -195,10 +203,31 @@ class KVCache:
             raise ValueError("compact keep_indices: expected strictly increasing indices (a path in tree order)")
         k = keep.numel()
         if k:
-            src = keep.to(self.kv.device) + start
-            self.kv[:, :, start:start + k] = self.kv[:, :, src]
-            self.pe[:, :, start:start + k] = self.pe[:, :, src]
+            src = keep.to(self.latent.device) + start
+            self.latent[:, :, start:start + k] = self.latent[:, :, src]
         self.length = start + k
+        self.block = None
+
+    def page_table(self) -> torch.Tensor:
+        """int32 [B, S_pad / PAGE_SIZE]: request b's pages in a layer viewed as [B * S_pad, D]."""
+        B, s_pad = self.batch, self.latent.shape[2]
+        n = s_pad // self.PAGE_SIZE
+        return torch.arange(B * n, dtype=torch.int32, device=self.latent.device).view(B, n)
+
+    def compact_rows(self, accepted: torch.Tensor, acc_len: int) -> None:
+        """GPU compaction (kernels.kv_compact) of batch row 0: keep block rows accepted[0, :acc_len]."""
+        from . import kernels
+        if self.block is None:
+            raise RuntimeError("KVCache.compact_rows: no appended block to compact")
+        if self.batch != 1:
+            raise ValueError("KVCache.compact_rows: batch 1 only (one block start per request)")
+        start, n = self.block
+        L = self.latent.shape[0]
+        kernels.kv_compact(self.latent.view(L, -1, self.latent.shape[-1]), self.page_table(),
+                           torch.tensor([start], dtype=torch.int32, device=self.latent.device), accepted,
+                           torch.tensor([acc_len], dtype=torch.int32, device=self.latent.device),
+                           page_size=self.PAGE_SIZE, check_values=False)
+        self.length = start + acc_len
         self.block = None
 
     def truncate(self, length: int) -> None:
@@ -227,9 +256,10 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * args.v_head_dim, D, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache, pe_cache, start, bias, attn_impl):
-        """x [B, T, D]; cos/sin [B, T, P/2]; kv_cache [B, Smax, R], pe_cache [B, Smax, P] for this layer
-        (the block is written at start..start+T); bias [B, T, S] additive mask. Returns [B, T, D]."""
+    def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
+        """x [B, T, D]; cos/sin [B, T, P/2]; latent [B, S_pad, R + P] this layer's cache (the block is
+        written at start..start+T); bias [B, T, S] additive mask; kern: (page_table, seq_len, mask words)
+        for attn_impl "kernel". Returns [B, T, D]."""
         a = self.args
         B, T, _ = x.shape
         H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
@@ -240,12 +270,21 @@ class MLA(nn.Module):
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([R, a.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)  # [B, T, R]
         k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
-        kv_cache[:, start:start + T] = kv
-        pe_cache[:, start:start + T] = k_pe
+        latent[:, start:start + T, :R] = kv
+        latent[:, start:start + T, R:] = k_pe
         S = start + T
-        kv_all, pe_all = kv_cache[:, :S], pe_cache[:, :S]  # [B, S, R], [B, S, P]
+        kv_all, pe_all = latent[:, :S, :R], latent[:, :S, R:]  # [B, S, R], [B, S, P]
         scale = a.softmax_scale
-        if attn_impl == "naive":
+        if attn_impl == "kernel":
+            from . import kernels
+            w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
+            q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
+            qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
+            page_table, seq_len, words = kern
+            o_lat, _ = kernels.verify_attn(qk, latent.reshape(-1, latent.shape[-1]), page_table, seq_len, words, scale,
+                                           page_size=KVCache.PAGE_SIZE, check_values=False)
+            o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
+        elif attn_impl == "naive":
             kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)
             k_nope, v = kvb.split([Dn, Dv], dim=-1)  # [B, S, H, Dn], [B, S, H, Dv]
             k = torch.cat([k_nope, pe_all[:, :, None].expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
@@ -275,8 +314,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, pe_cache, start, bias, attn_impl):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, pe_cache, start, bias, attn_impl)
+    def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, latent, start, bias, attn_impl, kern)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -315,6 +354,9 @@ class Transformer(nn.Module):
     def attn_impl(self, value: str) -> None:
         if value not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={value!r}: expected one of {ATTN_IMPLS}")
+        if value == "kernel" and (self.args.kv_lora_rank, self.args.qk_rope_head_dim) != (512, 64):
+            raise ValueError(f"attn_impl='kernel' needs kv_lora_rank 512 and qk_rope_head_dim 64 (the kernel's "
+                             f"576-wide rows), got {self.args.kv_lora_rank} and {self.args.qk_rope_head_dim}")
         self._attn_impl = value
 
     @property
@@ -325,8 +367,12 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.attn_impl == "kernel" else self.dtype
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        return KVCache(self.args, batch, max_len, dtype=self.dtype, device=self.device)
+        return KVCache(self.args, batch, max_len, dtype=self.cache_dtype, device=self.device)
 
     def rope(self, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, P/2]
@@ -352,9 +398,9 @@ class Transformer(nn.Module):
                 raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
             if cache.batch != B:
                 raise ValueError(f"cache: batch {cache.batch} != tokens batch {B}")
-            if cache.kv.device != self.device or cache.kv.dtype != self.dtype:
-                raise ValueError(f"cache: expected {self.dtype} on {self.device}, got {cache.kv.dtype} on "
-                                 f"{cache.kv.device}")
+            if cache.latent.device != self.device or cache.latent.dtype != self.cache_dtype:
+                raise ValueError(f"cache: expected {self.cache_dtype} on {self.device}, got {cache.latent.dtype} on "
+                                 f"{cache.latent.device} (make it with model.new_cache)")
             start = cache.length
             if start + T > cache.max_len:
                 raise ValueError(f"context overflow: cache holds {start} of max_len={cache.max_len} tokens, "
@@ -404,20 +450,22 @@ class Transformer(nn.Module):
         for i in hidden_layers:
             if not 0 <= i < self.args.num_hidden_layers:
                 raise ValueError(f"hidden_layers: layer {i} out of range [0, {self.args.num_hidden_layers})")
+        if self.attn_impl == "kernel" and self.device.type != "cuda":
+            raise ValueError("attn_impl='kernel' needs the model on a CUDA device")
         S = start + T
-        bias = torch.zeros(B, T, S, dtype=torch.float32, device=self.device)
-        bias[:, :, start:] = torch.zeros(B, T, T, device=self.device).masked_fill(~mask, float("-inf"))
-        if cache is None:
-            L = self.args.num_hidden_layers
-            kvs = torch.empty(L, B, T, self.args.kv_lora_rank, dtype=self.dtype, device=self.device)
-            pes = torch.empty(L, B, T, self.args.qk_rope_head_dim, dtype=self.dtype, device=self.device)
+        work = cache if cache is not None else self.new_cache(T, B)  # no cache: the block sees itself only
+        kern, bias = None, None
+        if self.attn_impl == "kernel":
+            from .kernels import pack_mask
+            kern = (work.page_table(), torch.full((B,), S, dtype=torch.int32, device=self.device), pack_mask(mask))
         else:
-            kvs, pes = cache.kv, cache.pe
+            bias = torch.zeros(B, T, S, dtype=torch.float32, device=self.device)
+            bias[:, :, start:] = torch.zeros(B, T, T, device=self.device).masked_fill(~mask, float("-inf"))
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(position_ids, h.dtype)
         hidden = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kvs[i], pes[i], start, bias, self.attn_impl)
+            h = layer(h, cos, sin, work.latent[i], start, bias, self.attn_impl, kern)
             if i in hidden_layers:
                 hidden[i] = h
         h = self.model.norm(h)

@@ -269,3 +269,111 @@ def example_round(model: Transformer, drafter, prompt, budget: int):
               mask=torch.from_numpy(vb.mask).to(model.device))
     accepted, bonus = golden.greedy_walk(vb.tokens, vb.parents, v.logits[0].cpu().numpy())
     return vb, accepted, bonus
+
+
+# ----------------------------------------------------------------------------- GPU kernels vs golden (notebook 00)
+def tiny_kernel_args() -> ModelArgs:
+    """tiny-a with the K2.6 attention widths the kernels are built for (latent 512 + rope 64)."""
+    from .config import TINY_A
+    return TINY_A.replace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+
+
+def kernel_model(seed: int = 0, logit_scale: float = 4.0) -> Transformer:
+    """A float32 tiny model on the GPU with attn_impl='kernel' (bf16 latent cache). Its lm_head is scaled up so
+    that greedy choices are not near-ties that bf16 attention rounding could flip."""
+    from .model import build_model
+    m = build_model(tiny_kernel_args(), seed=seed, device="cuda")
+    with torch.no_grad():
+        m.lm_head.weight.mul_(logit_scale)
+    m.attn_impl = "kernel"
+    return m
+
+
+def divergence(model: Transformer, prompt, ref_tokens, tokens, rel_tol: float = 0.02) -> dict | None:
+    """Where two greedy outputs first differ, the float32 (absorb path) reference's logit margin between
+    the two choices. None when they agree. `near_tie` is True when the margin is within rel_tol of the
+    logits' standard deviation: a flip that bf16 attention rounding can cause, not a logic error."""
+    j = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
+    if j is None:
+        return None if len(ref_tokens) == len(tokens) else {"index": min(len(ref_tokens), len(tokens)),
+                                                            "near_tie": False}
+    impl = model.attn_impl
+    model.attn_impl = "absorb"
+    try:
+        x = torch.tensor([list(prompt) + list(ref_tokens[:j])], device=model.device)
+        logits = model(x, logits_for=[-1]).logits[0, -1].double()
+    finally:
+        model.attn_impl = impl
+    margin = float(logits[ref_tokens[j]] - logits[tokens[j]])
+    return {"index": j, "margin": margin, "std": float(logits.std()),
+            "near_tie": abs(margin) <= rel_tol * float(logits.std())}
+
+
+def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, budget: int = 64,
+                  block_size: int = 16) -> dict:
+    """Kernels vs golden on fresh random inputs (GPU only): tree build at K2.6 vocabulary, walk, verify
+    attention against float64, and greedy DDTree with every stage on the GPU against AR."""
+    from . import kernels
+    rng = np.random.default_rng(seed)
+    out = {}
+    V, L = 163840, 15
+    x = torch.from_numpy(np.stack([random_logits(rng, L, V) for _ in range(4)])).to(torch.bfloat16)
+    root = torch.from_numpy(rng.integers(0, V, 4)).cuda()
+    start = torch.from_numpy(rng.integers(0, 4000, 4)).cuda()
+    tb = kernels.tree_build(x.cuda(), budget, root, start)
+    xs, same = x.float().numpy(), True
+    for i in range(4):
+        vb = golden.compile_tree(golden.ddtree(xs[i], budget), int(root[i]), int(start[i]))
+        n = vb.n
+        same &= int(tb.n_nodes[i]) + 1 == n
+        same &= np.array_equal(tb.tokens[i, :n].cpu().numpy(), vb.tokens)
+        same &= np.array_equal(tb.parents[i, :n].cpu().numpy(), vb.parents)
+        same &= np.array_equal(tb.positions[i, :n].cpu().numpy(), vb.positions)
+        same &= np.array_equal(tb.dense_mask()[i, :n, :n].cpu().numpy(), vb.mask)
+        choice = rng.integers(0, V, n)
+        path = np.flatnonzero(vb.mask[n - 1])
+        for a, b in zip(path[:-1], path[1:]):
+            choice[a] = vb.tokens[b]
+        ch = torch.full((1, budget + 1), -1, dtype=torch.int64)
+        ch[0, :n] = torch.from_numpy(choice)
+        acc, ln, bonus = kernels.tree_walk(tb.tokens[i:i + 1].contiguous(), tb.parents[i:i + 1].contiguous(),
+                                           ch.cuda(), max_accept=L + 1)
+        ga, gb = golden.walk(vb.tokens, vb.parents, choice)
+        same &= int(ln[0]) == len(ga) and int(bonus[0]) == gb and np.array_equal(acc[0, :len(ga)].cpu().numpy(), ga)
+    out["tree_build_and_walk_equal_golden"] = bool(same)
+    # verify attention vs float64
+    N, H, prefix = 33, 8, 700
+    S = prefix + N
+    pages = -(-S // 64)
+    cache = (torch.randn(pages * 64, 576) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(1, N, H, 576) * 0.5).to(torch.bfloat16)
+    tree = golden.ddtree(rng.standard_normal((8, 16)).astype(np.float32) * 2, N - 1)
+    mask = golden.compile_tree(tree, 0, 0).mask
+    got, _ = kernels.verify_attn(q.cuda(), cache.cuda(), torch.arange(pages, dtype=torch.int32).cuda()[None],
+                                 torch.tensor([S], dtype=torch.int32).cuda(), torch.from_numpy(mask).cuda()[None], 0.07)
+    kv = cache[:S].double().numpy()
+    qn = q[0].double().numpy()
+    want, _ = golden.mla_tree_attention(qn[..., :512], qn[..., 512:], kv[:, :512], kv[:, 512:], mask, 0.07)
+    out["verify_attn_rel_err_vs_float64"] = float(np.linalg.norm(got[0].double().cpu().numpy() - want)
+                                                  / np.linalg.norm(want))
+    # the whole round on the GPU
+    model = kernel_model(seed)
+    prompts = random_prompts(model.args, n_prompts, seed + 1)
+    equal, fpt, flips = 0, {"ar": [], "dflash": [], "ddtree": []}, []
+    for i, prompt in enumerate(prompts):
+        ar = generate_ar(model, prompt, max_new_tokens)
+        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i)
+        df = generate_dflash(model, o, prompt, max_new_tokens, backend="kernel")
+        dd = generate_ddtree(model, o, prompt, max_new_tokens, budget=budget, backend="kernel")
+        equal += ar.tokens == df.tokens == dd.tokens
+        for r in (df, dd):
+            dv = divergence(model, prompt, ar.tokens, r.tokens)
+            if dv is not None:
+                flips.append(dv)
+        for k, r in (("ar", ar), ("dflash", df), ("ddtree", dd)):
+            fpt[k].append(r.forwards_per_token)
+    out["kernel_prompts_identical_to_ar"] = f"{equal}/{len(prompts)}"
+    out["kernel_divergences"] = flips
+    out["kernel_ddtree_equals_ar"] = all(f["near_tie"] for f in flips)
+    out["kernel_forwards_per_token"] = {k: float(np.mean(v)) for k, v in fpt.items()}
+    return out
