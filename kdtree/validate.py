@@ -278,13 +278,20 @@ def tiny_kernel_args() -> ModelArgs:
     return TINY_A.replace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
 
 
-def kernel_model(seed: int = 0, logit_scale: float = 4.0) -> Transformer:
-    """A float32 tiny model on the GPU with attn_impl='kernel' (bf16 latent cache). Its lm_head is scaled up so
-    that greedy choices are not near-ties that bf16 attention rounding could flip."""
+def kernel_model(seed: int = 0, logit_scale: float = 4.0, query_scale: float = 0.3) -> Transformer:
+    """A float32 tiny model on the GPU with attn_impl='kernel' (bf16 queries and latent cache).
+
+    Random weights at 1/sqrt(fan_in) give attention scores in the tens, so softmax is nearly one-hot and
+    bf16 rounding of the queries moves some logits by tens of percent (measured on the H200). The query
+    projection is scaled by `query_scale` to keep attention well conditioned, and the lm_head by
+    `logit_scale` so that greedy choices are rarely near-ties."""
     from .model import build_model
     m = build_model(tiny_kernel_args(), seed=seed, device="cuda")
     with torch.no_grad():
         m.lm_head.weight.mul_(logit_scale)
+        for layer in m.model.layers:
+            att = layer.self_attn
+            (att.q_proj if m.args.q_lora_rank is None else att.q_b_proj).weight.mul_(query_scale)
     m.attn_impl = "kernel"
     return m
 
