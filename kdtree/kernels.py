@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,10 @@ D_QK, D_V = 576, 512
 
 # ----------------------------------------------------------------------------- module loading
 def cuda_source_dir() -> Path:
-    """cuda/ inside the installed package (kdtree.cuda), else the checkout's cuda/ (PYTHONPATH runs)."""
-    try:
-        return Path(str(files("kdtree.cuda")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "cuda"
+    """kdtree/cuda/ inside an installed (non-editable) package, else the checkout's cuda/."""
+    here = Path(__file__).resolve().parent
+    installed = here / "cuda"
+    return installed if installed.is_dir() else here.parent / "cuda"
 
 
 def cuda_sources() -> list[Path]:
