@@ -54,27 +54,28 @@ def _rewrite(tmp_path, sd):
     save_file(sd, str(tmp_path / "model.safetensors"))
 
 
-def test_missing_tensor_is_named(tmp_path):
-    sd = _ckpt(tmp_path)
+def _drop_kv_b(sd):
     del sd["model.layers.2.self_attn.kv_b_proj.weight"]
-    _rewrite(tmp_path, sd)
-    with pytest.raises(weights.CheckpointError, match=r"missing: model\.layers\.2\.self_attn\.kv_b_proj\.weight"):
-        weights.load(tmp_path)
 
 
-def test_unexpected_tensor_is_named(tmp_path):
-    sd = _ckpt(tmp_path)
+def _add_bogus(sd):
     sd["model.layers.1.self_attn.bogus.weight"] = torch.zeros(2)
-    _rewrite(tmp_path, sd)
-    with pytest.raises(weights.CheckpointError, match=r"unexpected: model\.layers\.1\.self_attn\.bogus"):
-        weights.load(tmp_path)
 
 
-def test_misshaped_tensor_is_named(tmp_path):
-    sd = _ckpt(tmp_path)
+def _shrink_norm(sd):
     sd["model.norm.weight"] = torch.ones(255)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_drop_kv_b, r"missing: model\.layers\.2\.self_attn\.kv_b_proj\.weight"),
+    (_add_bogus, r"unexpected: model\.layers\.1\.self_attn\.bogus"),
+    (_shrink_norm, r"mis-shaped: model\.norm\.weight: expected \(256,\)"),
+])
+def test_bad_tensors_are_named(tmp_path, edit, needle):
+    sd = _ckpt(tmp_path)
+    edit(sd)
     _rewrite(tmp_path, sd)
-    with pytest.raises(weights.CheckpointError, match=r"mis-shaped: model\.norm\.weight: expected \(256,\)"):
+    with pytest.raises(weights.CheckpointError, match=needle):
         weights.load(tmp_path)
 
 
