@@ -20,7 +20,7 @@ A drafter hands out sessions with three calls the decode loop uses:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch

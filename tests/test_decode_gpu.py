@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kdtree.decode import generate_ar, generate_ddtree, generate_dflash
-from kdtree.drafter import OracleDrafter, build_drafter
+from kdtree.drafter import OracleDrafter
 from kdtree.validate import divergence, kernel_checks, kernel_model, random_prompts, rel_err
 
 pytestmark = pytest.mark.gpu
