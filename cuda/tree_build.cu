@@ -3,21 +3,25 @@
 // Golden twin: kdtree/golden.py  topk_logprobs + build_tree + compile_tree + pack_mask_bits.
 // Three launches, no host round trip (capturable in a CUDA graph):
 //
-// 1. topk_partial_{f32,bf16}   grid (n_chunks, R), block 512, dynamic smem = chunk * 4 bytes
+// 1. topk_partial_{f32,bf16}   grid (n_chunks, R), block 512, chunk <= 16384 columns (32 per thread)
 //      logits [R, V] (fp32, or bf16 passed as uint16), R = batch * L rows.
 //      Per chunk of `chunk` columns: the chunk's top-Kc (Kc = min(K, chunk size); by value descending,
-//      then token ascending) as sortable uint32 keys + token ids, unordered, padded to K with key 0 /
-//      token -1; the chunk max (float) and sum(exp(x - max)) (double).
+//      then token ascending) as sortable uint32 keys + token ids, listed so that the columns of any one
+//      key value ascend (topk_merge relies on it), padded to K with key 0 / token -1; the chunk max
+//      (float) and sum(exp(x - max)) (double).
 //      cand_key/cand_tok [R, n_chunks, K]; part_max float [R, n_chunks]; part_sum double [R, n_chunks].
-// 2. topk_merge                grid R, block 1024, dynamic smem = n_chunks * K * 8 + K_pow2 * 8 bytes
-//      The row's top-K over all candidates (radix select on the key, then on the token among equal keys),
+// 2. topk_merge                grid R, block 1024, n_chunks * K <= 16384 candidates (16 per thread)
+//      The row's top-K over all candidates (radix select on the key; equal keys by token),
 //      bitonic-sorted by (key descending, token ascending); lse = m + log(sum) combined in double;
 //      out_tok int32 [R, K], out_lp float [R, K] = float(double(x) - lse)   (-inf stays -inf).
-// 3. tree_build                grid batch, block 128, dynamic smem from B and C (tree_smem_bytes in kernels.py)
+// 3. tree_build_c{1,2,4,8,16,33}   grid batch, block 256, dynamic smem = 8 * B + 4 * (B + 1) + 4 * L * K
+//      (staged log-probabilities, when stage_lp) + 2 * (B + 1) bytes
 //      Best-first search over the per-depth top-K lists (rows b*L .. b*L+L-1), budget B <= 1024, L <= 63:
-//      pop the smallest (-score, depth, rank path) key, emit it, push its next sibling and first child;
-//      score(child) = float(score(parent) + logprob), round-to-nearest, no contraction. Warp 0 runs the
-//      search over a frontier of 32 * C slots (C = ceil((2B + 1) / 32) + 1); all warps write the block. N = B + 1 rows per request, root first:
+//      pop the smallest (-score, depth, parent index, rank) key, emit it, push its next sibling and first
+//      child; score(child) = float(score(parent) + logprob), round-to-nearest, no contraction.
+//      Warp 0 runs the search; the frontier has one slot per emitted node (its next child) plus the
+//      root's, slot s in lane s % 32, register s / 32 (C = ceil((B + 1) / 32) registers, rounded up to an
+//      instantiated C). All warps then write the block. N = B + 1 rows per request, root first:
 //        tokens int32 [batch, N]     root_tok[b], then node tokens; padding rows repeat the root token
 //        positions int32 [batch, N]  start_pos[b] + depth
 //        parents int32 [batch, N]    -1 for the root and padding rows, else the parent's row
@@ -28,6 +32,7 @@
 #include "common.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
+#define FULL 0xffffffffu
 
 __device__ __forceinline__ uint32_t f2key(float x) {
     if (x == 0.0f) x = 0.0f;  // -0 and +0 are one value, as in numpy
@@ -45,26 +50,49 @@ __device__ __forceinline__ float load_logit(const uint16_t* p, size_t i) {
     return __uint_as_float(((uint32_t)p[i]) << 16);  // bf16 -> fp32 exactly
 }
 
+// exp(d) for d <= 0 in double, table-driven: d = (64k + j) ln2/64 + r, |r| <= ln2/128,
+// exp(d) = 2^k * 2^(j/64) * P6(r). Relative error ~2 ulp; 0 below -700 (such terms cannot change a sum
+// that holds the max's term, 1). tab[64] = 2^(j/64), filled by init_exp_table.
+__device__ __forceinline__ double exp_neg(double d, const double* tab) {
+    if (d < -700.0) return 0.0;
+    const double n = rint(d * 92.33248261689366);              // 64 / ln 2
+    double r = fma(-n, 0.01083042469326756, d);                // ln2/64, high part
+    r = fma(-n, 2.9815858269852933e-12, r);                      // ln2/64, low part
+    const int ni = (int)n, j = ni & 63, k = (ni - j) / 64;      // ni = 64k + j, 0 <= j < 64
+    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+    p = fma(r, p, 1.0 / 24.0);
+    p = fma(r, p, 1.0 / 6.0);
+    p = fma(r, p, 0.5);
+    p = fma(r, p, 1.0);
+    p = fma(r, p, 1.0);
+    const double t = tab[j] * p;                                // in [0.99, 2.01)
+    return __longlong_as_double(__double_as_longlong(t) + ((long long)k << 52));
+}
+
+__device__ void init_exp_table(double* tab) {
+    for (int j = threadIdx.x; j < 64; j += blockDim.x) tab[j] = exp2((double)j / 64.0);
+}
+
 // Block-wide reductions and an exclusive scan (blockDim.x a multiple of 32, <= 1024).
 __device__ float block_max(float v, float* red) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
     int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
     __syncthreads();
     if (l == 0) red[w] = v;
     __syncthreads();
     v = (l < nw) ? red[l] : NEG_INF;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
     return v;
 }
 
 __device__ double block_sum(double v, double* red) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
     __syncthreads();
     if (l == 0) red[w] = v;
     __syncthreads();
     v = (l < nw) ? red[l] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     return v;
 }
 
@@ -73,7 +101,7 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
     int l = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int x = v;
     for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, x, o);
+        int y = __shfl_up_sync(FULL, x, o);
         if (l >= o) x += y;
     }
     __syncthreads();
@@ -82,7 +110,7 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
     if (w == 0) {
         int s = (l < nw) ? red[l] : 0;
         for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, s, o);
+            int y = __shfl_up_sync(FULL, s, o);
             if (l >= o) s += y;
         }
         if (l < nw) red[l] = s;  // inclusive warp totals
@@ -94,337 +122,434 @@ __device__ int block_exclusive_scan(int v, int* red, int* total) {
     return before;
 }
 
-// Radix select over keys[0..n) in shared memory: the key of the `want`-th largest element (1-based),
-// restricted to elements for which `get` reports ok; *remaining_out = how many elements equal to the
-// result are still needed (want - count of larger ones). `descending` false selects the want-th smallest.
-// Histogram atomics are aggregated per warp (__match_any_sync); warp 0 searches the 256 bins in parallel.
-template <typename Get>
-__device__ uint32_t radix_select(int n, int want, bool descending, Get get, uint32_t* hist, int* s_int,
-                                 int* remaining_out) {
-    const int lane = threadIdx.x & 31;
-    uint32_t prefix = 0, mask = 0;
-    int remaining = want;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        for (int base = 0; base < n; base += blockDim.x) {
-            const int i = base + threadIdx.x;
-            bool ok = false;
-            uint32_t k = 0;
-            if (i < n) k = get(i, &ok);
-            ok = ok && (k & mask) == prefix;
-            const uint32_t bin = ok ? (k >> shift) & 255u : 0xffffffffu;
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);
-            if (ok && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (uint32_t)__popc(peers));
+// ------------------------------------------------------------------------------- register selection
+// Each thread holds up to E keys of a contiguous range of items in registers (key 0 = no item; a real
+// key is never 0: f2key(-inf) = 0x007fffff). select_kth finds the want-th largest key over the block in
+// three radix passes (bits 31..20, 19..8, 7..0; 4096 / 4096 / 256 bins). Before the passes, a lower
+// bound: the want-th largest of every thread's top two keys, to 12 bits, is at most the answer (those
+// are want distinct items), so only keys at or above it reach the histograms: a few hundred atomics
+// instead of one per item. On return an item is selected when (k & mask) is above `prefix`, or equal
+// to it and among the first `remaining` such items in item order; eq_count items share the prefix.
+// (The bound below uses each thread's top two keys, or top four when want > 256.)
+// The passes stop once the prefix's items are all needed or a pass ends at or below low_bit (the caller
+// knows that keys sharing the bits above it are equal: widened bf16 keys are decided by their top 16).
+struct Selection { uint32_t prefix, mask, bound; int remaining, eq_count; };
+
+// The bin holding the want-th item counted from the top (descending) of hist[0..nb); block-uniform
+// result in s_int: {bin, want - items in higher bins, items in the bin, items in all bins}.
+__device__ void find_bin(const uint32_t* hist, int nb, int want, int* red, int* s_int) {
+    const int per = (nb + blockDim.x - 1) / blockDim.x;
+    const int a = min(nb, (int)threadIdx.x * per), e = min(nb, a + per);
+    int c = 0;
+    for (int t = a; t < e; ++t) c += (int)hist[nb - 1 - t];
+    int total;
+    const int before = block_exclusive_scan(c, red, &total);
+    if (threadIdx.x == 0) { s_int[0] = 0; s_int[1] = want; s_int[2] = 0; s_int[3] = total; }
+    __syncthreads();
+    if (before < want && want <= before + c) {
+        int cum = before;
+        for (int t = a; t < e; ++t) {
+            const int bin = nb - 1 - t, h = (int)hist[bin];
+            if (cum + h >= want) { s_int[0] = bin; s_int[1] = want - cum; s_int[2] = h; break; }
+            cum += h;
         }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            int c[8], tot = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int t = lane * 8 + j, bin = descending ? 255 - t : t;
-                c[j] = (int)hist[bin];
-                tot += c[j];
-            }
-            int incl = tot;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            const int excl = incl - tot;
-            const unsigned owner = __ballot_sync(0xffffffffu, excl < remaining && remaining <= incl);
-            if (lane == __ffs(owner) - 1) {
-                int cum = excl;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (cum + c[j] >= remaining) {
-                        const int t = lane * 8 + j;
-                        s_int[0] = descending ? 255 - t : t;
-                        s_int[1] = remaining - cum;
-                        break;
-                    }
-                    cum += c[j];
-                }
-            }
-        }
-        __syncthreads();
-        prefix |= ((uint32_t)s_int[0]) << shift;
-        mask |= 255u << shift;
-        remaining = s_int[1];
-        __syncthreads();
     }
-    *remaining_out = remaining;
-    return prefix;
+    __syncthreads();
 }
 
+// A lower bound (to 12 bits) on the want-th largest key: the want-th largest of every thread's top T
+// keys (those are want distinct items); 0 when fewer than `want` are listed. T = 2, or 4 for want > 256.
+template <int T, int E>
+__device__ void top_keys(const uint32_t (&k)[E], uint32_t* hist) {
+    uint32_t a[T];
+#pragma unroll
+    for (int q = 0; q < T; ++q) a[q] = 0u;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        uint32_t x = k[j];
+#pragma unroll
+        for (int q = 0; q < T; ++q) { const uint32_t h = max(a[q], x); x = min(a[q], x); a[q] = h; }
+    }
+#pragma unroll
+    for (int q = 0; q < T; ++q) if (a[q]) atomicAdd(&hist[a[q] >> 20], 1u);
+}
+
+template <int E>
+__device__ uint32_t top_bound(const uint32_t (&k)[E], int want, uint32_t* hist, int* red, int* s_int) {
+    for (int i = threadIdx.x; i < 4096; i += blockDim.x) hist[i] = 0u;
+    __syncthreads();
+    if (want > 256) top_keys<4, E>(k, hist); else top_keys<2, E>(k, hist);
+    __syncthreads();
+    find_bin(hist, 4096, want, red, s_int);
+    const uint32_t bound = (s_int[3] >= want) ? ((uint32_t)s_int[0]) << 20 : 0u;
+    __syncthreads();
+    return bound;
+}
+
+// The radix passes; visit(f) calls f(key) for each of the thread's items (key 0 = none).
+template <typename Visit>
+__device__ Selection radix_passes(Visit visit, int want, uint32_t bound, int low_bit, uint32_t* hist, int* red,
+                                  int* s_int) {
+    Selection s{0u, 0u, bound, want, 0};
+    const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = shifts[pass], nb = 1 << widths[pass];
+        const uint32_t bm = (uint32_t)nb - 1u;
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) hist[i] = 0u;
+        __syncthreads();
+        visit([&](uint32_t v) {
+            if (v != 0u && v >= s.bound && (v & s.mask) == s.prefix) atomicAdd(&hist[(v >> shift) & bm], 1u);
+        });
+        __syncthreads();
+        find_bin(hist, nb, s.remaining, red, s_int);
+        s.prefix |= ((uint32_t)s_int[0]) << shift;
+        s.mask |= bm << shift;
+        s.remaining = s_int[1];
+        s.eq_count = s_int[2];
+        __syncthreads();  // everyone has read s_int before the next pass
+        if (s.remaining == s.eq_count || shift <= low_bit) break;
+    }
+    return s;
+}
+
+template <int E>
+__device__ Selection select_kth(const uint32_t (&k)[E], int want, int low_bit, uint32_t* hist, int* red,
+                                int* s_int) {
+    const uint32_t bound = top_bound<E>(k, want, hist, red, s_int);
+    return radix_passes([&](auto f) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) f(k[j]);
+    }, want, bound, low_bit, hist, red, s_int);
+}
+
+// Selected items in item order: every key above the prefix first, then the first `remaining` sharing
+// it. Calls emit(j, slot) for each of the thread's selected registers; slots are 0..want-1.
+template <int E, typename Emit>
+__device__ void emit_selected(const uint32_t (&k)[E], const Selection& s, int* red, Emit emit) {
+    int gt = 0, eq = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const uint32_t v = k[j], vm = v & s.mask;
+        gt += (v != 0u && vm > s.prefix);
+        eq += (v != 0u && vm == s.prefix);
+    }
+    int gt_total, eq_total;
+    int gt_off = block_exclusive_scan(gt, red, &gt_total);
+    int eq_off = block_exclusive_scan(eq, red, &eq_total);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const uint32_t v = k[j], vm = v & s.mask;
+        if (v == 0u) continue;
+        if (vm > s.prefix) { emit(j, gt_off); ++gt_off; }
+        else if (vm == s.prefix) {
+            if (eq_off < s.remaining) emit(j, gt_total + eq_off);
+            ++eq_off;
+        }
+    }
+}
+
+// Load this thread's cnt items (keys; 0 after them), 8 at a time through 16-byte loads where `vec`
+// (the range starts 16-byte aligned), else one by one; *m gets their max.
+template <int E>
+__device__ void load_keys(const float* p, int cnt, bool vec, uint32_t (&k)[E], float* m) {
+#pragma unroll
+    for (int j = 0; j < E; j += 8) {
+        if (vec && j + 8 <= cnt) {
+            const float4 q0 = *reinterpret_cast<const float4*>(p + j), q1 = *reinterpret_cast<const float4*>(p + j + 4);
+            const float x[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+            for (int h = 0; h < 8; ++h) { k[j + h] = f2key(x[h]); *m = fmaxf(*m, x[h]); }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 8; ++h) {
+                k[j + h] = 0u;
+                if (j + h < cnt) { const float x = p[j + h]; k[j + h] = f2key(x); *m = fmaxf(*m, x); }
+            }
+        }
+    }
+}
+
+template <int E>
+__device__ void load_keys(const uint16_t* p, int cnt, bool vec, uint32_t (&k)[E], float* m) {
+#pragma unroll
+    for (int j = 0; j < E; j += 8) {
+        if (vec && j + 8 <= cnt) {
+            const uint4 q = *reinterpret_cast<const uint4*>(p + j);
+            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                const float x0 = __uint_as_float(w[h] << 16), x1 = __uint_as_float(w[h] & 0xffff0000u);
+                k[j + 2 * h] = f2key(x0); k[j + 2 * h + 1] = f2key(x1);
+                *m = fmaxf(*m, fmaxf(x0, x1));
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 8; ++h) {
+                k[j + h] = 0u;
+                if (j + h < cnt) { const float x = load_logit(p, (size_t)(j + h)); k[j + h] = f2key(x); *m = fmaxf(*m, x); }
+            }
+        }
+    }
+}
+
+// Partial: thread t holds columns [t * w, t * w + w) of the chunk, w = a multiple of 8 <= PE.
+#define PE 32
+#define LIST_CAP 4096
 template <typename T>
-__device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, int chunk,
+__device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, int chunk, int low_bit,
                                   uint32_t* __restrict__ cand_key, int32_t* __restrict__ cand_tok,
                                   float* __restrict__ part_max, double* __restrict__ part_sum) {
-    extern __shared__ uint32_t skeys[];
-    __shared__ uint32_t hist[256];
+    __shared__ uint32_t hist[4096];
+    __shared__ double tab[64];
     __shared__ float fred[32];
     __shared__ double dred[32];
     __shared__ int ired[32];
-    __shared__ int s_int[2];
+    __shared__ int s_int[4];
+    __shared__ uint32_t lkey[LIST_CAP];
+    __shared__ uint16_t lcol[LIST_CAP];
     const int r = blockIdx.y, c = blockIdx.x, nch = gridDim.x;
     const int lo = c * chunk, n = min(V, lo + chunk) - lo;
-    const size_t base = (size_t)r * V + lo;
+    const int w = (((n + blockDim.x - 1) / blockDim.x) + 7) & ~7;
+    const int t0 = threadIdx.x * w, cnt = max(0, min(w, n - t0));
+    const size_t base = (size_t)r * V + lo + t0;
+    const bool vec = (V % 8) == 0 && (chunk % 8) == 0;  // then every thread's range is 16-byte aligned
+    init_exp_table(tab);
 
+    uint32_t k[PE];
     float m = NEG_INF;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = load_logit(logits, base + i);
-        skeys[i] = f2key(x);
-        m = fmaxf(m, x);
-    }
-    m = block_max(m, fred);
+    load_keys<PE>(logits + base, cnt, vec, k, &m);
+    m = block_max(m, fred);  // its barriers also publish tab
     double s = 0.0;
-    if (m != NEG_INF)
-        for (int i = threadIdx.x; i < n; i += blockDim.x) s += exp((double)key2f(skeys[i]) - (double)m);
+    if (m != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < PE; ++j)
+            if (j < cnt) s += exp_neg((double)key2f(k[j]) - (double)m, tab);
+    }
     s = block_sum(s, dred);
     const size_t pidx = (size_t)r * nch + c;
     if (threadIdx.x == 0) { part_max[pidx] = m; part_sum[pidx] = s; }
 
     const int Kc = min(K, n);
-    int need_eq;
-    uint32_t thr = radix_select(n, Kc, true, [&](int i, bool* ok) { *ok = true; return skeys[i]; }, hist, s_int,
-                              &need_eq);
-    // Ordered selection: every key > T, then the first need_eq keys == T by index.
-    const int per = (n + blockDim.x - 1) / blockDim.x;
-    const int a = min(n, (int)threadIdx.x * per), e = min(n, a + per);
-    int gt = 0, eq = 0;
-    for (int i = a; i < e; ++i) { gt += skeys[i] > thr; eq += skeys[i] == thr; }
-    int gt_total, eq_total;
-    int gt_off = block_exclusive_scan(gt, ired, &gt_total);
-    int eq_off = block_exclusive_scan(eq, ired, &eq_total);
     uint32_t* ok = cand_key + pidx * K;
     int32_t* ot = cand_tok + pidx * K;
-    for (int i = a; i < e; ++i) {
-        uint32_t k = skeys[i];
-        if (k > thr) { ok[gt_off] = k; ot[gt_off] = lo + i; ++gt_off; }
-        else if (k == thr) {
-            if (eq_off < need_eq) { ok[gt_total + eq_off] = k; ot[gt_total + eq_off] = lo + i; }
-            ++eq_off;
+    const uint32_t bound = top_bound<PE>(k, Kc, hist, ired, s_int);
+    // Fast path: the items at or above the bound (usually a few hundred) go to a list in item order.
+    int sv = 0;
+#pragma unroll
+    for (int j = 0; j < PE; ++j) sv += (k[j] != 0u && k[j] >= bound);
+    int total;
+    int off = block_exclusive_scan(sv, ired, &total);
+    if (total <= LIST_CAP) {
+#pragma unroll
+        for (int j = 0; j < PE; ++j)
+            if (k[j] != 0u && k[j] >= bound) { lkey[off] = k[j]; lcol[off] = t0 + j; ++off; }
+        __syncthreads();
+        const Selection sel = radix_passes([&](auto f) {
+            for (int i = threadIdx.x; i < total; i += blockDim.x) f(lkey[i]);
+        }, Kc, bound, low_bit, hist, ired, s_int);
+        // ordered emit over the list: thread t takes list items [t * lw, t * lw + lw)
+        const int lw = (total + blockDim.x - 1) / blockDim.x, la = min(total, (int)threadIdx.x * lw),
+                  le = min(total, la + lw);
+        int gt = 0, eq = 0;
+        for (int i = la; i < le; ++i) {
+            const uint32_t vm = lkey[i] & sel.mask;
+            gt += vm > sel.prefix;
+            eq += vm == sel.prefix;
         }
+        int gt_total, eq_total;
+        int gt_off = block_exclusive_scan(gt, ired, &gt_total);
+        int eq_off = block_exclusive_scan(eq, ired, &eq_total);
+        for (int i = la; i < le; ++i) {
+            const uint32_t v = lkey[i], vm = v & sel.mask;
+            if (vm > sel.prefix) { ok[gt_off] = v; ot[gt_off] = lo + lcol[i]; ++gt_off; }
+            else if (vm == sel.prefix) {
+                if (eq_off < sel.remaining) { ok[gt_total + eq_off] = v; ot[gt_total + eq_off] = lo + lcol[i]; }
+                ++eq_off;
+            }
+        }
+    } else {  // many ties at the bound: select over the registers
+        const Selection sel = radix_passes([&](auto f) {
+#pragma unroll
+            for (int j = 0; j < PE; ++j) f(k[j]);
+        }, Kc, bound, low_bit, hist, ired, s_int);
+        emit_selected<PE>(k, sel, ired, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = lo + t0 + j; });
     }
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
 }
 
-extern "C" __global__ void __launch_bounds__(512) topk_partial_f32(
+extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_f32(
     const float* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
     float* part_max, double* part_sum) {
-    topk_partial_impl(logits, V, K, chunk, cand_key, cand_tok, part_max, part_sum);
+    topk_partial_impl(logits, V, K, chunk, 0, cand_key, cand_tok, part_max, part_sum);
 }
 
-extern "C" __global__ void __launch_bounds__(512) topk_partial_bf16(
+extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_bf16(
     const uint16_t* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
     float* part_max, double* part_sum) {
-    topk_partial_impl(logits, V, K, chunk, cand_key, cand_tok, part_max, part_sum);
+    topk_partial_impl(logits, V, K, chunk, 16, cand_key, cand_tok, part_max, part_sum);
 }
 
+// Bitonic sort, descending, of one uint64 per thread over threads [0, n), n a power of two <= blockDim.x:
+// strides below 32 through warp shuffles, larger ones through shared memory buf[n].
+__device__ uint64_t bitonic_desc(uint64_t v, int n, uint64_t* buf) {
+    const int i = threadIdx.x;
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            uint64_t o;
+            if (stride >= 32) {
+                if (i < n) buf[i] = v;
+                __syncthreads();
+                o = (i < n) ? buf[i ^ stride] : 0ull;
+                __syncthreads();
+            } else {
+                o = __shfl_xor_sync(FULL, v, stride);
+            }
+            const bool lower = (i & stride) == 0, desc = (i & size) == 0;
+            v = (lower == desc) ? (v > o ? v : o) : (v < o ? v : o);
+        }
+    }
+    return v;
+}
+
+// Merge: the row's candidates in chunk order; a chunk lists, for any one key value, its columns in
+// ascending order, so item order among equal keys is token order and emit_selected keeps the tie-break.
+#define ME 16
 extern "C" __global__ void __launch_bounds__(1024) topk_merge(
     const uint32_t* __restrict__ cand_key, const int32_t* __restrict__ cand_tok,
     const float* __restrict__ part_max, const double* __restrict__ part_sum, int nch, int K, int Kp,
     int32_t* __restrict__ out_tok, float* __restrict__ out_lp) {
-    extern __shared__ uint64_t sm64[];
-    uint64_t* sorted = sm64;                                  // [Kp]
-    uint32_t* keys = (uint32_t*)(sm64 + Kp);                  // [M]
-    int32_t* toks = (int32_t*)(keys + (size_t)nch * K);       // [M]
-    __shared__ uint32_t hist[256];
-    __shared__ int s_int[2];
-    __shared__ int s_count;
+    __shared__ uint32_t hist[4096];
+    __shared__ uint64_t buf[1024];
+    __shared__ int ired[32];
+    __shared__ int s_int[4];
     __shared__ double s_lse;
     const int r = blockIdx.x, M = nch * K;
-    for (int i = threadIdx.x; i < M; i += blockDim.x) {
-        keys[i] = cand_key[(size_t)r * M + i];
-        toks[i] = cand_tok[(size_t)r * M + i];
-    }
-    if (threadIdx.x == 0) {
+    const int w = (M + blockDim.x - 1) / blockDim.x;  // <= ME
+    const int t0 = threadIdx.x * w, cnt = max(0, min(w, M - t0));
+    const uint32_t* ck = cand_key + (size_t)r * M + t0;
+    const int32_t* ct = cand_tok + (size_t)r * M + t0;
+    uint32_t k[ME];
+#pragma unroll
+    for (int j = 0; j < ME; ++j) k[j] = (j < cnt) ? ck[j] : 0u;  // padding candidates have key 0
+    if (threadIdx.x < 32) {
         float m = NEG_INF;
-        for (int c = 0; c < nch; ++c) m = fmaxf(m, part_max[(size_t)r * nch + c]);
+        for (int c = threadIdx.x; c < nch; c += 32) m = fmaxf(m, part_max[(size_t)r * nch + c]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
         double s = 0.0;
-        for (int c = 0; c < nch; ++c) {
-            float pm = part_max[(size_t)r * nch + c];
+        for (int c = threadIdx.x; c < nch; c += 32) {
+            const float pm = part_max[(size_t)r * nch + c];
             if (pm != NEG_INF) s += part_sum[(size_t)r * nch + c] * exp((double)pm - (double)m);
         }
-        s_lse = (double)m + log(s);
-        s_count = 0;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (threadIdx.x == 0) s_lse = (double)m + log(s);
     }
+    const Selection sel = select_kth<ME>(k, K, 0, hist, ired, s_int);
+    emit_selected<ME>(k, sel, ired, [&](int j, int slot) {
+        buf[slot] = ((uint64_t)k[j] << 32) | (uint64_t)(~(uint32_t)ct[j]); });
     __syncthreads();
-    int need_eq;
-    uint32_t T = radix_select(M, K, true, [&](int i, bool* ok) { *ok = true; return keys[i]; }, hist, s_int,
-                              &need_eq);
-    int dummy;
-    uint32_t Ttok = radix_select(M, need_eq, false, [&](int i, bool* ok) {
-        *ok = keys[i] == T; return (uint32_t)toks[i]; }, hist, s_int, &dummy);
-    for (int i = threadIdx.x; i < Kp; i += blockDim.x) sorted[i] = 0ull;
+    uint64_t v = (threadIdx.x < K) ? buf[threadIdx.x] : 0ull;
     __syncthreads();
-    for (int i = threadIdx.x; i < M; i += blockDim.x) {
-        uint32_t k = keys[i];
-        if (k > T || (k == T && (uint32_t)toks[i] <= Ttok)) {
-            int slot = atomicAdd(&s_count, 1);
-            sorted[slot] = ((uint64_t)k << 32) | (uint64_t)(~(uint32_t)toks[i]);
-        }
-    }
-    __syncthreads();
-    // bitonic sort, descending
-    for (int size = 2; size <= Kp; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = threadIdx.x; i < Kp; i += blockDim.x) {
-                int j = i ^ stride;
-                if (j > i) {
-                    bool desc = (i & size) == 0;
-                    uint64_t x = sorted[i], y = sorted[j];
-                    if (desc ? (x < y) : (x > y)) { sorted[i] = y; sorted[j] = x; }
-                }
-            }
-            __syncthreads();
-        }
-    }
+    v = bitonic_desc(v, Kp, buf);
     const double lse = s_lse;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        uint64_t v = sorted[i];
-        float x = key2f((uint32_t)(v >> 32));
-        out_tok[(size_t)r * K + i] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
-        out_lp[(size_t)r * K + i] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
+    if (threadIdx.x < K) {
+        const float x = key2f((uint32_t)(v >> 32));
+        out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
+        out_lp[(size_t)r * K + threadIdx.x] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
     }
 }
 
 // ---------------------------------------------------------------------------------------- tree build
-// One warp runs the best-first search. The frontier lives in shared memory, lane l owning slots
-// [l*C, (l+1)*C) (pushes go to lanes round-robin; popped slots get key 0). Each pop: every lane scans its
-// own slots, then a warp butterfly finds the best entry. key = f2key(score) << 32 | (63 - depth) << 26, so
-// one 64-bit compare settles score and depth; equal keys fall back to the rank-path walk.
-struct Tree {
-    uint64_t* f_key; int16_t* f_par; int16_t* f_rank;                          // frontier [32 * C]
-    float* n_score; int32_t* n_tok; int16_t* n_par; int16_t* n_rank; int8_t* n_depth;  // nodes [B]
-};
-
-__device__ __forceinline__ bool better(const Tree& t, uint64_t ka, int sa, uint64_t kb, int sb) {
-    if (ka != kb) return ka > kb;
-    if (ka == 0ull || sa == sb) return false;
-    int pa = t.f_par[sa], pb = t.f_par[sb], ra = t.f_rank[sa], rb = t.f_rank[sb];
-    while (pa != pb) { ra = t.n_rank[pa]; rb = t.n_rank[pb]; pa = t.n_par[pa]; pb = t.n_par[pb]; }
-    return ra < rb;
+// Search key, one uint64 compared as an integer (larger = earlier): f2key(score) in the high word; below it
+// 63 - depth (6 bits), 2047 - parent slot (11 bits; slot 0 = the root, slot p + 1 = node p) and
+// 1023 - rank (10 bits). Every field is decodable, so a popped key is the whole node record.
+__device__ __forceinline__ uint64_t tree_key(float score, int depth, int slot, int rank) {
+    return ((uint64_t)f2key(score) << 32) | ((uint64_t)(63 - depth) << 21) | ((uint64_t)(2047 - slot) << 10) |
+           (uint64_t)(1023 - rank);
 }
 
-__device__ __forceinline__ uint64_t entry_key(float score, int depth) {
-    return ((uint64_t)f2key(score) << 32) | ((uint64_t)(63 - depth) << 26);
-}
-
-extern "C" __global__ void __launch_bounds__(128) tree_build(
-    const int32_t* __restrict__ top_tok, const float* __restrict__ top_lp, int L, int K, int B, int C, int stage_lp,
+template <int C>
+__device__ void tree_build_impl(
+    const int32_t* __restrict__ top_tok, const float* __restrict__ top_lp, int L, int K, int B, int stage_lp,
     const int32_t* __restrict__ root_tok, const int32_t* __restrict__ start_pos,
     int32_t* __restrict__ tokens, int32_t* __restrict__ positions, int32_t* __restrict__ parents,
     int32_t* __restrict__ depths, float* __restrict__ scores, uint32_t* __restrict__ mask,
     int32_t* __restrict__ n_nodes) {
     extern __shared__ uint64_t sm_tree[];
-    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5, F = 32 * C;
-    Tree t;
-    t.f_key = sm_tree;
-    t.n_score = (float*)(t.f_key + F);
-    t.n_tok = (int32_t*)(t.n_score + B);
-    float* lp_s = (float*)(t.n_tok + B);           // [L * K] when staged
-    t.f_par = (int16_t*)(lp_s + (stage_lp ? L * K : 0));
-    t.f_rank = t.f_par + F;
-    t.n_par = t.f_rank + F;
-    t.n_rank = t.n_par + B;
-    int16_t* prow = t.n_rank + B;  // parent row of each verify row [N]
-    t.n_depth = (int8_t*)(prow + N);
+    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5;
+    uint64_t* nodes = sm_tree;                                   // [B] popped keys, in emission order
+    float* nsc = (float*)(nodes + B);                            // [B + 1] slot scores (slot 0 = the root)
+    float* lp_s = nsc + N;                                       // [L * K] when staged
+    int16_t* prow = (int16_t*)(lp_s + (stage_lp ? L * K : 0));   // [N] parent row of each verify row
     __shared__ int s_n;
     const int32_t* tt = top_tok + (size_t)b * L * K;
     const float* lp = top_lp + (size_t)b * L * K;
     if (stage_lp) {
         for (int i = threadIdx.x; i < L * K; i += blockDim.x) lp_s[i] = lp[i];
-        __syncthreads();
         lp = lp_s;
     }
+    if (threadIdx.x == 0) nsc[0] = 0.0f;
+    __syncthreads();
 
     if (threadIdx.x < 32) {
+        // Frontier: slot s holds the next unexplored child of slot s's node (0 = none); lane s % 32,
+        // register s / 32. Each pop is computed by the whole warp alike (the popped key is uniform);
+        // only the two owning lanes store, and only they refresh their best.
         const int lane = threadIdx.x;
-        int cnt = 0, pushes = 0, n = 0;
-        uint64_t mk = 0ull;  // this lane's best entry (key, slot)
-        int ms = -1;
-        auto push = [&](uint64_t key, int par, int rank) {
-            if (lane == (pushes & 31)) {
-                const int sl = lane * C + cnt++;
-                t.f_key[sl] = key; t.f_par[sl] = (int16_t)par; t.f_rank[sl] = (int16_t)rank;
-                if (better(t, key, sl, mk, ms)) { mk = key; ms = sl; }
-            }
-            ++pushes;
-        };
-        if (lp[0] != NEG_INF) push(entry_key(lp[0], 1), -1, 0);
-        __syncwarp();
-        while (n < B) {
-            uint64_t bk = mk;
-            int bs = ms;
+        uint64_t key[C];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const uint64_t ok = __shfl_xor_sync(0xffffffffu, bk, o);
-                const int os = __shfl_xor_sync(0xffffffffu, bs, o);
-                if (better(t, ok, os, bk, bs)) { bk = ok; bs = os; }
-            }
-            if (bk == 0ull) break;
-            const float sc = key2f((uint32_t)(bk >> 32));
-            const int d = 63 - (int)((bk >> 26) & 63ull), par = t.f_par[bs], r = t.f_rank[bs];
-            const int idx = n++, owner = bs / C;
-            __syncwarp();
-            if (lane == 0) {
-                t.f_key[bs] = 0ull;
-                t.n_score[idx] = sc; t.n_par[idx] = (int16_t)par; t.n_rank[idx] = (int16_t)r; t.n_depth[idx] = (int8_t)d;
-            }
-            __syncwarp();
-            // the owner's new best: a short lane rescans its slots alone; a long one is rescanned by the warp
-            if (C <= 16) {
-                if (lane == owner) {
-                    mk = 0ull; ms = -1;
-                    for (int i = 0; i < cnt; ++i) {
-                        const int sl = lane * C + i;
-                        const uint64_t k = t.f_key[sl];
-                        if (better(t, k, sl, mk, ms)) { mk = k; ms = sl; }
-                    }
-                }
-            } else {
-                const int ocnt = __shfl_sync(0xffffffffu, cnt, owner);
-                uint64_t rk = 0ull;
-                int rs = -1;
-                for (int i = lane; i < ocnt; i += 32) {
-                    const int sl = owner * C + i;
-                    const uint64_t k = t.f_key[sl];
-                    if (better(t, k, sl, rk, rs)) { rk = k; rs = sl; }
-                }
+        for (int j = 0; j < C; ++j) key[j] = 0ull;
+        if (lane == 0 && lp[0] != NEG_INF) key[0] = tree_key(lp[0], 1, 0, 0);
+        uint64_t best = key[0];
+        int n = 0;
+        for (; n < B; ++n) {
+            // warp argmax of the lanes' best keys: the high words, then the low words among the winners
+            const uint32_t hi = __reduce_max_sync(FULL, (uint32_t)(best >> 32));
+            const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
+            if (hi == 0u) break;  // frontier empty (a real key's high word is never 0)
+            const float score = key2f(hi);
+            const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
+                      rk = 1023 - (int)(lo & 1023u), t = n + 1;
+            const float l2 = (rk + 1 < K) ? lp[(d - 1) * K + rk + 1] : NEG_INF;  // next sibling
+            const float l3 = (d < L) ? lp[d * K] : NEG_INF;                      // first child
+            const float ps = nsc[s];
+            const uint64_t k2 = (l2 != NEG_INF) ? tree_key(__fadd_rn(ps, l2), d, s, rk + 1) : 0ull;
+            const uint64_t k3 = (l3 != NEG_INF) ? tree_key(__fadd_rn(score, l3), d + 1, t, 0) : 0ull;
+            const bool own_s = lane == (s & 31), own_t = lane == (t & 31);
+            const int js = s >> 5, jt = t >> 5;
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    const uint64_t ok = __shfl_xor_sync(0xffffffffu, rk, o);
-                    const int os = __shfl_xor_sync(0xffffffffu, rs, o);
-                    if (better(t, ok, os, rk, rs)) { rk = ok; rs = os; }
-                }
-                if (lane == owner) { mk = rk; ms = rs; }
+            for (int j = 0; j < C; ++j) {
+                if (own_s && j == js) key[j] = k2;
+                if (own_t && j == jt) key[j] = k3;
             }
-            if (r + 1 < K) {
-                const float l2 = lp[(d - 1) * K + r + 1];
-                if (l2 != NEG_INF) push(entry_key(__fadd_rn(par >= 0 ? t.n_score[par] : 0.0f, l2), d), par, r + 1);
+            if (own_s) {  // its best was popped: tree reduction over the registers
+                uint64_t m[C];
+#pragma unroll
+                for (int j = 0; j < C; ++j) m[j] = key[j];
+#pragma unroll
+                for (int w = 1; w < C; w <<= 1)
+#pragma unroll
+                    for (int j = 0; j + w < C; j += 2 * w) m[j] = m[j + w] > m[j] ? m[j + w] : m[j];
+                best = m[0];
+            } else if (own_t) {  // a new key in an empty slot
+                best = k3 > best ? k3 : best;
             }
-            if (d < L) {
-                const float l3 = lp[d * K];
-                if (l3 != NEG_INF) push(entry_key(__fadd_rn(sc, l3), d + 1), idx, 0);
-            }
+            if (lane == 0) { nodes[n] = ((uint64_t)hi << 32) | lo; nsc[t] = score; }
             __syncwarp();
         }
         if (lane == 0) s_n = n;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < s_n; i += blockDim.x) t.n_tok[i] = tt[(t.n_depth[i] - 1) * K + t.n_rank[i]];
     __syncthreads();
     const int n = s_n;
     const int32_t root = root_tok[b], sp = start_pos[b];
     for (int i = threadIdx.x; i < N; i += blockDim.x) {
         const size_t o = (size_t)b * N + i;
         if (i >= 1 && i <= n) {
-            const int k = i - 1, pr = t.n_par[k] + 1;  // the root's children get row 0
-            tokens[o] = t.n_tok[k]; positions[o] = sp + t.n_depth[k]; parents[o] = pr;
-            depths[o] = t.n_depth[k]; scores[o] = t.n_score[k]; prow[i] = (int16_t)pr;
+            const uint64_t k = nodes[i - 1];
+            const uint32_t lo = (uint32_t)k;
+            const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
+                      rk = 1023 - (int)(lo & 1023u);
+            tokens[o] = tt[(d - 1) * K + rk]; positions[o] = sp + d; parents[o] = s;  // slot s = row s
+            depths[o] = d; scores[o] = key2f((uint32_t)(k >> 32)); prow[i] = (int16_t)s;
         } else {
             tokens[o] = root; positions[o] = sp; parents[o] = -1; depths[o] = 0; scores[o] = 0.0f;
             prow[i] = -1;
@@ -440,3 +565,18 @@ extern "C" __global__ void __launch_bounds__(128) tree_build(
     }
     if (threadIdx.x == 0) n_nodes[b] = n;
 }
+
+#define TREE_BUILD(C)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) tree_build_c##C(                                     \
+        const int32_t* top_tok, const float* top_lp, int L, int K, int B, int stage_lp,                    \
+        const int32_t* root_tok, const int32_t* start_pos, int32_t* tokens, int32_t* positions,            \
+        int32_t* parents, int32_t* depths, float* scores, uint32_t* mask, int32_t* n_nodes) {              \
+        tree_build_impl<C>(top_tok, top_lp, L, K, B, stage_lp, root_tok, start_pos, tokens, positions,     \
+                           parents, depths, scores, mask, n_nodes);                                        \
+    }
+TREE_BUILD(1)
+TREE_BUILD(2)
+TREE_BUILD(4)
+TREE_BUILD(8)
+TREE_BUILD(16)
+TREE_BUILD(33)

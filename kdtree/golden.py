@@ -7,13 +7,18 @@ token, a depth in 1..L, a parent (-1 = the root; otherwise an index < i) and a s
 its path's log-probabilities, accumulated root-down: score(child) = float32(score(parent) + logprob).
 
 Order and tie-break. All prefixes are totally ordered by the key
-    (-score, depth, rank path)
-where the rank path lists, per depth, the rank of the chosen token in that depth's top-K list (ranks
-order tokens by logit descending, then token id ascending; see below). The tree is the first
-`budget` prefixes of finite score in this order, emitted in this order. Because a log-probability is
-<= 0, a parent never sorts after its child (equal score -> smaller depth first), so the set is
-prefix-closed and parents precede children. Best-first search reproduces it exactly: pop the smallest
-key, emit it, push its next sibling (same parent, rank + 1) and its first child (depth + 1, rank 0).
+    (-score, depth, parent's emission index, rank)
+where rank is the position of the prefix's last token in its depth's top-K list (ranks order tokens by
+logit descending, then token id ascending; see below) and the root's children share one parent (index
+-1). The tree is the first `budget` prefixes of finite-score log-probabilities in this order, emitted
+in this order. Because a log-probability is <= 0, a parent never sorts after its child (equal score ->
+smaller depth first), so the set is prefix-closed and parents precede children; the parent index in a
+key therefore always refers to an earlier, already ordered prefix, which makes the order well defined.
+Best-first search reproduces it exactly: pop the smallest key, emit it, push its next sibling (same
+parent, rank + 1) and its first child (depth + 1, rank 0): each pushed key sorts after the popped one.
+Ordering equal scores by the parent's place (rather than by the whole rank path) keeps the order
+monotone across a depth: if parent i precedes parent j and rank r <= rank s, then child (i, r) precedes
+child (j, s). The GPU search packs the whole key into one 64-bit integer.
 
 Log-probabilities. Each depth's top-K list is sorted by the float32 logit descending, ties by token id
 ascending; logprob = float32(float64(x) - logsumexp64(row)), where x is the float32 logit
@@ -98,7 +103,8 @@ class Tree:
 def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
     """Best-first DDTree build over per-depth top-K lists ([L, K] each, sorted as `topk_logprobs` sorts).
 
-    Returns the first `budget` finite-score prefixes in (-score, depth, rank path) order (module docstring)."""
+    Returns the first `budget` finite-score prefixes in (-score, depth, parent index, rank) order
+    (module docstring)."""
     budget = _check_budget(budget)
     tt = np.asarray(top_tokens)
     lp = np.asarray(top_logprobs, dtype=np.float32)
@@ -108,13 +114,12 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
         raise ValueError("top_logprobs: expected log-probabilities (<= 0, no NaN)")
     L, K = lp.shape
     tokens, depths, parents, scores, ranks = [], [], [], [], []
-    # heap entries: (-score, depth, rank_path, parent_index, parent_score)
+    # heap entries: (-score, depth, parent_index, rank, parent_score); the first four are the order key
     heap = []
     if np.isfinite(lp[0, 0]):
-        heap.append((-float(lp[0, 0]), 1, (0,), -1, np.float32(0.0)))
+        heap.append((-float(lp[0, 0]), 1, -1, 0, np.float32(0.0)))
     while heap and len(tokens) < budget:
-        neg, d, path, par, par_score = heapq.heappop(heap)
-        r = path[-1]
+        neg, d, par, r, par_score = heapq.heappop(heap)
         idx = len(tokens)
         score = np.float32(-neg)
         tokens.append(int(tt[d - 1, r])); depths.append(d); parents.append(par)
@@ -122,11 +127,11 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
         # next sibling: same parent, rank + 1
         if r + 1 < K and np.isfinite(lp[d - 1, r + 1]):
             s = np.float32(par_score + lp[d - 1, r + 1]) if par >= 0 else np.float32(lp[d - 1, r + 1])
-            heapq.heappush(heap, (-float(s), d, path[:-1] + (r + 1,), par, par_score))
+            heapq.heappush(heap, (-float(s), d, par, r + 1, par_score))
         # first child: depth + 1, rank 0
         if d < L and np.isfinite(lp[d, 0]):
             s = np.float32(score + lp[d, 0])
-            heapq.heappush(heap, (-float(s), d + 1, path + (0,), idx, score))
+            heapq.heappush(heap, (-float(s), d + 1, idx, 0, score))
     return Tree(np.array(tokens, np.int64), np.array(depths, np.int32), np.array(parents, np.int32),
                 np.array(scores, np.float32), np.array(ranks, np.int32))
 
@@ -265,21 +270,26 @@ def compact_kv(cache, block_start: int, keep) -> tuple[np.ndarray, int]:
 
 # ----------------------------------------------------------------------------- brute-force oracle (tests)
 def all_prefixes_ranked(top_tokens, top_logprobs):
-    """Every finite prefix as (key, tokens) sorted by the tree order; exponential: tests only."""
+    """Every finite prefix as (key, tokens) sorted by the tree order; exponential: tests only.
+
+    Independent of the search: the prefixes of each depth are ordered by (-score, parent's place among
+    the previous depth's prefixes, rank), depth by depth; comparing two parents' places within their
+    depth is comparing their emission indices, so the global key is (-score, depth, parent place, rank)."""
     lp = np.asarray(top_logprobs, np.float32)
     L, K = lp.shape
     out = []
-
-    def rec(d, path, score):
-        for r in range(K):
-            if not np.isfinite(lp[d, r]):
-                continue
-            s = np.float32(score + lp[d, r]) if d else np.float32(lp[d, r])
-            p = path + (r,)
-            out.append(((-float(s), d + 1, p), tuple(int(top_tokens[j][p[j]]) for j in range(d + 1))))
-            if d + 1 < L:
-                rec(d + 1, p, s)
-
-    rec(0, (), np.float32(0))
+    level = [((), np.float32(0.0), -1)]  # (rank path, score, place of the prefix within its depth)
+    for d in range(L):
+        nxt = []
+        for path, score, place in level:
+            for r in range(K):
+                if not np.isfinite(lp[d, r]):
+                    continue
+                s = np.float32(score + lp[d, r]) if d else np.float32(lp[d, r])
+                nxt.append(((-float(s), d + 1, place, r), path + (r,), s))
+        nxt.sort(key=lambda e: e[0])
+        for key, path, s in nxt:
+            out.append((key, tuple(int(top_tokens[j][path[j]]) for j in range(d + 1))))
+        level = [(path, s, i) for i, (key, path, s) in enumerate(nxt)]
     out.sort(key=lambda e: e[0])
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +23,10 @@ import numpy as np
 import torch
 
 MAX_BUDGET = 1024
-MAX_VOCAB = 524288
+MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
 MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's shared memory
-MAX_CHUNK = 32768
+MAX_CHUNK = 16384           # topk_partial holds a chunk in registers: 512 threads x 32 keys
 PAGE_SIZE = 64
 D_QK, D_V = 576, 512
 
@@ -51,7 +52,10 @@ def _module(name: str):
         raise RuntimeError("the kernel backend needs CuPy (pip install -e '.[gpu]') and a CUDA GPU") from e
     path = cuda_source_dir() / f"{name}.cu"
     code = f'#line 1 "{path}"\n' + path.read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17", f"-I{cuda_source_dir()}"))
+    options = ("-std=c++17", f"-I{cuda_source_dir()}")
+    if os.environ.get("KDTREE_LINEINFO"):  # source lines for profilers (ncu's source page)
+        options += ("-lineinfo",)
+    return cupy.RawModule(code=code, options=options)
 
 
 @functools.cache
@@ -65,15 +69,27 @@ _SMEM_OPTIN: dict = {}
 def _launch(module: str, name: str, grid, block, args, smem: int = 0) -> None:
     import cupy
     k = _kernel(module, name)
-    if smem > 48 * 1024 and not _SMEM_OPTIN.get((module, name)):
+    total = smem + k.shared_size_bytes  # the 48 KB default limit counts static + dynamic shared memory
+    if total > 48 * 1024 and not _SMEM_OPTIN.get((module, name)):
         dev = torch.cuda.current_device()
         limit = cupy.cuda.runtime.getDeviceProperties(dev)["sharedMemPerBlockOptin"]
-        if smem > limit:
-            raise ValueError(f"{name}: needs {smem} bytes of shared memory, the device allows {limit}")
+        if total > limit:
+            raise ValueError(f"{name}: needs {total} bytes of shared memory, the device allows {limit}")
         k.max_dynamic_shared_size_bytes = limit - k.shared_size_bytes
         _SMEM_OPTIN[(module, name)] = True
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with _cupy_stream(torch.cuda.current_stream().cuda_stream):
         k(grid, block, args, shared_mem=smem)
+
+
+@functools.cache
+def _cupy_stream(ptr: int):
+    """CuPy's handle on one of torch's streams (by its raw pointer), made once."""
+    import warnings
+
+    import cupy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
+        return cupy.cuda.ExternalStream(ptr)
 
 
 def _p(t: torch.Tensor) -> np.uint64:
@@ -138,9 +154,12 @@ def check_logit_values(logits: torch.Tensor, name: str = "logits") -> None:
 
 # ----------------------------------------------------------------------------- top-K + log-softmax
 def _chunking(R: int, V: int, K: int, sms: int = 132) -> tuple[int, int]:
+    """(chunks per row, chunk width): about two blocks per SM over the grid, at least 256 and at most
+    MAX_CHUNK columns a chunk, a multiple of 8 columns (16-byte loads), n_chunks * K <= MAX_CANDIDATES."""
     nch = max(1, min(math.ceil(2 * sms / R), MAX_CANDIDATES // K, math.ceil(V / 256)))
     nch = max(nch, math.ceil(V / MAX_CHUNK))
-    return nch, math.ceil(V / nch)
+    chunk = -(-math.ceil(V / nch) // 8) * 8
+    return math.ceil(V / chunk), chunk
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
@@ -174,7 +193,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
     Kp = 1 << max(0, math.ceil(math.log2(K)))
     _launch("tree_build", "topk_merge", (R,), (1024,),
             (_p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum), _i(nch), _i(K), _i(Kp), _p(out_tok),
-             _p(out_lp)), smem=Kp * 8 + nch * K * 8)
+             _p(out_lp)), smem=nch * K * 8)
     return out_tok, out_lp
 
 
@@ -198,15 +217,19 @@ class TreeBatch:
         return ((words >> (j % 32)) & 1).bool()
 
 
-def tree_frontier_slots(B: int) -> int:
-    """Frontier slots per lane: pushes go round-robin to 32 lanes, at most 2B + 1 pushes in all."""
-    return math.ceil((2 * B + 1) / 32) + 1
+TREE_SLOTS = (1, 2, 4, 8, 16, 33)  # instantiated frontier registers per lane (cuda/tree_build.cu)
+
+
+def tree_slots(B: int) -> int:
+    """Frontier registers per lane: one slot per node plus the root's, 32 lanes."""
+    need = math.ceil((B + 1) / 32)
+    return next(c for c in TREE_SLOTS if c >= need)
 
 
 def tree_smem_bytes(B: int, L: int = 0, K: int = 0) -> int:
-    """Dynamic shared memory of tree_build; L, K > 0 adds the staged log-probabilities [L, K]."""
-    F, N = 32 * tree_frontier_slots(B), B + 1
-    return 8 * F + 4 * B + 4 * B + 4 * L * K + 2 * (2 * F + 2 * B + N) + B + 16
+    """Dynamic shared memory of tree_build: popped keys, slot scores, parent rows, and (L, K > 0) the
+    staged log-probabilities [L, K]."""
+    return 8 * B + 4 * (B + 1) + 4 * L * K + 2 * (B + 1)
 
 
 TREE_SMEM_LIMIT = 200 * 1024
@@ -240,8 +263,8 @@ def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, sta
     root = root_tokens.to(torch.int32).contiguous()
     start = start_pos.to(torch.int32).contiguous()
     stage = tree_smem_bytes(budget, L, K) <= TREE_SMEM_LIMIT
-    _launch("tree_build", "tree_build", (b,), (128,),
-            (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _i(tree_frontier_slots(budget)), _i(int(stage)), _p(root),
+    _launch("tree_build", f"tree_build_c{tree_slots(budget)}", (b,), (256,),
+            (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _i(int(stage)), _p(root),
              _p(start), _p(out.tokens), _p(out.positions),
              _p(out.parents), _p(out.depths), _p(out.scores), _p(out.mask), _p(out.n_nodes)),
             smem=tree_smem_bytes(budget, L, K) if stage else tree_smem_bytes(budget))

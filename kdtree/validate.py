@@ -125,7 +125,7 @@ def check_tree(logits: np.ndarray, budget: int) -> list[str]:
         if tree.depths[i] != len(paths[-1]):
             errs.append(f"node {i} depth {tree.depths[i]} != path length {len(paths[-1])}")
     if [w[1] for w in want] != paths:
-        errs.append("tree != the top-B prefixes in (-score, depth, rank path) order")
+        errs.append("tree != the top-B prefixes in (-score, depth, parent index, rank) order")
     pset = set(paths)
     if any(p[:-1] and p[:-1] not in pset for p in paths):
         errs.append("not prefix-closed")

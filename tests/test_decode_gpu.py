@@ -119,3 +119,16 @@ def test_kernel_checks_report():
     assert r["verify_attn_rel_err_vs_float64"] <= 1e-2
     f = r["gpu_round_forwards_per_token"]
     assert f["ddtree"] < f["dflash"] < f["ar"] == 1.0
+
+
+@pytest.mark.parametrize("budget", [16, 128])
+def test_random_dflash_drafter_on_the_kernel_backend(fp32_model, budget):
+    """A randomly initialised DFlash drafter (its own forward on the GPU, drafts unrelated to the target)
+    through the whole GPU round: still token for token equal to AR."""
+    from kdtree.drafter import build_drafter
+    d = build_drafter(fp32_model, seed=1)
+    for prompt in random_prompts(fp32_model.args, 3, seed=budget + 7):
+        ar = generate_ar(fp32_model, prompt, 48)
+        dd = generate_ddtree(fp32_model, d, prompt, 48, budget=budget, backend="kernel")
+        assert dd.tokens == ar.tokens
+        assert generate_dflash(fp32_model, d, prompt, 48, backend="kernel").tokens == ar.tokens

@@ -44,7 +44,7 @@ def test_large_trees_keep_their_invariants(seed, L, V, budget):
     assert (tree.depths[~has_par] == 1).all()
     assert (tree.scores[has_par] <= tree.scores[par[has_par]]).all()
     keys = list(zip(-tree.scores.astype(np.float64), tree.depths))
-    assert keys == sorted(keys)  # emitted in order (the rank path only breaks remaining ties)
+    assert keys == sorted(keys)  # emitted in order (parent index and rank only break remaining ties)
     # siblings carry distinct tokens, so the walk is unambiguous
     pairs = set(zip(par.tolist(), tree.tokens.tolist()))
     assert len(pairs) == tree.n
@@ -222,3 +222,18 @@ def test_bad_tree_inputs():
         golden.compact_kv(np.zeros((4, 2)), 2, [0, 5])
     with pytest.raises(ValueError, match="strictly increasing"):
         golden.compact_kv(np.zeros((4, 2)), 0, [1, 1])
+
+
+def test_equal_scores_follow_the_parents_emission_order():
+    """(1,0,1) and (0,1,0) both score -3.5; parent (1,0) (-2.5) is emitted before (0,1) (-3), so its child
+    comes first although its rank path is lexicographically larger."""
+    lp = np.array([[-1.0, -1.5], [-1.0, -2.0], [-0.5, -1.0]], np.float32)
+    tt = np.tile(np.arange(2), (3, 1))
+    tree = golden.build_tree(tt, lp, 14)
+    paths = []
+    for i in range(tree.n):
+        p = int(tree.parents[i])
+        paths.append((paths[p] if p >= 0 else ()) + (int(tree.tokens[i]),))
+    assert paths == [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1), (0, 0, 1), (1, 0, 0), (1, 1), (1, 0, 1),
+                     (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
+    assert [k[1] for k in golden.all_prefixes_ranked(tt, lp)] == paths
