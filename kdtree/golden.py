@@ -293,3 +293,40 @@ def all_prefixes_ranked(top_tokens, top_logprobs):
         level = [(path, s, i) for i, (key, path, s) in enumerate(nxt)]
     out.sort(key=lambda e: e[0])
     return out
+
+
+# ----------------------------------------------------------------------------- INT4 MoE experts
+def unpack_int4(packed) -> np.ndarray:
+    """int32 [..., n / 8] (compressed-tensors pack-quantized) -> int8 [..., n] in [-8, 7]."""
+    w = np.asarray(packed).astype(np.int64) & 0xFFFFFFFF
+    u = (w[..., None] >> (4 * np.arange(8))) & 0xF
+    return (u - 8).astype(np.int8).reshape(*w.shape[:-1], -1)
+
+
+def dequant_int4(packed, scale) -> np.ndarray:
+    """[..., out, in / 8] int32 + [..., out, in / 32] scales -> float64 [..., out, in] = q * scale."""
+    q = unpack_int4(packed).astype(np.float64)
+    return q * np.repeat(np.asarray(scale, np.float64), 32, axis=-1)
+
+
+def moe_int4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> np.ndarray:
+    """Routed experts with INT4 weights, float64 (the contract of cuda/moe_int4.cu).
+
+    x [T, D]; topk_ids [T, k] expert ids; topk_weights [T, k]; w13 [E, 2I, D/8] packed (+ [E, 2I, D/32]
+    scales; rows [0, I) gate, [I, 2I) up); w2 [E, D, I/8] packed (+ [E, D, I/32] scales).
+    Returns [T, D] = sum_j topk_weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]."""
+    x = np.asarray(x, np.float64)
+    ids = np.asarray(topk_ids)
+    wts = np.asarray(topk_weights, np.float64)
+    T, D = x.shape
+    I = np.asarray(w13_packed).shape[1] // 2
+    out = np.zeros((T, D))
+    for e in np.unique(ids):
+        w13 = dequant_int4(w13_packed[e], w13_scale[e])
+        w2 = dequant_int4(w2_packed[e], w2_scale[e])
+        t, j = np.nonzero(ids == e)
+        gu = x[t] @ w13.T                                   # [n, 2I]
+        g, u = gu[:, :I], gu[:, I:]
+        hid = g / (1.0 + np.exp(-g)) * u
+        out[t] += wts[t, j][:, None] * (hid @ w2.T)
+    return out

@@ -10,6 +10,7 @@ naming it. Kernel contracts are in each .cu file's header; golden twins in kdtre
     tree_walk(tokens, parents, choice)      -> (accepted int32 [b, A], acc_len int32 [b], bonus int32 [b])
     kv_compact(cache, page_table, ...)      in place
     verify_attn(q, cache, page_table, seq_len, mask, scale) -> (out bf16 [b, N, H, 512], lse fp32 [b, N, H])
+    moe_int4(x, topk_ids, topk_weights, w13, s13, w2, s2) -> out fp32 [T, D] (routed INT4 experts)
 """
 from __future__ import annotations
 
@@ -415,3 +416,67 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     _launch("verify_attn", "verify_attn_combine", (NH, b), (128,),
             (_p(ws_o), _p(ws_ml), _i(n_splits), _i(NH), _p(out), _p(lse)))
     return out, lse
+
+
+# ----------------------------------------------------------------------------- INT4 MoE experts
+def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    """Token-expert pairs grouped by expert, with no host sync (graph-capturable), on any device.
+
+    Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs sorted by expert, stable),
+    pair_w float32 [P], expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and
+    active int32 [min(E, P)] (the experts that have pairs first, by id, then empty ones)."""
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    pair_tok = (order // k).to(torch.int32)
+    pair_w = topk_weights.reshape(-1)[order].to(torch.float32).contiguous()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    expert_off = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
+    expert_off[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    active = torch.argsort((counts == 0).to(torch.int8), stable=True)[:min(n_experts, T * k)].to(torch.int32)
+    return pair_tok, pair_w, expert_off, active
+
+
+def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_packed: torch.Tensor,
+             w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
+             check_values: bool = True) -> torch.Tensor:
+    """Routed experts with INT4 weights (golden.moe_int4; format in kdtree/quant.py).
+
+    x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; w13_packed int32 [E, 2I, D/8]
+    (rows [0, I) gate, [I, 2I) up), w13_scale bf16 [E, 2I, D/32]; w2_packed int32 [E, D, I/8], w2_scale bf16
+    [E, D, I/32]; D and I multiples of 32. Returns float32 [T, D]. Pairs are grouped by expert with torch
+    (a stable sort), then two launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
+    _need("x", x, (torch.bfloat16,), ndim=2)
+    T, D = x.shape
+    if T == 0 or D == 0 or D % 32:
+        raise ValueError(f"x: expected [T, D] with T > 0 and D a multiple of 32, got {tuple(x.shape)}")
+    _need("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2, contiguous=False)
+    if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
+        raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
+    _need("w13_packed", w13_packed, (torch.int32,), ndim=3)
+    E, I2 = w13_packed.shape[:2]
+    I = I2 // 2
+    if E == 0 or I == 0 or I2 % 2 or I % 32 or w13_packed.shape[2] * 8 != D:
+        raise ValueError(f"w13_packed: expected int32 [E, 2I, D/8] = [E, 2I, {D // 8}] with I a positive multiple "
+                         f"of 32, got {tuple(w13_packed.shape)}")
+    _need("w13_scale", w13_scale, (torch.bfloat16,), shape=(E, I2, D // 32))
+    _need("w2_packed", w2_packed, (torch.int32,), shape=(E, D, I // 8))
+    _need("w2_scale", w2_scale, (torch.bfloat16,), shape=(E, D, I // 32))
+    _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13_packed=w13_packed, w13_scale=w13_scale,
+                w2_packed=w2_packed, w2_scale=w2_scale)
+    if check_values:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
+    pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
+    slots = active.shape[0]
+    h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    _launch("moe_int4", "moe_gate_up", (I // 16, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
+            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(w13_packed), _p(w13_scale), _i(D), _i(I), _p(h)))
+    _launch("moe_int4", "moe_down", (D // 16, slots), (256,),
+            (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(w2_packed), _p(w2_scale), _i(D), _i(I),
+             _p(out)))
+    return out

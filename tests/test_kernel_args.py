@@ -64,3 +64,41 @@ def test_pack_mask_matches_golden():
     got = K.pack_mask(m).numpy().view(np.uint32)
     for i in range(3):
         np.testing.assert_array_equal(got[i], golden.pack_mask_bits(m[i].numpy()))
+
+
+def test_moe_int4_rejects():
+    T, D, I, E, k = 3, 64, 32, 4, 2
+    x = torch.zeros(T, D, dtype=torch.bfloat16)
+    ids = torch.zeros(T, k, dtype=torch.int32)
+    w = torch.ones(T, k)
+    p13, s13 = torch.zeros(E, 2 * I, D // 8, dtype=torch.int32), torch.ones(E, 2 * I, D // 32, dtype=torch.bfloat16)
+    p2, s2 = torch.zeros(E, D, I // 8, dtype=torch.int32), torch.ones(E, D, I // 32, dtype=torch.bfloat16)
+    args = [x, ids, w, p13, s13, p2, s2]
+    bad = {0: (x.float(), "x: expected dtype"), 1: (ids[:2], r"topk_ids: expected shape \(3, k\)"),
+           2: (w.double(), "topk_weights: expected dtype"),
+           3: (p13[:, :, :4].contiguous(), r"w13_packed: expected int32 \[E, 2I, D/8\]"),
+           4: (s13[:, :, :1].contiguous(), r"w13_scale: expected shape \(4, 64, 2\)"),
+           5: (p2[:, :, :2].contiguous(), r"w2_packed: expected shape \(4, 64, 4\)"),
+           6: (s2.float(), "w2_scale: expected dtype")}
+    for i, (value, match) in bad.items():
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            K.moe_int4(*a)
+    with pytest.raises(ValueError, match="D a multiple of 32"):
+        K.moe_int4(torch.zeros(T, 48, dtype=torch.bfloat16), *args[1:])
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
+        K.moe_int4(*args)
+
+
+def test_group_pairs_groups_by_expert():
+    g = torch.Generator().manual_seed(4)
+    T, k, E = 9, 3, 7
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g)
+    tok, pw, off, active = K.group_pairs(ids, w, E)
+    want = sorted((int(ids[t, j]), t, float(w[t, j])) for t in range(T) for j in range(k))  # by expert, then token
+    assert tok.tolist() == [t for _, t, _ in want] and pw.tolist() == [x for _, _, x in want]
+    assert off.tolist() == [sum(1 for e2, _, _ in want if e2 < e) for e in range(E + 1)]
+    used = sorted({e for e, _, _ in want})
+    assert len(active) == min(E, T * k) and active.tolist()[:len(used)] == used
