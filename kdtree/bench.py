@@ -1,4 +1,6 @@
-"""Kernel benchmarks (GPU): tree round vs the reference CPU path, verify attention vs naive torch and the floors.
+"""Kernel benchmarks (GPU): tree round vs the reference CPU path, verify attention vs naive torch and the floors;
+the INT4 MoE experts vs a bf16 baseline, and one decoder layer's verify cost vs tree size (also on a CPU, at
+small shapes, for the notebooks' smoke runs).
 
     python -m kdtree bench [--out DIR] [--quick]
 
@@ -223,6 +225,259 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
         rows.append(row)
         del caches
         torch.cuda.empty_cache()
+    return rows
+
+
+def bench_tree_reference(V=163840, L=15, budgets=(16, 64), batches=(1, 4), repeats=3, seed=0) -> list[dict]:
+    """The reference path alone on the CPU (no GPU needed): torch.topk + logsumexp on CPU logits, the Python
+    heap build and the numpy mask, request by request. Wall-clock medians."""
+    rows = []
+    g = torch.Generator().manual_seed(seed)
+    for b in batches:
+        for B in budgets:
+            x = (torch.randn(b, L, V, generator=g) * 3).to(torch.bfloat16)
+            roots, starts = np.zeros(b, np.int64), np.full(b, 1000, np.int64)
+            t = _timer("cpu")(lambda: reference_tree_round(x, B, roots, starts), repeats)
+            rows.append({"batch": b, "budget": B, "V": V, "L": L, "reference_s": t, "device": "cpu"})
+    return rows
+
+
+def bench_walk(batches=(1, 8, 32), budgets=(64, 256, 1024), layers: int = 61, repeats: int = 30,
+               device: str = "cuda", seed: int = 0) -> list[dict]:
+    """Tree walk + KV compaction of one round: the kernels on a GPU (every layer's latent rows at once,
+    576 bf16 per row); golden.walk + golden.compact_kv per request and layer on a CPU."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    gpu = str(device).startswith("cuda")
+    for b in batches:
+        for B in budgets:
+            tree = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, B)
+            vb = golden.compile_tree(tree, 0, 0)
+            N = vb.n
+            end = int(rng.integers(N))
+            choice = rng.integers(0, 64, N)
+            path = np.flatnonzero(vb.mask[end])
+            for a_, b_ in zip(path[:-1], path[1:]):
+                choice[a_] = vb.tokens[b_]  # a path that goes deep
+            if gpu:
+                from .kernels import PAGE_SIZE
+                tok = torch.from_numpy(np.tile(vb.tokens, (b, 1))).to(device, torch.int32)
+                par = torch.from_numpy(np.tile(vb.parents, (b, 1))).to(device, torch.int32)
+                ch = torch.from_numpy(np.tile(choice, (b, 1))).to(device, torch.int32)
+                ctx = 4096
+                pages = math.ceil((ctx + N) / PAGE_SIZE)
+                cache = torch.randn(layers, b * pages * PAGE_SIZE, 576, device=device).to(torch.bfloat16)
+                pt = torch.arange(b * pages, device=device, dtype=torch.int32).view(b, pages)
+                start = torch.full((b,), ctx, device=device, dtype=torch.int32)
+
+                def step():
+                    acc, ln, _ = kernels.tree_walk(tok, par, ch, max_accept=16)
+                    kernels.kv_compact(cache, pt, start, acc, ln, check_values=False)
+                t = _events_median(step, repeats)
+                del cache
+            else:
+                lat = rng.standard_normal((N + 8, 576)).astype(np.float32)
+
+                def step():
+                    for _ in range(b):
+                        acc, _ = golden.walk(vb.tokens, vb.parents, choice)
+                        for _ in range(layers):
+                            golden.compact_kv(lat, 8, acc)
+                t = _timer("cpu")(step, max(1, repeats // 10))
+            rows.append({"batch": b, "budget": B, "layers": layers, "time_s": t, "device": str(device)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- INT4 MoE experts
+def _timer(device: str):
+    """Median-time function for the device: CUDA events on a GPU, wall clock on a CPU."""
+    if str(device).startswith("cuda"):
+        return _events_median
+
+    def wall(fn, repeats, warmup=1):
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+    return wall
+
+
+def dequant_bf16(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., out, in/8] int32 + [..., out, in/32] -> bf16 [..., out, in] with torch ops (the baseline's step)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    q = ((packed[..., None] >> shifts) & 0xF) - 8                               # [..., out, in/8, 8]
+    q = q.reshape(*packed.shape[:-1], -1).to(torch.bfloat16)
+    return q * scale.repeat_interleave(32, dim=-1)
+
+
+def moe_bf16_baseline(x, ids, w, experts) -> torch.Tensor:
+    """Dequantize the touched experts to bf16, then a grouped matmul (torch._grouped_mm where present, else a
+    loop of matmuls), SiLU * mul, the down grouped matmul and the weighted combine. float32 [T, D]."""
+    T, D = x.shape
+    k = ids.shape[1]
+    touched, inverse = torch.unique(ids.reshape(-1), return_inverse=True)        # [E'], [T*k]
+    w13 = dequant_bf16(experts.w13_packed[touched], experts.w13_scale[touched])  # [E', 2I, D]
+    w2 = dequant_bf16(experts.w2_packed[touched], experts.w2_scale[touched])     # [E', D, I]
+    order = torch.argsort(inverse, stable=True)
+    tok = order // k
+    xs = x[tok]
+    counts = torch.bincount(inverse, minlength=touched.numel())
+    inter = w13.shape[1] // 2
+    if hasattr(torch, "_grouped_mm") and x.is_cuda:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
+        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    else:
+        parts, a = [], 0
+        for j, c in enumerate(counts.tolist()):
+            gu = xs[a:a + c] @ w13[j].T
+            act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(x.dtype)
+            parts.append(act @ w2[j].T)
+            a += c
+        y = torch.cat(parts)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None].float())
+    return out
+
+
+def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 1024), device: str = "cuda",
+              repeats: int = 20, bandwidth: float | None = None, progress: bool = True, seed: int = 0) -> list[dict]:
+    """Routed INT4 experts at the config's shape (hidden, moe_intermediate, experts, top-k), routing from a
+    random router (the model's Gate): the moe_int4 kernel on a GPU, pair grouping included, timed as CUDA-graph
+    replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs), and the floor
+    (bytes of the distinct experts touched over `bandwidth`)."""
+    from .config import load_config
+    from .model import Gate, Int4Experts
+    args = load_config(config)
+    D, I, E, k = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.num_experts_per_tok
+    dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    n_sets = 2 if str(device).startswith("cuda") else 1  # rotate past L2 (a set is E * 3 * I * D / 2 bytes)
+    sets = [Int4Experts.random(E, D, I, device=device, seed=seed + i) for i in range(n_sets)]
+    gate = Gate(args).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.normal_(0, 1 / math.sqrt(D), generator=g)
+        gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+    timer = _timer(device)
+    expert_bytes = 3 * I * D // 2 + 3 * I * D // 32 * 2  # packed words + bf16 scales of one expert
+    rows = []
+    it = tokens
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(tokens, desc="moe_int4")
+    for T in it:
+        x = torch.randn(T, D, device=device, generator=g).to(dt)
+        with torch.no_grad():
+            w, ids = gate(x.float())
+        ids = ids.to(torch.int32)
+        touched = int(torch.unique(ids).numel())
+        c = [0]
+
+        def kern():
+            sets[c[0] % n_sets](x, w, ids)
+            c[0] += 1
+
+        def base():
+            moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[c[0] % n_sets])
+            c[0] += 1
+        with torch.no_grad():
+            if str(device).startswith("cuda"):  # GPU time of the whole call (grouping + 2 launches): graph replays
+                t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats)
+            else:
+                t_k = timer(kern, repeats)
+            t_b = timer(base, max(3, repeats // 4))  # torch.unique syncs: eager, CUDA events
+        row = {"tokens": T, "experts_touched": touched, "kernel_s": t_k, "baseline_s": t_b,
+               "speedup_vs_baseline": t_b / t_k, "bytes": touched * expert_bytes, "device": str(device)}
+        if bandwidth:
+            row["floor_s"] = row["bytes"] / bandwidth
+            row["frac_bandwidth"] = row["floor_s"] / t_k
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- one decoder layer
+def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
+    """A two-layer model at the config's dimensions with random weights (layer 0 dense, layer 1 MoE with
+    random INT4 experts), a small vocabulary; built on the meta device first so that no bf16 expert is ever
+    materialised. attn_impl 'kernel' on a GPU, 'absorb' on a CPU; bf16 on a GPU, float32 on a CPU."""
+    import dataclasses
+
+    from .config import load_config
+    from .model import Int4Experts, MoE, Transformer
+    args = dataclasses.replace(load_config(config), num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1024)
+    gpu = str(device).startswith("cuda")
+    E, D, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+    with torch.device("meta"):
+        m = Transformer(args, attn_impl="kernel" if gpu else "absorb")
+        m.model.layers[1].mlp.experts = Int4Experts(
+            torch.empty(E, 2 * I, D // 8, dtype=torch.int32), torch.empty(E, 2 * I, D // 32, dtype=torch.bfloat16),
+            torch.empty(E, D, I // 8, dtype=torch.int32), torch.empty(E, D, I // 32, dtype=torch.bfloat16))
+    m = m.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
+        layer = m.model.layers[1].mlp
+        assert isinstance(layer, MoE)
+        layer.gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+        rnd = Int4Experts.random(E, D, I, device=device, seed=seed)
+        for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+            getattr(layer.experts, n).copy_(getattr(rnd, n))
+        del rnd
+    m = m.to(torch.bfloat16 if gpu else torch.float32)
+    return m.eval()
+
+
+def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), batches=(1, 8),
+                repeats: int = 10, progress: bool = True, seed: int = 0) -> list[dict]:
+    """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
+    context of C cached tokens (random latent rows), per (layer, context, N, batch)."""
+    from .model import MoE
+    dev = model.device
+    args = model.args
+    timer = _timer(str(dev))
+    rng = np.random.default_rng(seed)
+    rows = []
+    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="layer verify")
+    for C, B, N in it:
+        cache = model.new_cache(C + N, B)
+        with torch.no_grad():
+            cache.latent.normal_(0, 0.5)
+        cache.length = C
+        tree = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1) if N > 1 else None
+        m = torch.from_numpy(golden.compile_tree(tree, 0, C).mask if tree is not None else np.ones((1, 1), bool))
+        mask = m.to(dev)[None].expand(B, N, N).contiguous()
+        depth = mask.sum(-1) - 1                                              # [B, N]
+        pos = (C + depth).to(torch.int64)
+        x = (torch.randn(B, N, args.hidden_size, device=dev) * 0.5).to(model.lm_head.weight.dtype)
+        S = C + N
+        kern, bias = None, None
+        if model.attn_impl == "kernel":
+            from .kernels import pack_mask
+            kern = (cache.page_table(), torch.full((B,), S, dtype=torch.int32, device=dev), pack_mask(mask))
+        else:
+            bias = torch.zeros(B, N, S, dtype=torch.float32, device=dev)
+            bias[:, :, C:] = torch.zeros(B, N, N, device=dev).masked_fill(~mask, float("-inf"))
+        cos, sin = model.rope(pos, x.dtype)
+        for i, layer in enumerate(model.model.layers):
+            def step(layer=layer, i=i):
+                layer(x, cos, sin, cache.latent[i], C, bias, model.attn_impl, kern)
+            with torch.no_grad():
+                t = timer(step, repeats)
+            rows.append({"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "context": C,
+                         "batch": B, "nodes": N, "time_s": t, "device": str(dev)})
+        del cache
     return rows
 
 

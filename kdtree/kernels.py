@@ -10,7 +10,7 @@ naming it. Kernel contracts are in each .cu file's header; golden twins in kdtre
     tree_walk(tokens, parents, choice)      -> (accepted int32 [b, A], acc_len int32 [b], bonus int32 [b])
     kv_compact(cache, page_table, ...)      in place
     verify_attn(q, cache, page_table, seq_len, mask, scale) -> (out bf16 [b, N, H, 512], lse fp32 [b, N, H])
-    moe_int4(x, topk_ids, topk_weights, w13, s13, w2, s2) -> out fp32 [T, D] (routed INT4 experts)
+    repack_moe(w13, s13, w2, s2) -> MoeWeights;  moe_int4(x, topk_ids, topk_weights, weights) -> fp32 [T, D]
 """
 from __future__ import annotations
 
@@ -437,35 +437,77 @@ def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: i
     return pair_tok, pair_w, expert_off, active
 
 
-def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_packed: torch.Tensor,
-             w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
-             check_values: bool = True) -> torch.Tensor:
-    """Routed experts with INT4 weights (golden.moe_int4; format in kdtree/quant.py).
+def repack_int4_mma(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint-format INT4 [..., R, K/8] int32 + [..., R, K/32] scales -> moe_int4's fragment order:
+    int32 [..., R/16, K/32, 32, 2] and scales [..., R/16, K/32, 8, 2] (layout in cuda/moe_int4.cu).
+    Torch ops on the tensors' device; R a multiple of 16, K of 32."""
+    *lead, R, K8 = packed.shape
+    K = K8 * 8
+    if R % 16 or K % 32 or tuple(scale.shape) != (*lead, R, K // 32):
+        raise ValueError(f"repack: expected packed [..., R, K/8] and scale [..., R, K/32] with R % 16 == 0 and "
+                         f"K % 32 == 0, got {tuple(packed.shape)} and {tuple(scale.shape)}")
+    G = K // 32
+    b = packed.contiguous().view(torch.uint8).view(*lead, R // 16, 2, 8, G, 2, 2, 4)  # tile, half, g, grp, j, w, c
+    n = len(lead)
+    perm = list(range(n)) + [n + i for i in (0, 3, 2, 6, 4, 5, 1)]                   # tile, grp, g, c, j, w, half
+    wr = b.permute(*perm).contiguous().view(*lead, R // 16, G, 8, 4, 2, 4).view(torch.int32)
+    sr = scale.contiguous().view(*lead, R // 16, 2, 8, G)
+    sr = sr.permute(*(list(range(n)) + [n, n + 3, n + 2, n + 1])).contiguous()       # tile, grp, g, half
+    return wr.view(*lead, R // 16, G, 32, 2), sr
 
-    x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; w13_packed int32 [E, 2I, D/8]
-    (rows [0, I) gate, [I, 2I) up), w13_scale bf16 [E, 2I, D/32]; w2_packed int32 [E, D, I/8], w2_scale bf16
-    [E, D, I/32]; D and I multiples of 32. Returns float32 [T, D]. Pairs are grouped by expert with torch
-    (a stable sort), then two launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
+
+@dataclass
+class MoeWeights:
+    """Routed INT4 experts in moe_int4's fragment order (repack_moe); E experts, hidden D, intermediate I."""
+    w13: torch.Tensor  # int32 [E, 2I/16, D/32, 32, 2]
+    s13: torch.Tensor  # bf16 [E, 2I/16, D/32, 8, 2]
+    w2: torch.Tensor   # int32 [E, D/16, I/32, 32, 2]
+    s2: torch.Tensor   # bf16 [E, D/16, I/32, 8, 2]
+    E: int
+    D: int
+    I: int
+
+
+def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+               w2_scale: torch.Tensor) -> MoeWeights:
+    """Checkpoint-format stacked experts (kdtree.model.Int4Experts' buffers) -> MoeWeights, checked:
+    w13_packed int32 [E, 2I, D/8] (rows [0, I) gate, [I, 2I) up), w13_scale bf16 [E, 2I, D/32],
+    w2_packed int32 [E, D, I/8], w2_scale bf16 [E, D, I/32]; D and I multiples of 32."""
+    _need("w13_packed", w13_packed, (torch.int32,), ndim=3)
+    E, I2, D8 = w13_packed.shape
+    I, D = I2 // 2, D8 * 8
+    if E == 0 or I == 0 or I2 % 2 or I % 32 or D == 0 or D % 32:
+        raise ValueError(f"w13_packed: expected int32 [E, 2I, D/8] with I and D positive multiples of 32, got "
+                         f"{tuple(w13_packed.shape)}")
+    _need("w13_scale", w13_scale, (torch.bfloat16,), shape=(E, I2, D // 32))
+    _need("w2_packed", w2_packed, (torch.int32,), shape=(E, D, I // 8))
+    _need("w2_scale", w2_scale, (torch.bfloat16,), shape=(E, D, I // 32))
+    w13, s13 = repack_int4_mma(w13_packed, w13_scale)
+    w2, s2 = repack_int4_mma(w2_packed, w2_scale)
+    return MoeWeights(w13, s13, w2, s2, E, D, I)
+
+
+def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
+             check_values: bool = True) -> torch.Tensor:
+    """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
+
+    x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
+    Returns float32 [T, D]. Pairs are grouped by expert with torch (group_pairs, no host sync), then two
+    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
+    if not isinstance(weights, MoeWeights):
+        raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")
+    E, D, I = weights.E, weights.D, weights.I
     _need("x", x, (torch.bfloat16,), ndim=2)
-    T, D = x.shape
-    if T == 0 or D == 0 or D % 32:
-        raise ValueError(f"x: expected [T, D] with T > 0 and D a multiple of 32, got {tuple(x.shape)}")
+    T = x.shape[0]
+    if T == 0 or x.shape[1] != D:
+        raise ValueError(f"x: expected [T, {D}] with T > 0 (the experts' hidden size), got {tuple(x.shape)}")
     _need("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2, contiguous=False)
     if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
         raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
     _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
-    _need("w13_packed", w13_packed, (torch.int32,), ndim=3)
-    E, I2 = w13_packed.shape[:2]
-    I = I2 // 2
-    if E == 0 or I == 0 or I2 % 2 or I % 32 or w13_packed.shape[2] * 8 != D:
-        raise ValueError(f"w13_packed: expected int32 [E, 2I, D/8] = [E, 2I, {D // 8}] with I a positive multiple "
-                         f"of 32, got {tuple(w13_packed.shape)}")
-    _need("w13_scale", w13_scale, (torch.bfloat16,), shape=(E, I2, D // 32))
-    _need("w2_packed", w2_packed, (torch.int32,), shape=(E, D, I // 8))
-    _need("w2_scale", w2_scale, (torch.bfloat16,), shape=(E, D, I // 32))
-    _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13_packed=w13_packed, w13_scale=w13_scale,
-                w2_packed=w2_packed, w2_scale=w2_scale)
+    _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=weights.w13, s13=weights.s13,
+                w2=weights.w2, s2=weights.s2)
     if check_values:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
@@ -475,8 +517,8 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     _launch("moe_int4", "moe_gate_up", (I // 16, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
-            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(w13_packed), _p(w13_scale), _i(D), _i(I), _p(h)))
+            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)))
     _launch("moe_int4", "moe_down", (D // 16, slots), (256,),
-            (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(w2_packed), _p(w2_scale), _i(D), _i(I),
-             _p(out)))
+            (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2), _i(D),
+             _i(I), _p(out)))
     return out

@@ -131,8 +131,85 @@ class Gate(nn.Module):
         return w * a.routed_scaling_factor, idx
 
 
+class Int4Experts(nn.Module):
+    """The routed experts in the INT4 release format (kdtree/quant.py), stacked:
+    w13_packed int32 [E, 2I, D/8] (rows [0, I) gate, [I, 2I) up), w13_scale bf16 [E, 2I, D/32],
+    w2_packed int32 [E, D, I/8], w2_scale bf16 [E, D, I/32].
+
+    forward(x [N, D], weights [N, k], idx [N, k]) -> float32 [N, D]: on a GPU with bf16 activations the
+    moe_int4 kernel; elsewhere a reference path that dequantizes each touched expert (exact q * scale)."""
+
+    def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale):
+        super().__init__()
+        from .quant import QuantFormatError
+        E, I2, D8 = w13_packed.shape
+        want = {"w13_scale": (E, I2, D8 * 8 // 32), "w2_packed": (E, D8 * 8, I2 // 2 // 8),
+                "w2_scale": (E, D8 * 8, I2 // 2 // 32)}
+        for name, t in (("w13_scale", w13_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
+            if tuple(t.shape) != want[name]:
+                raise QuantFormatError(f"{name}: expected shape {want[name]} for w13_packed {tuple(w13_packed.shape)}, "
+                                       f"got {tuple(t.shape)}")
+        self.register_buffer("w13_packed", w13_packed)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2_packed", w2_packed)
+        self.register_buffer("w2_scale", w2_scale)
+
+    @classmethod
+    def from_mlps(cls, experts) -> "Int4Experts":
+        """Quantize bf16/fp32 experts (MLP modules) into the release format."""
+        from .quant import quantize, stack_experts
+        w13 = [quantize(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().float().cpu()) for m in experts]
+        w2 = [quantize(m.down_proj.weight.detach().float().cpu()) for m in experts]
+        dev = experts[0].gate_proj.weight.device
+        return cls(*(t.to(dev) for t in (*stack_experts(w13), *stack_experts(w2))))
+
+    @classmethod
+    def random(cls, E: int, D: int, I: int, device="cpu", seed: int = 0, scale: float = 0.01) -> "Int4Experts":
+        """Random packed words and scales at any size (every int32 is a valid set of eight 4-bit values)."""
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def words(*shape):
+            return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, device=device, generator=g)
+
+        def scales(*shape):
+            return (torch.rand(shape, device=device, generator=g) * scale).to(torch.bfloat16)
+        return cls(words(E, 2 * I, D // 8), scales(E, 2 * I, D // 32), words(E, D, I // 8), scales(E, D, I // 32))
+
+    def expert_weights(self, e: int, dtype=torch.float32):
+        """(w13 [2I, D], w2 [D, I]) of expert e, dequantized."""
+        from .quant import Int4Weight
+        E, I2, D8 = self.w13_packed.shape
+        w13 = Int4Weight(self.w13_packed[e], self.w13_scale[e], (I2, D8 * 8)).dequantize(dtype)
+        w2 = Int4Weight(self.w2_packed[e], self.w2_scale[e], (D8 * 8, I2 // 2)).dequantize(dtype)
+        return w13, w2
+
+    def kernel_weights(self):
+        """The experts in moe_int4's fragment order (kernels.repack_moe), made once per device and kept: the
+        checkpoint-format buffers stay for saving and the reference path (twice the expert memory)."""
+        from . import kernels
+        mw = getattr(self, "_kernel_weights", None)
+        if mw is None or mw.w13.device != self.w13_packed.device:
+            mw = kernels.repack_moe(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+            self._kernel_weights = mw
+        return mw
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            from . import kernels
+            return kernels.moe_int4(x.contiguous(), idx, weights.float(), self.kernel_weights(), check_values=False)
+        I = self.w13_packed.shape[1] // 2
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            w13, w2 = self.expert_weights(e, torch.float32)
+            gu = x[tok].float() @ w13.T
+            y.index_add_(0, tok, ((F.silu(gu[:, :I]) * gu[:, I:]) @ w2.T) * weights[tok, slot, None].float())
+        return y
+
+
 class MoE(nn.Module):
-    """Routed experts (top-k of n_routed_experts) plus the always-on shared expert."""
+    """Routed experts (top-k of n_routed_experts) plus the always-on shared expert. The routed experts are
+    MLP modules, or one Int4Experts after `quantize_experts()` (or when loaded from an INT4 checkpoint)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -143,18 +220,26 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
                                if args.n_shared_experts else None)
 
+    def quantize_experts(self) -> None:
+        """Replace the routed experts by their INT4 release-format quantization."""
+        if not isinstance(self.experts, Int4Experts):
+            self.experts = Int4Experts.from_mlps(self.experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, idx = self.gate(x)  # [N, k]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            tok, slot = torch.where(idx == e)
-            out = self.experts[e](x[tok])
-            y.index_add_(0, tok, out.float() * weights[tok, slot, None])
+        if isinstance(self.experts, Int4Experts):
+            y = self.experts(x, weights, idx)
+        else:
+            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
+            for e, c in enumerate(counts):
+                if c == 0:
+                    continue
+                tok, slot = torch.where(idx == e)
+                out = self.experts[e](x[tok])
+                y.index_add_(0, tok, out.float() * weights[tok, slot, None])
         y = y.to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
@@ -336,6 +421,13 @@ class ForwardOutput:
 # ----------------------------------------------------------------------------- the model
 class Transformer(nn.Module):
     """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or `kdtree.weights.load`."""
+
+    def quantize_experts(self) -> "Transformer":
+        """Every MoE layer's routed experts to the INT4 release format (in place); returns self."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.quantize_experts()
+        return self
 
     def __init__(self, args: ModelArgs, attn_impl: str = "absorb"):
         super().__init__()

@@ -98,7 +98,7 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     if q.numel() and (int(q.min()) < QMIN or int(q.max()) > QMAX):
         raise QuantFormatError(f"q: expected values in [{QMIN}, {QMAX}], got [{int(q.min())}, {int(q.max())}]")
     u = (q.to(torch.int64) + 8).view(q.shape[0], -1, PER_WORD)
-    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=q.device)
     words = (u << shifts).sum(dim=-1)                     # [out, in / 8] in [0, 2^32)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -109,7 +109,7 @@ def unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
         raise QuantFormatError(f"packed: expected int32 [out, {in_features // PER_WORD}], got {packed.dtype} "
                                f"{tuple(packed.shape)}")
     w = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=packed.device)
     u = (w[..., None] >> shifts) & 0xF                    # [out, in / 8, 8]
     return (u - 8).to(torch.int8).reshape(packed.shape[0], in_features)
 

@@ -73,22 +73,48 @@ def test_moe_int4_rejects():
     w = torch.ones(T, k)
     p13, s13 = torch.zeros(E, 2 * I, D // 8, dtype=torch.int32), torch.ones(E, 2 * I, D // 32, dtype=torch.bfloat16)
     p2, s2 = torch.zeros(E, D, I // 8, dtype=torch.int32), torch.ones(E, D, I // 32, dtype=torch.bfloat16)
-    args = [x, ids, w, p13, s13, p2, s2]
-    bad = {0: (x.float(), "x: expected dtype"), 1: (ids[:2], r"topk_ids: expected shape \(3, k\)"),
-           2: (w.double(), "topk_weights: expected dtype"),
-           3: (p13[:, :, :4].contiguous(), r"w13_packed: expected int32 \[E, 2I, D/8\]"),
-           4: (s13[:, :, :1].contiguous(), r"w13_scale: expected shape \(4, 64, 2\)"),
-           5: (p2[:, :, :2].contiguous(), r"w2_packed: expected shape \(4, 64, 4\)"),
-           6: (s2.float(), "w2_scale: expected dtype")}
+    args = [p13, s13, p2, s2]
+    bad = {0: (p13[:, :, :3].contiguous(), r"w13_packed: expected int32 \[E, 2I, D/8\]"),
+           1: (s13[:, :, :1].contiguous(), r"w13_scale: expected shape \(4, 64, 2\)"),
+           2: (p2[:, :, :2].contiguous(), r"w2_packed: expected shape \(4, 64, 4\)"),
+           3: (s2.float(), "w2_scale: expected dtype")}
     for i, (value, match) in bad.items():
         a = list(args)
         a[i] = value
         with pytest.raises(ValueError, match=match):
-            K.moe_int4(*a)
-    with pytest.raises(ValueError, match="D a multiple of 32"):
-        K.moe_int4(torch.zeros(T, 48, dtype=torch.bfloat16), *args[1:])
+            K.repack_moe(*a)
+    mw = K.repack_moe(*args)  # repacking runs anywhere (torch ops)
+    assert (mw.E, mw.D, mw.I) == (E, D, I)
+    with pytest.raises(ValueError, match="weights: expected a MoeWeights"):
+        K.moe_int4(x, ids, w, args)
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        K.moe_int4(x.float(), ids, w, mw)
+    with pytest.raises(ValueError, match=r"x: expected \[T, 64\]"):
+        K.moe_int4(torch.zeros(T, 96, dtype=torch.bfloat16), ids, w, mw)
+    with pytest.raises(ValueError, match=r"topk_ids: expected shape \(3, k\)"):
+        K.moe_int4(x, ids[:2], w, mw)
+    with pytest.raises(ValueError, match="topk_weights: expected dtype"):
+        K.moe_int4(x, ids, w.double(), mw)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
-        K.moe_int4(*args)
+        K.moe_int4(x, ids, w, mw)
+
+
+def test_repack_puts_each_lanes_fragment_bytes_in_place():
+    """Lane (g, c), word j, byte b of a repacked group = byte c of checkpoint word 2j + b // 2 of row g + 8 (b % 2)."""
+    from kdtree import quant
+    g_ = torch.Generator().manual_seed(6)
+    R, Kin = 48, 96
+    packed = quant.pack(torch.randint(-8, 8, (R, Kin), dtype=torch.int8, generator=g_))
+    scale = torch.rand(R, Kin // 32, generator=g_).to(torch.bfloat16)
+    wr, sr = K.repack_int4_mma(packed, scale)
+    assert wr.shape == (R // 16, Kin // 32, 32, 2) and sr.shape == (R // 16, Kin // 32, 8, 2)
+    pw = packed.view(torch.uint8).view(R, Kin // 8, 4)
+    got = wr.contiguous().view(torch.uint8).view(R // 16, Kin // 32, 8, 4, 2, 4)   # tile, grp, g, c, j, b
+    t, grp, g, c, j, b = torch.meshgrid(*(torch.arange(n) for n in got.shape), indexing="ij")
+    want = pw[t * 16 + g + 8 * (b % 2), grp * 4 + 2 * j + b // 2, c]
+    assert torch.equal(got, want)
+    tt, gg, g2, h = torch.meshgrid(*(torch.arange(n) for n in sr.shape), indexing="ij")
+    assert torch.equal(sr, scale[tt * 16 + g2 + 8 * h, gg])
 
 
 def test_group_pairs_groups_by_expert():

@@ -31,6 +31,23 @@ def test_lab_cli_runs_notebook_00_with_parameters(tmp_path):
     assert (tmp_path / "00_golden_validation.ipynb").exists()
 
 
+def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
+    """The K2.6 microbenchmark notebook's CPU smoke set: every section that can run on a CPU writes its numbers."""
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
+    cmd = [sys.executable, "-m", "kdtree", "lab", "01", "--device", "cpu", "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "microbench_k26.json").read_text())
+    assert rec["smoke"] is True and rec["config"] == "tiny-a" and rec["ceilings"] is None
+    assert {(r["batch"], r["budget"]) for r in rec["tree_round"]} == {(1, 16), (1, 64), (4, 16), (4, 64)}
+    assert all(r["reference_s"] > 0 for r in rec["tree_round"])
+    assert [r["tokens"] for r in rec["moe_int4"]] == [1, 8, 64]
+    assert {r["kind"] for r in rec["layer_verify"]} == {"dense", "moe"}
+    assert rec["builder_share"] and all(0 < s["reference_share"] < 1 for s in rec["builder_share"])
+    for png in ("microbench_tree.png", "microbench_moe.png", "microbench_layer.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
 def test_parse_value():
     assert lab.parse_value("3") == 3 and lab.parse_value("0.5") == 0.5
     assert lab.parse_value("[1, 2]") == [1, 2] and lab.parse_value("true") is True

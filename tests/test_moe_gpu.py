@@ -52,7 +52,8 @@ def _case(p: MoeParam, seed: int):
 def test_moe_int4_matches_golden(p):
     from kdtree import kernels
     x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D)
-    out = kernels.moe_int4(*(t.cuda() for t in (x, ids, wts, p13, s13, p2, s2)))
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw)
     ref = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy(), p13.numpy(), s13.float().numpy(),
                           p2.numpy(), s2.float().numpy())
     got = out.double().cpu().numpy()
@@ -66,4 +67,17 @@ def test_moe_int4_rejects_expert_ids_out_of_range():
     x, ids, wts, p13, s13, p2, s2 = _case(MoeParam(4, 64, 32, 4, 2), seed=9)
     ids[2, 1] = 4
     with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 4\)"):
-        kernels.moe_int4(*(t.cuda() for t in (x, ids, wts, p13, s13, p2, s2)))
+        kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2))))
+
+
+def test_int4_experts_kernel_path_matches_reference_path():
+    """The model's Int4Experts: the kernel (bf16 on the GPU) against its dequantizing reference path."""
+    from kdtree.model import Int4Experts
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ex = Int4Experts.random(16, 256, 64, device="cuda", seed=3, scale=0.02)
+    x = torch.randn(40, 256, device="cuda", generator=g).to(torch.bfloat16)
+    scores = torch.randn(40, 16, device="cuda", generator=g)
+    w, ids = scores.softmax(-1).topk(4, dim=-1)
+    got = ex(x, w, ids)
+    ref = ex(x.float(), w, ids)  # float32 input takes the reference path
+    assert (ref.norm() > 0) and float((got - ref).norm() / ref.norm()) <= 1e-2
