@@ -64,6 +64,17 @@ __device__ __forceinline__ void load_b(uint32_t (*b)[4], const uint16_t* const* 
         for (int j = 0; j < 4; ++j) b[nt][j] = ld_pair(xr[nt], k0 + 8 * j);
 }
 
+// This thread's B-fragment rows for a pass of 16 pairs from pc (token nt * 8 + lane / 4 of the pass): row
+// base + id * ld, id = pair_tok[p] (a token's activations) or p itself (the pair's workspace row); null past p1.
+__device__ __forceinline__ void pass_rows(const uint16_t** r, const uint16_t* base, int ld, const int32_t* pair_tok,
+                                          int pc, int p1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int p = pc + nt * 8 + ((threadIdx.x & 31) >> 2);
+        r[nt] = p < p1 ? base + (size_t)(pair_tok ? pair_tok[p] : p) * ld : nullptr;
+    }
+}
+
 // One tile's fragment bytes and scales for one group: 8 bytes + 4 bytes per lane.
 struct AFrag { uint2 w; uint32_t s; };
 
@@ -107,11 +118,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
     const uint16_t* Su = s13r + tu * G * 16;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
         const uint16_t* xr[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int p = pc + nt * 8 + (lane >> 2);
-            xr[nt] = p < p1 ? x + (size_t)pair_tok[p] * D : nullptr;
-        }
+        pass_rows(xr, x, D, pair_tok, pc, p1);
         float ag[NT][4] = {}, au[NT][4] = {};
         for (int grp = gb; grp < ge; grp += 2) {
             const bool two = grp + 1 < ge;
@@ -161,11 +168,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     const uint16_t* S = s2r + t * G * 16;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
         const uint16_t* hr[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int p = pc + nt * 8 + (lane >> 2);
-            hr[nt] = p < p1 ? h + (size_t)p * I : nullptr;
-        }
+        pass_rows(hr, h, I, nullptr, pc, p1);
         float acc[NT][4] = {};
         for (int grp = gb; grp < ge; grp += 2) {
             const bool two = grp + 1 < ge;

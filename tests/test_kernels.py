@@ -11,15 +11,7 @@ from hypothesis import strategies as st
 from kdtree import golden
 from kdtree.validate import random_logits
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    from kdtree import kernels
-    kernels.POISON = True
-    yield
-    kernels.POISON = False
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
 
 def _u32(t: torch.Tensor) -> np.ndarray:

@@ -7,15 +7,7 @@ import torch
 
 from kdtree import golden, quant
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    from kdtree import kernels
-    kernels.POISON = True
-    yield
-    kernels.POISON = False
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
 
 @dataclass
