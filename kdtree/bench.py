@@ -439,7 +439,8 @@ def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
 def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), batches=(1, 8),
                 repeats: int = 10, progress: bool = True, seed: int = 0) -> list[dict]:
     """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
-    context of C cached tokens (random latent rows), per (layer, context, N, batch)."""
+    context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
+    timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails."""
     from .model import MoE
     dev = model.device
     args = model.args
@@ -473,10 +474,17 @@ def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 12
         for i, layer in enumerate(model.model.layers):
             def step(layer=layer, i=i):
                 layer(x, cos, sin, cache.latent[i], C, bias, model.attn_impl, kern)
+            how = "wall" if dev.type == "cpu" else "graph"
             with torch.no_grad():
-                t = timer(step, repeats)
+                if how == "graph":  # GPU time without the host's launch overhead; eager if capture fails
+                    try:
+                        t = _graph_median([step], repeats)
+                    except RuntimeError:
+                        how, t = "events", timer(step, repeats)
+                else:
+                    t = timer(step, repeats)
             rows.append({"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "context": C,
-                         "batch": B, "nodes": N, "time_s": t, "device": str(dev)})
+                         "batch": B, "nodes": N, "time_s": t, "timing": how, "device": str(dev)})
         del cache
     return rows
 
