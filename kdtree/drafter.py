@@ -112,8 +112,9 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(B, T, a.num_key_value_heads, a.head_dim)
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v):
-        """x [B, T, D] block states; ctx_k/ctx_v [B, Hk, C, hd] cached context. Non-causal."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        """x [B, T, D] block states; ctx_k/ctx_v [B, Hk, C, hd] cached context. Non-causal; mask (optional,
+        bool [B or 1, 1, T, C + T]: query row sees key column) for several blocks in one pass (training)."""
         a = self.a
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, a.num_attention_heads, a.head_dim))
@@ -123,7 +124,7 @@ class DraftAttention(nn.Module):
         v = torch.cat([ctx_v, v], dim=2)
         rep = a.num_attention_heads // a.num_key_value_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=False)  # [B, H, T, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)  # [B, H, T, hd]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,8 +136,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,6 +199,30 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i])
         return self.target.lm_head(self.norm(x).to(self.target.dtype)).float()
+
+    def forward_blocks(self, features: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training pass: m blocks per sequence at once, each drafted as at inference.
+
+        features [B, n, F] target features of positions 0..n-1; blocks [B, m, bs] block tokens ([root, mask, ...]);
+        anchors [B, m] the roots' positions. Block j sees the context positions < anchors[b, j] (the root's own
+        features are not in the cache when it is drafted) and its own block, non-causally, as propose() does.
+        Returns logits [B, m, bs, V] float32."""
+        B, n, _ = features.shape
+        m, bs = blocks.shape[1:]
+        dev = features.device
+        ctx = self.project_context(features.to(self.fc.weight.dtype))                   # [B, n, D]
+        cos_c, sin_c = self.rope(torch.arange(n, device=dev)[None].expand(B, n), ctx.dtype)
+        pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).reshape(B, m * bs)  # [B, m*bs]
+        x = self.target.model.embed_tokens(blocks.reshape(B, m * bs)).to(self.fc.weight.dtype)
+        cos, sin = self.rope(pos, x.dtype)
+        seen_ctx = torch.arange(n, device=dev)[None, None] < anchors.repeat_interleave(bs, 1)[:, :, None]
+        blk = torch.arange(m, device=dev).repeat_interleave(bs)
+        seen_blk = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
+        mask = torch.cat([seen_ctx, seen_blk], dim=2)[:, None]                          # [B, 1, m*bs, n + m*bs]
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(ctx, cos_c, sin_c)
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.target.lm_head(self.norm(x).to(self.target.dtype)).float().view(B, m, bs, -1)
 
     def session(self, max_len: int) -> "DFlashSession":
         return DFlashSession(self, max_len)

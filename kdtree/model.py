@@ -355,10 +355,13 @@ class MLA(nn.Module):
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([R, a.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)  # [B, T, R]
         k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
-        latent[:, start:start + T, :R] = kv
-        latent[:, start:start + T, R:] = k_pe
+        latent[:, start:start + T, :R] = kv.detach() if torch.is_grad_enabled() else kv
+        latent[:, start:start + T, R:] = k_pe.detach() if torch.is_grad_enabled() else k_pe
         S = start + T
         kv_all, pe_all = latent[:, :S, :R], latent[:, :S, R:]  # [B, S, R], [B, S, P]
+        if torch.is_grad_enabled() and attn_impl != "kernel":  # training: the block's rows keep their graph
+            kv_all = torch.cat([kv_all[:, :start], kv.to(kv_all.dtype)], dim=1)
+            pe_all = torch.cat([pe_all[:, :start], k_pe.to(pe_all.dtype)], dim=1)
         scale = a.softmax_scale
         if attn_impl == "kernel":
             from . import kernels
@@ -528,7 +531,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, position_ids=None, mask=None,
                 hidden_layers=(), logits_for=None) -> ForwardOutput:
-        """Run T new tokens after the cached ones.
+        """forward_grad without gradients: the inference entry (decode loops, verification)."""
+        return self.forward_grad(tokens, cache, position_ids, mask, hidden_layers, logits_for)
+
+    def forward_grad(self, tokens: torch.Tensor, cache: KVCache | None = None, position_ids=None, mask=None,
+                     hidden_layers=(), logits_for=None) -> ForwardOutput:
+        """Run T new tokens after the cached ones (with autograd where enabled: training uses this).
 
         tokens [B, T] int; cache: KVCache or None (no cache: the block attends to itself only);
         position_ids [T] or [B, T] (default: cache.length + arange(T)); mask [T, T] or [B, T, T] bool,

@@ -186,3 +186,30 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
                                           "group_size": quant.GROUP}}}}
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return d
+
+
+def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
+    """A DFlash drafter as config.json (DFlashDraftModel keys) + model.safetensors (its own weights: the
+    embedding and lm_head are the target's and are not written)."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+          for k, v in drafter.state_dict().items()}
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(drafter.args.to_hf_config(), indent=2) + "\n")
+    return d
+
+
+def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32):
+    """The drafter saved by save_drafter, attached to `target` (checked like load: names and shapes)."""
+    from .drafter import DFlashDrafter, DrafterArgs
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"load_drafter: no config.json in {d}")
+    args = DrafterArgs.from_hf_config(json.loads((d / "config.json").read_text()))
+    found = read_state_dict(d)
+    drafter = DFlashDrafter(args)
+    expected = {k: v.shape for k, v in drafter.state_dict().items()}
+    check_state_dict(expected, found, ModelArgs(), where=f"drafter checkpoint {d}")
+    drafter.load_state_dict({k: found[k] for k in expected}, strict=True)
+    return drafter.to(device=target.device, dtype=dtype).eval().attach(target)

@@ -1,0 +1,107 @@
+"""An offline corpus and tokenizer: the Python standard library's own sources.
+
+Every machine with a Python interpreter has them, so the corpus needs no download. Files are split into
+train and held-out by a hash of their path relative to the stdlib root (stable across machines; the exact
+file set depends on the interpreter version, which `corpus_info` records). The tokenizer is a byte-level
+BPE trained with `tokenizers` on the train split and saved to data/tokenizer.json, so that every run
+encodes with the same vocabulary.
+
+    files = corpus_files()                          # {"train": [...], "heldout": [...]}
+    tok = train_tokenizer(files["train"], 4096)     # or load_tokenizer(path)
+    ids = encode_files(tok, files["train"])         # one uint16 stream, documents separated by <|endoftext|>
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL = ["<|endoftext|>", "<|mask|>"]  # document separator; the drafter's mask token
+HELDOUT_PERCENT = 5
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_of(rel: str, heldout_percent: int = HELDOUT_PERCENT) -> str:
+    """'heldout' for about heldout_percent% of paths (by a hash of the relative path), else 'train'."""
+    h = int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100
+    return "heldout" if h < heldout_percent else "train"
+
+
+def corpus_files(root: Path | None = None, heldout_percent: int = HELDOUT_PERCENT,
+                 max_bytes: int = 400_000) -> dict[str, list[Path]]:
+    """The stdlib's .py files (site-packages excluded, files over max_bytes skipped), sorted, split by path."""
+    root = Path(root) if root else stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus root {root} is not a directory")
+    out: dict[str, list[Path]] = {"train": [], "heldout": []}
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith(("site-packages/", "dist-packages/")) or p.stat().st_size > max_bytes:
+            continue
+        out[split_of(rel, heldout_percent)].append(p)
+    if not out["train"] or not out["heldout"]:
+        raise ValueError(f"corpus under {root}: expected .py files in both splits, got "
+                         f"{len(out['train'])} train and {len(out['heldout'])} held-out")
+    return out
+
+
+def corpus_info(files: dict[str, list[Path]]) -> dict:
+    return {"python": sys.version.split()[0], "root": str(stdlib_root()),
+            **{f"{k}_files": len(v) for k, v in files.items()},
+            **{f"{k}_bytes": int(sum(p.stat().st_size for p in v)) for k, v in files.items()}}
+
+
+def read_text(p: Path) -> str:
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = 4096, min_frequency: int = 2):
+    """Byte-level BPE on the given files; <|endoftext|> and <|mask|> are special tokens (ids 0 and 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if not 256 + len(SPECIAL) < vocab_size <= 65535:
+        raise ValueError(f"vocab_size={vocab_size}: expected in ({256 + len(SPECIAL)}, 65535]")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((read_text(p) for p in files), trainer=trainer)
+    return tok
+
+
+def tokenizer_path() -> Path:
+    """data/tokenizer.json of the checkout (byte-level BPE, 4096 tokens, trained by train_tokenizer on the
+    train split of Python 3.11.7's stdlib; `python -c "from kdtree import data; ..."` can retrain it)."""
+    return Path(__file__).resolve().parent.parent / "data" / "tokenizer.json"
+
+
+def load_tokenizer(path: str | Path | None = None):
+    from tokenizers import Tokenizer
+    p = Path(path) if path else tokenizer_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer {p} not found (train one with kdtree.data.train_tokenizer)")
+    return Tokenizer.from_file(str(p))
+
+
+def encode_files(tok, files: list[Path]) -> np.ndarray:
+    """All files as one uint16 token stream, each followed by <|endoftext|>."""
+    eot = tok.token_to_id(SPECIAL[0])
+    parts = []
+    for enc in tok.encode_batch([read_text(p) for p in files]):
+        parts.append(np.asarray(enc.ids, dtype=np.uint16))
+        parts.append(np.array([eot], dtype=np.uint16))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+
+
+def windows(stream: np.ndarray, length: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n random windows [n, length] (int64) from a token stream."""
+    if stream.size <= length:
+        raise ValueError(f"stream of {stream.size} tokens: expected more than length={length}")
+    starts = rng.integers(0, stream.size - length, size=n)
+    return np.stack([stream[s:s + length] for s in starts]).astype(np.int64)

@@ -1,0 +1,98 @@
+"""The offline corpus, the tokenizer, and the training loops of the trained tiny pair (CPU smoke sizes)."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import data, train, weights
+from kdtree.decode import generate_ar, generate_ddtree, generate_dflash
+from kdtree.drafter import DrafterArgs, build_drafter
+from kdtree.config import TINY_A
+from kdtree.model import build_model
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    files = data.corpus_files()
+    tok = data.load_tokenizer()
+    return files, tok, data.encode_files(tok, files["train"][:30]), data.encode_files(tok, files["heldout"][:8])
+
+
+def test_corpus_split_is_stable_and_disjoint(corpus):
+    files = corpus[0]
+    assert set(files["train"]).isdisjoint(files["heldout"])
+    assert all(data.split_of(p.relative_to(data.stdlib_root()).as_posix()) == "heldout" for p in files["heldout"])
+    n = len(files["train"]) + len(files["heldout"])
+    assert 0.01 < len(files["heldout"]) / n < 0.12  # about 5%
+
+
+def test_tokenizer_is_byte_level_and_lossless(corpus):
+    files, tok, _, _ = corpus
+    assert tok.get_vocab_size() == 4096
+    assert tok.token_to_id("<|endoftext|>") == 0 and tok.token_to_id("<|mask|>") == 1
+    text = data.read_text(files["heldout"][0])[:3000] + "\n# ünïcödé ✓\n"
+    assert tok.decode(tok.encode(text).ids) == text
+    assert len(tok.encode(text).ids) < len(text.encode()) / 2  # it compresses
+
+
+def _tiny_target(vocab):
+    return train.target_args(vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=2, n_routed_experts=4, q_lora_rank=32, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+
+
+def test_forward_blocks_equals_inference_drafting():
+    t = build_model(TINY_A, seed=0)
+    d = build_drafter(t, seed=1, block_size=5)
+    seq = torch.randint(0, TINY_A.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    feats = train.target_features(t, seq, d.target_layer_ids)
+    anchors = torch.tensor([[3, 10, 22]])
+    blocks = torch.full((1, 3, 5), d.args.mask_token_id)
+    blocks[0, :, 0] = seq[0, anchors[0]]
+    with torch.no_grad():
+        got = d.forward_blocks(feats, blocks, anchors)
+    for j, r in enumerate(anchors[0].tolist()):
+        s = d.session(64)
+        s.start(seq[0, :r].tolist(), feats[0, :r])
+        torch.testing.assert_close(got[0, j, 1:], s.propose(seq[0, :r + 1].tolist()), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_corpus_is_the_targets_greedy_continuation():
+    t = build_model(TINY_A, seed=4)
+    prompts = torch.randint(0, TINY_A.vocab_size, (3, 7), generator=torch.Generator().manual_seed(5))
+    seqs = train.greedy_corpus(t, prompts, 12, batch=2, progress=False)
+    for i in range(3):
+        assert seqs[i, 7:].tolist() == generate_ar(t, prompts[i].tolist(), 12).tokens
+
+
+def test_training_smoke_target_and_drafter(corpus, tmp_path):
+    _, tok, tr, ho = corpus
+    args = _tiny_target(tok.get_vocab_size())
+    cfg = train.TrainConfig(steps=16, batch=4, seq_len=32, lr=1e-2, warmup=4, eval_every=8, eval_batches=1)
+    m, log = train.train_target(args, tr, ho, cfg, progress=False)
+    first, last = log["train_loss"][0][1], np.mean([x[1] for x in log["train_loss"][-1:]])
+    assert last < first - 0.3, (first, last)  # it learns
+    assert log["heldout_loss"][-1][1] < log["heldout_loss"][0][1] < np.log(tok.get_vocab_size()) + 0.5
+    prompts = torch.from_numpy(data.windows(tr, 8, 12, np.random.default_rng(0)))
+    seqs = train.greedy_corpus(m, prompts, 12, batch=6, progress=False)
+    dargs = DrafterArgs.for_target(args, block_size=4, mask_token_id=tok.token_to_id("<|mask|>"))
+    dcfg = train.TrainConfig(steps=16, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=8, anchors=4)
+    d, dlog = train.train_drafter(m, seqs[:8], 8, dargs, dcfg, heldout=seqs[8:], progress=False)
+    assert dlog["train_loss"][-1][1] < dlog["train_loss"][0][1]
+    assert len(dlog["heldout"]) == 2 and len(dlog["heldout"][-1][2]) == 3  # per-depth accuracy
+    # checkpoints round-trip, and DDTree with the trained drafter stays lossless
+    weights.save(m, tmp_path / "target")
+    weights.save_drafter(d, tmp_path / "drafter")
+    m2 = weights.load(tmp_path / "target")
+    d2 = weights.load_drafter(tmp_path / "drafter", m2)
+    p = ho[:16].tolist()
+    ar = generate_ar(m2, p, 16)
+    assert generate_ddtree(m2, d2, p, 16, budget=8).tokens == ar.tokens
+    assert generate_dflash(m2, d2, p, 16).tokens == ar.tokens
+    assert ar.tokens == generate_ar(m, p, 16).tokens
+
+
+def test_train_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="TrainConfig.steps"):
+        train.TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="depth_decay"):
+        train.TrainConfig(depth_decay=1.5)
