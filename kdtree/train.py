@@ -290,3 +290,59 @@ def train_drafter(target: Transformer, seqs: torch.Tensor, prompt_len: int, args
             break
     log["seconds"] = time.perf_counter() - t0
     return drafter.eval(), log
+
+
+def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_tokens: int,
+                 budgets=(16, 32, 64, 128, 256, 512, 1024), temperatures=(0.0, 1.0), backend: str = "golden",
+                 progress: bool = True) -> dict:
+    """AR, the DFlash chain and DDTree at each budget on the same prompts, per temperature: tau (tokens per
+    verify round), tok/s (generated tokens over wall time, all requests one after another), target forwards
+    per token, and at T = 0 whether every output equals AR's token for token. Returns {"rows": [...],
+    "targets": [...]} with the issue's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
+    1.3x the DFlash chain at T = 0, lossless throughout."""
+    from .decode import generate_ar, generate_ddtree, generate_dflash
+    cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
+    rows = []
+    it = [(T, m, B) for T in temperatures for m, B in cases]
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="measure")
+    ar_out: dict = {}
+    for T, mode, B in it:
+        toks, rounds, forwards, wall, lossless = 0, [], 0, 0.0, True
+        for i, p in enumerate(prompts):
+            if mode == "ar":
+                r = generate_ar(target, p, max_new_tokens, temperature=T, seed=i)
+                ar_out[(T, i)] = r.tokens
+            elif mode == "dflash":
+                r = generate_dflash(target, drafter, p, max_new_tokens, temperature=T, seed=i, backend=backend)
+            else:
+                r = generate_ddtree(target, drafter, p, max_new_tokens, budget=B, temperature=T, seed=i,
+                                    backend=backend)
+            toks += len(r.tokens)
+            rounds += r.accept_lengths or [1] * len(r.tokens)
+            forwards += r.target_forwards
+            wall += r.wall_time
+            if T == 0.0 and mode != "ar":
+                lossless &= r.tokens == ar_out[(T, i)]
+        rows.append({"temperature": T, "mode": mode, "budget": B, "tau": float(np.mean(rounds)),
+                     "tok_per_s": toks / wall if wall else None, "forwards_per_token": forwards / max(toks, 1),
+                     "tokens": toks, "wall_s": wall, "lossless": bool(lossless) if T == 0.0 and mode != "ar" else None})
+    targets = []
+    t0 = [r for r in rows if r["temperature"] == 0.0]
+    if t0:
+        df = next(r for r in t0 if r["mode"] == "dflash")
+        dd = [r for r in t0 if r["mode"] == "ddtree"]
+        best_tau = max(dd, key=lambda r: r["tau"])
+        best_speed = max(dd, key=lambda r: r["tok_per_s"] or 0)
+        targets = [
+            {"name": "T=0: tau of DDTree at its best budget minus tau of the DFlash chain",
+             "measured": best_tau["tau"] - df["tau"], "goal": 1.5, "met": best_tau["tau"] - df["tau"] >= 1.5,
+             "budget": best_tau["budget"]},
+            {"name": "T=0: DDTree tok/s at its best budget over the DFlash chain's",
+             "measured": best_speed["tok_per_s"] / df["tok_per_s"], "goal": 1.3,
+             "met": best_speed["tok_per_s"] / df["tok_per_s"] >= 1.3, "budget": best_speed["budget"]},
+            {"name": "T=0: every DFlash and DDTree output equals AR token for token",
+             "measured": float(all(r["lossless"] for r in t0 if r["mode"] != "ar")), "goal": 1.0,
+             "met": all(r["lossless"] for r in t0 if r["mode"] != "ar")}]
+    return {"rows": rows, "targets": targets}

@@ -48,6 +48,27 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_notebook_03_smoke_run_on_a_cpu(tmp_path):
+    """The trained-pair notebook's CPU smoke set: all stages, checkpoints in a temporary folder, lossless."""
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
+    real = ROOT / "data" / "trained"
+    before = sorted((p.name, p.stat().st_mtime) for p in real.rglob("*")) if real.exists() else None
+    cmd = [sys.executable, "-m", "kdtree", "lab", "03", "--device", "cpu", "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "trained_pair.json").read_text())
+    assert rec["smoke"] is True and rec["target"]["final_heldout_ppl"] > 1 and rec["drafter"]["heldout"]
+    modes = [(m["temperature"], m["mode"], m["budget"]) for m in rec["measure"]]
+    assert modes == [(T, m, b) for T in (0.0, 1.0) for m, b in (("ar", None), ("dflash", None), ("ddtree", 4),
+                                                                  ("ddtree", 8))]
+    assert all(m["lossless"] for m in rec["measure"] if m["temperature"] == 0.0 and m["mode"] != "ar")
+    assert [t["met"] for t in rec["targets"]][-1] is True  # losslessness target
+    after = sorted((p.name, p.stat().st_mtime) for p in real.rglob("*")) if real.exists() else None
+    assert after == before  # the smoke never writes the real checkpoints
+    for png in ("trained_target_loss.png", "trained_drafter_accuracy.png", "trained_pair.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
 def test_parse_value():
     assert lab.parse_value("3") == 3 and lab.parse_value("0.5") == 0.5
     assert lab.parse_value("[1, 2]") == [1, 2] and lab.parse_value("true") is True
