@@ -86,6 +86,28 @@ def _optimizer(params, cfg: TrainConfig):
                               {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def _start(module, cfg: TrainConfig, desc: str, progress: bool, **log_fields):
+    """(optimizer, rng, log, step iterator) for a training loop over `module`'s parameters."""
+    opt = _optimizer(module.parameters(), cfg)
+    log = {"config": asdict(cfg), "params": sum(p.numel() for p in module.parameters()), "train_loss": [],
+           "stopped_early": False, **log_fields}
+    steps = range(cfg.steps)
+    if progress:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc=desc)
+    return opt, np.random.default_rng(cfg.seed), log, steps
+
+
+def _update(opt, module, loss: torch.Tensor, step: int, cfg: TrainConfig) -> None:
+    """Learning rate of `step`, backward, clipping, one optimizer step."""
+    for g in opt.param_groups:
+        g["lr"] = _lr(step, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+    opt.step()
+
+
 def _autocast(device):
     dev = torch.device(device)
     return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
@@ -156,27 +178,15 @@ def train_target(args: ModelArgs, train: np.ndarray, heldout: np.ndarray, cfg: T
                     b.zero_()  # balanced by the aux-loss-free update during training
             model.lm_head.weight.mul_(0.1)  # start near the uniform distribution (loss ~ ln V)
     model = model.to(device).float().train()
-    opt = _optimizer(model.parameters(), cfg)
     load = _ExpertLoad(model)
-    rng = np.random.default_rng(cfg.seed)
-    log = {"config": asdict(cfg), "params": sum(p.numel() for p in model.parameters()), "train_loss": [],
-           "heldout_loss": [], "stopped_early": False}
+    opt, rng, log, steps = _start(model, cfg, "target", progress, heldout_loss=[])
     t0 = time.perf_counter()
-    it = range(cfg.steps)
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(it, desc="target")
-    for step in it:
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg)
+    for step in steps:
         x = torch.from_numpy(windows(train, cfg.seq_len + 1, cfg.batch, rng)).to(device)
         with _autocast(device):
             logits = model.forward_grad(x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        _update(opt, model, loss, step, cfg)
         imbalance = load.update(cfg.bias_update)
         if step % 10 == 0 or step == cfg.steps - 1:
             log["train_loss"].append((step, float(loss.detach()), imbalance))
@@ -257,24 +267,12 @@ def train_drafter(target: Transformer, seqs: torch.Tensor, prompt_len: int, args
     for p in target.parameters():
         p.requires_grad_(False)
     drafter = init_drafter(DFlashDrafter(args), cfg.seed).to(device).float().attach(target).train()
-    opt = _optimizer(drafter.parameters(), cfg)
-    rng = np.random.default_rng(cfg.seed)
-    log = {"config": asdict(cfg), "params": sum(p.numel() for p in drafter.parameters()), "train_loss": [],
-           "heldout": [], "stopped_early": False}
+    opt, rng, log, steps = _start(drafter, cfg, "drafter", progress, heldout=[])
     t0 = time.perf_counter()
-    it = range(cfg.steps)
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(it, desc="drafter")
-    for step in it:
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg)
+    for step in steps:
         idx = torch.from_numpy(rng.integers(0, seqs.shape[0], cfg.batch))
         loss, acc = drafter_loss(drafter, target, seqs[idx].to(device), prompt_len, cfg, rng)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
+        _update(opt, drafter, loss, step, cfg)
         if step % 10 == 0 or step == cfg.steps - 1:
             log["train_loss"].append((step, float(loss.detach()), acc.tolist()))
         last = step == cfg.steps - 1 or (cfg.time_limit_s and time.perf_counter() - t0 > cfg.time_limit_s)
