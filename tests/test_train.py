@@ -96,3 +96,16 @@ def test_train_config_rejects_bad_values():
         train.TrainConfig(steps=0)
     with pytest.raises(ValueError, match="depth_decay"):
         train.TrainConfig(depth_decay=1.5)
+
+
+def test_default_pair_fits_the_checkpoint_limits():
+    """Each checkpoint file <= 15 MB and both <= 25 MB in bf16 (the device returns files of up to 16 MiB)."""
+    from kdtree.model import Transformer
+    from kdtree.drafter import DFlashDrafter
+    a = train.target_args(4096)
+    with torch.device("meta"):
+        t = Transformer(a)
+        d = DFlashDrafter(DrafterArgs.for_target(a, block_size=16, num_hidden_layers=2, mask_token_id=1))
+    tb, db = (2 * sum(p.numel() for p in m.parameters()) for m in (t, d))
+    assert tb <= 15e6 and db <= 15e6 and tb + db <= 25e6, (tb, db)
+    assert 3e6 < tb / 2  # "a few million parameters" at least
