@@ -3,8 +3,8 @@
 Every machine with a Python interpreter has them, so the corpus needs no download. Files are split into
 train and held-out by a hash of their path relative to the stdlib root (stable across machines; the exact
 file set depends on the interpreter version, which `corpus_info` records). The tokenizer is a byte-level
-BPE trained with `tokenizers` on the train split and saved to data/tokenizer.json, so that every run
-encodes with the same vocabulary.
+BPE trained with `tokenizers` on the train split and saved to data/tokenizer/tokenizer.json (shipped in the
+package as kdtree/tokenizer), so that every run encodes with the same vocabulary.
 
     files = corpus_files()                          # {"train": [...], "heldout": [...]}
     tok = train_tokenizer(files["train"], 4096)     # or load_tokenizer(path)
@@ -76,9 +76,11 @@ def train_tokenizer(files: list[Path], vocab_size: int = 4096, min_frequency: in
 
 
 def tokenizer_path() -> Path:
-    """data/tokenizer.json of the checkout (byte-level BPE, 4096 tokens, trained by train_tokenizer on the
-    train split of Python 3.11.7's stdlib; `python -c "from kdtree import data; ..."` can retrain it)."""
-    return Path(__file__).resolve().parent.parent / "data" / "tokenizer.json"
+    """The lab's tokenizer (byte-level BPE, 4096 tokens, made by train_tokenizer on the train split of Python
+    3.11.7's stdlib): kdtree/tokenizer/ inside an installed package, else the checkout's data/tokenizer/."""
+    here = Path(__file__).resolve().parent
+    installed = here / "tokenizer" / "tokenizer.json"
+    return installed if installed.is_file() else here.parent / "data" / "tokenizer" / "tokenizer.json"
 
 
 def load_tokenizer(path: str | Path | None = None):
