@@ -10,15 +10,15 @@ Order and tie-break. All prefixes are totally ordered by the key
     (-score, depth, parent's emission index, rank)
 where rank is the position of the prefix's last token in its depth's top-K list (ranks order tokens by
 logit descending, then token id ascending; see below) and the root's children share one parent (index
--1). The tree is the first `budget` prefixes of finite-score log-probabilities in this order, emitted
-in this order. Because a log-probability is <= 0, a parent never sorts after its child (equal score ->
+-1). The tree is the first `budget` prefixes (of tokens with finite log-probabilities) in this order,
+emitted in this order. Because a log-probability is <= 0, a parent never sorts after its child (equal score ->
 smaller depth first), so the set is prefix-closed and parents precede children; the parent index in a
 key therefore always refers to an earlier, already ordered prefix, which makes the order well defined.
 Best-first search reproduces it exactly: pop the smallest key, emit it, push its next sibling (same
 parent, rank + 1) and its first child (depth + 1, rank 0): each pushed key sorts after the popped one.
 Ordering equal scores by the parent's place (rather than by the whole rank path) keeps the order
-monotone across a depth: if parent i precedes parent j and rank r <= rank s, then child (i, r) precedes
-child (j, s). The GPU search packs the whole key into one 64-bit integer.
+monotone across a depth: if parent i precedes or is parent j and rank r <= rank s, then child (i, r)
+precedes child (j, s) unless they are the same. The GPU search packs the whole key into one 64-bit integer.
 
 Log-probabilities. Each depth's top-K list is sorted by the float32 logit descending, ties by token id
 ascending; logprob = float32(float64(x) - logsumexp64(row)), where x is the float32 logit
