@@ -92,3 +92,12 @@ def test_moe_golden_matches_an_independent_torch_reference():
     wrong = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy()[:, ::-1], p13.numpy(), s13.float().numpy(),
                             p2.numpy(), s2.float().numpy())
     assert np.abs(wrong - ref.numpy()).max() > 1e-3  # the comparison can fail
+
+
+def test_benchmark_dequantization_is_exact():
+    """bench.dequant_bf16 (the baselines' torch dequantization) = q * scale rounded once to bf16."""
+    from kdtree import bench
+    g = torch.Generator().manual_seed(8)
+    ws = [quant.quantize(torch.randn(32, 96, generator=g)) for _ in range(3)]
+    p, s = quant.stack_experts(ws)
+    assert torch.equal(bench.dequant_bf16(p, s), torch.stack([w.dequantize() for w in ws]).to(torch.bfloat16))
