@@ -45,7 +45,8 @@ class TrainConfig:
     eval_every: int = 250
     eval_batches: int = 8
     time_limit_s: float | None = None   # stop early (and say so in the log) past this wall time
-    bias_update: float = 1e-3           # aux-loss-free balancing step of the routers' correction bias
+    bias_update: float = 1e-2           # aux-loss-free balancing step of the routers' correction bias (1e-3
+                                        # let one expert take most tokens for the first hundreds of steps)
     anchors: int = 8                    # drafter: blocks per sequence per step
     depth_decay: float = 1.0            # drafter: loss weight of depth k is depth_decay ** (k - 1)
     seed: int = 0

@@ -109,3 +109,29 @@ def test_default_pair_fits_the_checkpoint_limits():
     tb, db = (2 * sum(p.numel() for p in m.parameters()) for m in (t, d))
     assert tb <= 15e6 and db <= 15e6 and tb + db <= 25e6, (tb, db)
     assert 3e6 < tb / 2  # "a few million parameters" at least
+
+
+def test_router_bias_update_moves_load_toward_balance():
+    """The aux-loss-free update lowers the bias of overloaded experts and raises it for idle ones, and the
+    next forward routes more evenly."""
+    m = build_model(TINY_A, seed=3)
+    layer = next(i for i, blk in enumerate(m.model.layers) if hasattr(blk.mlp, "gate"))
+    gate = m.model.layers[layer].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.zero_()
+        gate.e_score_correction_bias[0] = 1.0  # expert 0 wins every token (router scores are sigmoids)
+    load = train._ExpertLoad(m)
+    x = torch.randint(0, TINY_A.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    m(x)
+    before = load.counts[layer].clone()
+    worst = load.update(0.05)
+    assert worst == float(before.max() / before.mean()) and before[0] == before.max()
+    bias = gate.e_score_correction_bias
+    assert abs(float(bias[0]) - 0.95) < 1e-6 and torch.allclose(bias[before < before.mean()], torch.tensor(0.05))
+    for _ in range(30):
+        m(x)
+        load.update(0.05)
+    m(x)
+    after = load.counts[layer]
+    assert after.max() / after.mean() < before.max() / before.mean()
+    load.close()
