@@ -1,18 +1,23 @@
-"""An offline corpus and tokenizer: the Python standard library's own sources.
+"""An offline corpus and tokenizer: Python sources already on the machine.
 
-Every machine with a Python interpreter has them, so the corpus needs no download. Files are split into
-train and held-out by a hash of their path relative to the stdlib root (stable across machines; the exact
-file set depends on the interpreter version, which `corpus_info` records). The tokenizer is a byte-level
+Sources: the Python standard library ("stdlib") and the lab's own hard dependencies' Python sources ("torch",
+"numpy"): every machine that runs the lab has them, so the corpus needs no download. A system interpreter's
+stdlib can be small (Debian's ships about 10 MB of .py files without its test suite: ~2.8 M tokens, which a
+6.7 M-parameter target memorizes within a few minutes of an H200), so the trained pair reads stdlib + torch.
+Files are split into train and held-out by a hash of "<source>/<path inside it>" (the stdlib's files by their
+path alone), stable across machines; the exact file set depends on the interpreter and package versions, which
+`corpus_info` records. The tokenizer is a byte-level
 BPE trained with `tokenizers` on the train split and saved to data/tokenizer/tokenizer.json (shipped in the
 package as kdtree/tokenizer), so that every run encodes with the same vocabulary.
 
-    files = corpus_files()                          # {"train": [...], "heldout": [...]}
+    files = corpus_files(("stdlib", "torch"))       # {"train": [...], "heldout": [...]}
     tok = train_tokenizer(files["train"], 4096)     # or load_tokenizer(path)
     ids = encode_files(tok, files["train"])         # one uint16 stream, documents separated by <|endoftext|>
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import sys
 import sysconfig
 from pathlib import Path
@@ -27,32 +32,63 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+SOURCES = ("stdlib", "torch", "numpy")
+
+
+def source_root(name: str) -> Path:
+    """The folder of a corpus source: the stdlib, or an installed package's directory."""
+    if name == "stdlib":
+        return stdlib_root()
+    if name not in SOURCES:
+        raise ValueError(f"corpus source {name!r}: expected one of {SOURCES}")
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"corpus source {name!r}: the package is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def split_of(rel: str, heldout_percent: int = HELDOUT_PERCENT) -> str:
     """'heldout' for about heldout_percent% of paths (by a hash of the relative path), else 'train'."""
     h = int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100
     return "heldout" if h < heldout_percent else "train"
 
 
-def corpus_files(root: Path | None = None, heldout_percent: int = HELDOUT_PERCENT,
+def corpus_files(sources=("stdlib",), root: Path | None = None, heldout_percent: int = HELDOUT_PERCENT,
                  max_bytes: int = 400_000) -> dict[str, list[Path]]:
-    """The stdlib's .py files (site-packages excluded, files over max_bytes skipped), sorted, split by path."""
-    root = Path(root) if root else stdlib_root()
-    if not root.is_dir():
-        raise FileNotFoundError(f"corpus root {root} is not a directory")
+    """The .py files of the given sources (or of one folder `root`), site-packages excluded and files over
+    max_bytes skipped, sorted, split by path. sources: names from SOURCES, e.g. ("stdlib", "torch")."""
+    if isinstance(sources, str):
+        sources = (sources,)
+    roots = [(None, Path(root))] if root else [(s, source_root(s)) for s in dict.fromkeys(sources)]
+    if not roots:
+        raise ValueError(f"sources={sources!r}: expected at least one of {SOURCES}")
     out: dict[str, list[Path]] = {"train": [], "heldout": []}
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith(("site-packages/", "dist-packages/")) or p.stat().st_size > max_bytes:
-            continue
-        out[split_of(rel, heldout_percent)].append(p)
+    for name, base in roots:
+        if not base.is_dir():
+            raise FileNotFoundError(f"corpus root {base} is not a directory")
+        for p in sorted(base.rglob("*.py")):
+            rel = p.relative_to(base).as_posix()
+            if rel.startswith(("site-packages/", "dist-packages/")) or p.stat().st_size > max_bytes:
+                continue
+            key = rel if name in (None, "stdlib") else f"{name}/{rel}"
+            out[split_of(key, heldout_percent)].append(p)
     if not out["train"] or not out["heldout"]:
-        raise ValueError(f"corpus under {root}: expected .py files in both splits, got "
+        raise ValueError(f"corpus of {sources if not root else root}: expected .py files in both splits, got "
                          f"{len(out['train'])} train and {len(out['heldout'])} held-out")
     return out
 
 
-def corpus_info(files: dict[str, list[Path]]) -> dict:
-    return {"python": sys.version.split()[0], "root": str(stdlib_root()),
+def corpus_info(files: dict[str, list[Path]], sources=("stdlib",)) -> dict:
+    """What a corpus was made of: interpreter and package versions, roots, file and byte counts per split."""
+    if isinstance(sources, str):
+        sources = (sources,)
+    vers = {}
+    for s in sources:
+        if s != "stdlib":
+            spec = importlib.util.find_spec(s)
+            vers[s] = getattr(__import__(s), "__version__", "?") if spec else None
+    return {"python": sys.version.split()[0], "sources": list(sources), "versions": vers,
+            "roots": {s: str(source_root(s)) for s in sources},
             **{f"{k}_files": len(v) for k, v in files.items()},
             **{f"{k}_bytes": int(sum(p.stat().st_size for p in v)) for k, v in files.items()}}
 

@@ -93,11 +93,12 @@ def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: in
 
 
 def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T)."""
+    """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T), drawn on
+    the logits' device with `gen` (a generator of that device: no copy of an [N, V] block to the host)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).flatten().to(logits.device)
+    return torch.multinomial(probs, 1, generator=gen).flatten()
 
 
 def _check_temperature(temperature) -> float:
@@ -120,7 +121,7 @@ def generate_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(),
     """Plain autoregressive decoding: one target forward per token."""
     prompt = _check_prompt(model, prompt, max_new_tokens, 0)
     temperature = _check_temperature(temperature)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
     res = GenerationResult([], "ar")
     clock = _Clock(res.stage_times, model.device)
     t0 = time.perf_counter()
@@ -161,7 +162,7 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
     backend = _check_backend(backend, model)
     prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
     temperature = _check_temperature(temperature)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
     layers = tuple(drafter.target_layer_ids)
     res = GenerationResult([], mode)
     clock = _Clock(res.stage_times, model.device)

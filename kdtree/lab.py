@@ -74,6 +74,13 @@ def find_notebooks(names) -> list[Path]:
     return out
 
 
+def executed_name(nb: Path, params: dict) -> str:
+    """The executed copy's file name: the notebook's, or NAME-stage-STAGE.ipynb for a staged run (notebook 03's
+    `stage` parameter), so that the stages of one training run, each a device command, keep their records."""
+    stage = (params or {}).get("stage", "all")
+    return nb.name if stage == "all" else f"{nb.stem}-stage-{stage}.ipynb"
+
+
 def run_lab(notebooks=(), params: dict | None = None, device: str = "auto", out_dir: str | None = None) -> list[Path]:
     """Execute notebooks with papermill; returns the executed copies."""
     import papermill as pm
@@ -84,7 +91,7 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto", out_
     done = []
     for nb in find_notebooks(notebooks):
         p = {"device": device, "out_dir": str(out.resolve()), **(params or {})}
-        target = out / nb.name
+        target = out / executed_name(nb, p)
         print(f"[kdtree lab] {nb.name} on {device} -> {target}", flush=True)
         pm.execute_notebook(str(nb), str(target), parameters=p, cwd=str(nb.parent), progress_bar=True,
                             kernel_name="python3")

@@ -48,6 +48,27 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
+    """The end-to-end notebook's CPU smoke set: the committed trained pair on held-out prompts (lossless), and
+    the projection from the committed GPU record of notebook 01."""
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
+    cmd = [sys.executable, "-m", "kdtree", "lab", "02", "--device", "cpu", "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "e2e.json").read_text())
+    rows = rec["pair"]["rows"]
+    assert rec["smoke"] is True and [(m["mode"], m["budget"]) for m in rows] == [
+        ("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
+    assert all(m["lossless"] for m in rows if m["mode"] != "ar")
+    assert all(sum(m["accept_hist"]) == m["rounds"] > 0 for m in rows)
+    if (ROOT / "outputs" / "h200" / "microbench_k26.json").exists():
+        proj = rec["projection"]["rows"]
+        assert {(p["mode"], p["budget"]) for p in proj} >= {("ar", None), ("dflash", None), ("ddtree", 16)}
+        assert all(p["tok_per_s"] > 0 for p in proj)
+        assert (tmp_path / "e2e_projection.png").stat().st_size > 1000
+    assert (tmp_path / "e2e_pair.png").stat().st_size > 1000
+
+
 def test_notebook_03_smoke_run_on_a_cpu(tmp_path):
     """The trained-pair notebook's CPU smoke set: all stages, checkpoints in a temporary folder, lossless."""
     env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
@@ -94,3 +115,10 @@ def test_package_data_is_importable():
     from kdtree.kernels import cuda_source_dir
     assert (CONFIG_DIR / "kimi-k2.6.json").is_file()
     assert (cuda_source_dir() / "tree_build.cu").is_file()
+
+
+def test_staged_runs_keep_their_own_executed_copy():
+    nb = Path("notebooks/03_train_pair.ipynb")
+    assert lab.executed_name(nb, {"device": "cpu"}) == "03_train_pair.ipynb"
+    assert lab.executed_name(nb, {"stage": "all"}) == "03_train_pair.ipynb"
+    assert lab.executed_name(nb, {"stage": "drafter"}) == "03_train_pair-stage-drafter.ipynb"

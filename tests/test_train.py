@@ -25,6 +25,25 @@ def test_corpus_split_is_stable_and_disjoint(corpus):
     assert 0.01 < len(files["heldout"]) / n < 0.12  # about 5%
 
 
+def test_corpus_of_several_sources():
+    """stdlib + torch: the stdlib's files keep their split, torch's split by "torch/<path>", no file twice."""
+    files = data.corpus_files(("stdlib", "torch"))
+    troot = data.source_root("torch")
+    tfiles = [p for split in ("train", "heldout") for p in files[split] if troot in p.parents]
+    assert len(tfiles) > 100 and len(set(files["train"]) | set(files["heldout"])) == sum(map(len, files.values()))
+    for split in ("train", "heldout"):
+        for p in files[split]:
+            key = f"torch/{p.relative_to(troot).as_posix()}" if troot in p.parents else \
+                p.relative_to(data.stdlib_root()).as_posix()
+            assert data.split_of(key) == split, p
+    only = data.corpus_files()
+    assert set(only["heldout"]) <= set(files["heldout"]) and set(only["train"]) <= set(files["train"])
+    info = data.corpus_info(files, ("stdlib", "torch"))
+    assert info["versions"]["torch"] == torch.__version__ and info["train_files"] == len(files["train"])
+    with pytest.raises(ValueError, match="corpus source 'pandas'"):
+        data.corpus_files(("stdlib", "pandas"))
+
+
 def test_tokenizer_is_byte_level_and_lossless(corpus):
     files, tok, _, _ = corpus
     assert tok.get_vocab_size() == 4096
@@ -64,6 +83,37 @@ def test_greedy_corpus_is_the_targets_greedy_continuation():
         assert seqs[i, 7:].tolist() == generate_ar(t, prompts[i].tolist(), 12).tokens
 
 
+def test_drafter_soft_loss_is_the_kl_to_the_targets_distributions():
+    """soft_weight adds depth-weighted KL(target || drafter) at the block's positions: recomputed here from the
+    target's logits at positions anchor + k - 1 (an off-by-one would compare against the wrong rows)."""
+    t = build_model(TINY_A, seed=6)
+    d = build_drafter(t, seed=7, block_size=4)
+    seqs = torch.randint(2, TINY_A.vocab_size, (3, 24), generator=torch.Generator().manual_seed(8))
+    cfg0 = train.TrainConfig(anchors=2, depth_decay=0.5)
+    cfg1 = train.TrainConfig(anchors=2, depth_decay=0.5, soft_weight=0.7)
+    with torch.no_grad():
+        l0, _ = train.drafter_loss(d, t, seqs, 6, cfg0, np.random.default_rng(3))
+        l1, _ = train.drafter_loss(d, t, seqs, 6, cfg1, np.random.default_rng(3))
+        anchors = torch.from_numpy(np.random.default_rng(3).integers(5, 24 - 4 + 1, size=(3, 2)))
+        feats = train.target_features(t, seqs, d.target_layer_ids)
+        blocks = torch.full((3, 2, 4), d.args.mask_token_id)
+        blocks[:, :, 0] = seqs.gather(1, anchors)
+        q = torch.log_softmax(d.forward_blocks(feats, blocks, anchors)[:, :, 1:].double(), -1)  # [3, 2, 3, V]
+        tl = torch.log_softmax(t(seqs).logits.double(), -1)
+    w = 0.5 ** torch.arange(3, dtype=torch.float64)
+    kl = torch.zeros(3, 2, 3, dtype=torch.float64)
+    for b in range(3):
+        for m in range(2):
+            for k in range(3):
+                p = tl[b, anchors[b, m] + k]
+                kl[b, m, k] = (p.exp() * (p - q[b, m, k])).sum()
+    want = 0.7 * float((kl * w).sum() / (w.sum() * 6))
+    assert want > 0.01
+    assert abs(float(l1 - l0) - want) < 1e-4 * max(1.0, want), (float(l1 - l0), want)
+    with pytest.raises(ValueError, match="soft_weight"):
+        train.TrainConfig(soft_weight=-1.0)
+
+
 def test_training_smoke_target_and_drafter(corpus, tmp_path):
     _, tok, tr, ho = corpus
     args = _tiny_target(tok.get_vocab_size())
@@ -75,7 +125,8 @@ def test_training_smoke_target_and_drafter(corpus, tmp_path):
     prompts = torch.from_numpy(data.windows(tr, 8, 12, np.random.default_rng(0)))
     seqs = train.greedy_corpus(m, prompts, 12, batch=6, progress=False)
     dargs = DrafterArgs.for_target(args, block_size=4, mask_token_id=tok.token_to_id("<|mask|>"))
-    dcfg = train.TrainConfig(steps=16, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=8, anchors=4)
+    dcfg = train.TrainConfig(steps=16, batch=4, seq_len=32, lr=3e-3, warmup=2, eval_every=8, anchors=4,
+                             soft_weight=0.5)
     d, dlog = train.train_drafter(m, seqs[:8], 8, dargs, dcfg, heldout=seqs[8:], progress=False)
     assert dlog["train_loss"][-1][1] < dlog["train_loss"][0][1]
     assert len(dlog["heldout"]) == 2 and len(dlog["heldout"][-1][2]) == 3  # per-depth accuracy

@@ -1,0 +1,134 @@
+"""Per-user decode speed at a real model's scale, projected from single-GPU measurements.
+
+Notebook 01 measures, at K2.6 dimensions on one GPU, one decoder layer's verify time against the number of
+rows N (dense layer 0 and an INT4 MoE layer; `layer_verify`), the GPU tree round (`tree_round`) and the walk +
+KV compaction (`walk_compact`). Acceptance (tau: tokens emitted per round) comes from a real drafter/target
+pair (notebook 03's trained pair, or any measured tau). A round at batch b and context C then costs
+
+    draft    drafter_layers x the dense layer's time at N = block_size rows (a DFlash drafter layer is a
+             dense decoder layer over the block; the layer-0 time stands in for it) + one lm_head pass
+    build    the GPU tree round at (b, budget)                                       (DDTree only)
+    verify   n_dense dense layers + (n_layers - n_dense) MoE layers at N rows, + the lm_head over N rows
+    walk     tree walk + KV compaction at (b, budget)                                (DDTree only)
+
+with N = 1 for AR, block_size for the DFlash chain, budget + 1 for DDTree; lm_head time is its floor,
+max(weight bytes / copy bandwidth, 2 N b V D / matmul rate), both ceilings from the same record. Layer times
+between measured node counts (and tree/walk times between measured budgets) are interpolated log-log; up to
+twice the largest measured count they are extrapolated along the last segment and the row says so
+(`extrapolated`); further out, or below the smallest, a row is not projected. per-user tok/s = tau / round time. Everything is one GPU's time for the whole model:
+what a tensor-parallel run divides (and adds communication to) is the subject of the multi-GPU notebook.
+
+    rec = json.load(open("outputs/h200/microbench_k26.json"))
+    rows = project(rec, {"ar": 1.0, "dflash": 1.5, "ddtree": {64: 2.1, 256: 2.3}}, batch=1, context=4096)
+"""
+from __future__ import annotations
+
+import math
+
+MODES = ("ar", "dflash", "ddtree")
+
+
+def _pick(rows, **match):
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+EXTRAPOLATE = 2.0  # beyond the largest measured x, log-log extrapolation up to this factor (rows say so)
+
+
+def loglog(pts, x: float) -> tuple[float | None, bool]:
+    """(y at x, extrapolated?) from measured points [(x, y), ...] (x > 0, y > 0), log-log linear between
+    neighbours; past the largest x up to EXTRAPOLATE times it along the last segment; else (None, False)."""
+    pts = sorted(pts)
+    if not pts or x < pts[0][0] or x > pts[-1][0] * EXTRAPOLATE:
+        return None, False
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0))), False
+    if x == pts[-1][0]:
+        return pts[-1][1], False
+    if len(pts) < 2:
+        return None, False
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    f = math.log(x / x0) / math.log(x1 / x0)
+    return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0))), True
+
+
+def layer_time(layer_rows, kind: str, context: int, batch: int, nodes: int) -> tuple[float | None, bool]:
+    """One layer's verify time (s) at `nodes` rows for (kind, context, batch), by `loglog` over the measured
+    node counts: (seconds or None, extrapolated?)."""
+    return loglog([(r["nodes"], r["time_s"]) for r in _pick(layer_rows, kind=kind, context=context, batch=batch)],
+                  nodes)
+
+
+def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
+    """lm_head floor (s) for `rows` output rows: bf16 weight bytes over the copy bandwidth, or the matmul
+    FLOPs over the bf16 matmul rate, whichever is larger."""
+    return max(2 * vocab * hidden / ceilings["copy_bandwidth_Bps"],
+               2 * rows * vocab * hidden / ceilings["bf16_matmul_flops"])
+
+
+def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None, block_size: int = 16,
+                drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1, vocab: int = 163840,
+                hidden: int = 7168) -> dict | None:
+    """Seconds per round by part ({draft, build, verify, walk}, plus extrapolated: bool) for one mode; None
+    where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not in
+    the record). Tree round and walk times are interpolated over the measured budgets likewise."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    if mode == "ddtree" and (not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"budget={budget!r}: expected a positive int for mode 'ddtree'")
+    layers, ceil = rec["layer_verify"], rec["ceilings"]
+    if not ceil:
+        raise ValueError("rec['ceilings'] is empty: project from a GPU record (copy bandwidth and matmul rate)")
+    N = {"ar": 1, "dflash": block_size, "ddtree": (budget or 0) + 1}[mode]
+    (dense, x1), (moe, x2) = (layer_time(layers, k, context, batch, N) for k in ("dense", "moe"))
+    if dense is None or moe is None:
+        return None
+    parts = {"draft": 0.0, "build": 0.0, "verify": n_dense * dense + (n_layers - n_dense) * moe
+             + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0}
+    extrapolated = x1 or x2
+    if mode != "ar":
+        d, x3 = layer_time(layers, "dense", context, batch, block_size)
+        if d is None:
+            return None
+        parts["draft"] = drafter_layers * d + head_time(ceil, vocab, hidden, (block_size - 1) * batch)
+        extrapolated |= x3
+    if mode == "ddtree":
+        build, x4 = loglog([(r["budget"], r["gpu_graph_s"]) for r in _pick(rec["tree_round"], batch=batch)
+                            if r.get("gpu_graph_s")], budget)
+        walk = [(r["budget"], r["time_s"]) for r in _pick(rec.get("walk_compact", []), batch=batch)]
+        if build is None or not walk:
+            return None
+        # below the smallest measured budget the walk is charged the smallest measured one's time (an upper bound)
+        w, x5 = loglog(walk, max(budget, min(b for b, _ in walk)))
+        if w is None:
+            return None
+        parts["build"], parts["walk"] = build, w
+        extrapolated |= x4 or x5
+    parts["extrapolated"] = bool(extrapolated)
+    return parts
+
+
+def project(rec: dict, taus: dict, batch: int, context: int, **kw) -> list[dict]:
+    """Rows {mode, budget, tau, round_s, parts, tok_per_s, speedup_vs_ar, tau_to_match_ar, extrapolated} for AR, the DFlash chain and DDTree
+    at each budget of taus["ddtree"] ({budget: tau}); taus["dflash"] the chain's tau. Budgets that cannot be
+    projected (see round_parts) are left out. kw: round_parts' block_size, drafter_layers, n_layers, ..."""
+    out = []
+    cases = [("ar", None, 1.0)] + ([("dflash", None, taus["dflash"])] if "dflash" in taus else []) + \
+        [("ddtree", int(B), t) for B, t in sorted(taus.get("ddtree", {}).items())]
+    for mode, B, tau in cases:
+        if not (isinstance(tau, (int, float)) and tau >= 1):
+            raise ValueError(f"tau of {mode} {B or ''}: expected a number >= 1 (tokens per round), got {tau!r}")
+        parts = round_parts(rec, mode, batch, context, B, **kw)
+        if parts is None:
+            continue
+        ext = parts.pop("extrapolated")
+        t = sum(parts.values())
+        out.append({"mode": mode, "budget": B, "batch": batch, "context": context, "tau": float(tau),
+                    "round_s": t, "parts": parts, "tok_per_s": tau / t, "extrapolated": ext})
+    ar = next((r for r in out if r["mode"] == "ar"), None)
+    for r in out:  # tau_to_match_ar: the tokens per round at which this mode's round pays for itself
+        r["speedup_vs_ar"] = r["tok_per_s"] / ar["tok_per_s"] if ar else None
+        r["tau_to_match_ar"] = r["round_s"] / ar["round_s"] if ar else None
+    return out
