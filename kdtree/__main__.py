@@ -1,4 +1,5 @@
-"""Command line: `python -m kdtree lab ...` runs notebooks; `python -m kdtree info` prints the setup."""
+"""Command line: `python -m kdtree lab ...` runs notebooks; `python -m kdtree bench` the kernel benchmarks;
+`python -m kdtree tp --world 8` the tensor-parallel dry-run; `python -m kdtree info` prints the setup."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m kdtree {lab,bench,info} ...  (python -m kdtree lab --help)"
+    usage = "usage: python -m kdtree {lab,bench,tp,info} ...  (python -m kdtree lab --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -30,6 +31,29 @@ def main(argv: list[str] | None = None) -> int:
         rec = bench.run(a.out or output_dir("cuda"), quick=a.quick)
         print(bench.summary(rec))
         return 0
+    if cmd == "tp":
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="python -m kdtree tp", description="tensor-parallel dry-run: `world` "
+                                     "local ranks shard a tiny model and check it against the unsharded one")
+        ap.add_argument("--world", type=int, default=8)
+        ap.add_argument("--backend", default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
+        a = ap.parse_args(rest)
+        from .tp import dryrun
+        try:
+            ranks = dryrun(a.world, a.backend)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        ok = True
+        for r in ranks:
+            good = r["logits_rel_err"] < 1e-4 and r["ddtree_equals_ar"] and r["ar_equals_unsharded"]
+            ok &= good
+            print(f"rank {r['rank']}/{r['world']} ({r['backend']}): logits rel err {r['logits_rel_err']:.1e}, "
+                  f"DDTree == AR {r['ddtree_equals_ar']}, AR == unsharded {r['ar_equals_unsharded']}, "
+                  f"oracle tau {r['tau_oracle']:.2f}, {r['params_on_rank']:,} of {r['params_unsharded']:,} "
+                  f"parameters {'ok' if good else 'FAILED'}")
+        return 0 if ok else 1
     if cmd == "info":
         import platform
 

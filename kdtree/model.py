@@ -207,6 +207,10 @@ class Int4Experts(nn.Module):
         return y
 
 
+class AbsentExpert(nn.Module):
+    """A routed expert held by another rank (kdtree.tp shards experts): it contributes nothing here."""
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of n_routed_experts) plus the always-on shared expert. The routed experts are
     MLP modules, or one Int4Experts after `quantize_experts()` (or when loaded from an INT4 checkpoint)."""
@@ -235,7 +239,7 @@ class MoE(nn.Module):
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
             for e, c in enumerate(counts):
-                if c == 0:
+                if c == 0 or isinstance(self.experts[e], AbsentExpert):
                     continue
                 tok, slot = torch.where(idx == e)
                 out = self.experts[e](x[tok])
