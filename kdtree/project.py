@@ -20,10 +20,18 @@ what a tensor-parallel run divides (and adds communication to) is the subject of
 
     rec = json.load(open("outputs/h200/microbench_k26.json"))
     rows = project(rec, {"ar": 1.0, "dflash": 1.5, "ddtree": {64: 2.1, 256: 2.3}}, batch=1, context=4096)
+
+Acceptance profiles (`profile_taus`): tau per budget of an idealised drafter whose every depth puts the
+target's token at rank 0 with probability p (solved from the chain's tau) and at rank j >= 1 with probability
+(1 - p)(1 - r) r^(j-1), independently across depths, and whose own probabilities are exactly these (calibrated).
+DDTree's tree is then the B most probable prefixes and its expected tokens per round is 1 + the sum of their
+probabilities: what a drafter of a published chain tau (Kimi-K2.5-DFlash: about 4.5-5.5) could give a tree.
 """
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 MODES = ("ar", "dflash", "ddtree")
 
@@ -131,4 +139,49 @@ def project(rec: dict, taus: dict, batch: int, context: int, **kw) -> list[dict]
     for r in out:  # tau_to_match_ar: the tokens per round at which this mode's round pays for itself
         r["speedup_vs_ar"] = r["tok_per_s"] / ar["tok_per_s"] if ar else None
         r["tau_to_match_ar"] = r["round_s"] / ar["round_s"] if ar else None
+    return out
+
+
+# ----------------------------------------------------------------------------- acceptance profiles
+def chain_top1(tau_chain: float, depth: int) -> float:
+    """p with 1 + p + p^2 + ... + p^depth = tau_chain (the chain's expected tokens per round when each depth's
+    argmax is the target's token with probability p, independently)."""
+    if not (isinstance(depth, int) and depth >= 1):
+        raise ValueError(f"depth={depth!r}: expected a positive int")
+    if not (1.0 <= tau_chain < depth + 1):
+        raise ValueError(f"tau_chain={tau_chain!r}: expected in [1, {depth + 1}) for depth {depth}")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        p = (lo + hi) / 2
+        if sum(p ** d for d in range(depth + 1)) < tau_chain:
+            lo = p
+        else:
+            hi = p
+    return (lo + hi) / 2
+
+
+def profile_rank_probs(p_top: float, ratio: float, K: int) -> np.ndarray:
+    """[K]: probability that the target's token is the drafter's rank-j token (p_top at rank 0, then
+    (1 - p_top)(1 - ratio) ratio^(j - 1)); the mass beyond rank K - 1 is left out."""
+    if not (0 < p_top < 1 and 0 <= ratio < 1 and K >= 1):
+        raise ValueError(f"expected 0 < p_top < 1, 0 <= ratio < 1, K >= 1; got {p_top}, {ratio}, {K}")
+    j = np.arange(K)
+    return np.where(j == 0, p_top, (1 - p_top) * (1 - ratio) * ratio ** np.maximum(j - 1, 0))
+
+
+def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5) -> dict[int, float]:
+    """{budget: expected tokens per DDTree round} for the calibrated profile whose chain has tau_chain (see the
+    module doc): 1 + the summed probability of the tree's nodes, the tree built by golden.build_tree."""
+    from . import golden
+    p = chain_top1(tau_chain, depth)
+    out = {}
+    for B in budgets:
+        K = int(B)
+        q = profile_rank_probs(p, ratio, K)
+        keep = q > 0
+        lp = np.full((depth, K), -np.inf, dtype=np.float32)
+        lp[:, keep] = np.log(q[keep]).astype(np.float32)
+        tt = np.tile(np.arange(K, dtype=np.int32), (depth, 1))
+        tree = golden.build_tree(tt, lp, K)
+        out[K] = 1.0 + float(np.exp(tree.scores.astype(np.float64)).sum())
     return out

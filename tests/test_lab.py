@@ -66,6 +66,9 @@ def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
         assert {(p["mode"], p["budget"]) for p in proj} >= {("ar", None), ("dflash", None), ("ddtree", 16)}
         assert all(p["tok_per_s"] > 0 for p in proj)
         assert (tmp_path / "e2e_projection.png").stat().st_size > 1000
+        prof = rec["profiles"]["rows"]
+        assert {p["profile_chain_tau"] for p in prof} == {3.0, 5.0, 8.0}
+        assert all(p["tau"] >= 1 for p in prof) and (tmp_path / "e2e_profiles.png").stat().st_size > 1000
     assert (tmp_path / "e2e_pair.png").stat().st_size > 1000
 
 

@@ -2,6 +2,7 @@
 per-user tok/s at a real model's scale (synthetic records with known power laws, so every number is checkable)."""
 import math
 
+import numpy as np
 import pytest
 
 from kdtree import project as P
@@ -72,3 +73,31 @@ def test_project_rejects_bad_input():
         P.round_parts(rec, "ddtree", 1, 4096)
     with pytest.raises(ValueError, match="ceilings"):
         P.round_parts({**rec, "ceilings": None}, "ar", 1, 4096)
+
+
+def test_chain_top1_inverts_the_chain_tau():
+    for depth, tau in ((15, 1.47), (15, 5.0), (7, 3.0), (1, 1.5)):
+        p = P.chain_top1(tau, depth)
+        assert math.isclose(sum(p ** d for d in range(depth + 1)), tau, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="tau_chain"):
+        P.chain_top1(16.0, 15)
+    with pytest.raises(ValueError, match="depth"):
+        P.chain_top1(2.0, 0)
+
+
+def test_profile_taus_equal_brute_force_top_prefixes():
+    """1 + the summed probability of the B most probable prefixes, by enumeration (depth 3, ranks < B)."""
+    import itertools
+    for tau_chain, ratio in ((2.0, 0.5), (3.2, 0.3)):
+        got = P.profile_taus(tau_chain, [1, 2, 5, 9], depth=3, ratio=ratio)
+        p = P.chain_top1(tau_chain, 3)
+        for B, tau in got.items():
+            q = P.profile_rank_probs(p, ratio, B)
+            probs = [float(np.prod(q[list(path)])) for n in (1, 2, 3)
+                     for path in itertools.product(range(B), repeat=n)]
+            want = 1 + sum(sorted(probs, reverse=True)[:B])
+            assert math.isclose(tau, want, rel_tol=1e-5), (tau_chain, B, tau, want)
+    taus = P.profile_taus(5.0, [16, 64, 256])
+    assert 5.0 < taus[16] < taus[64] < taus[256] < 16  # a tree beats its chain and grows with the budget
+    with pytest.raises(ValueError, match="p_top"):
+        P.profile_rank_probs(1.0, 0.5, 4)
