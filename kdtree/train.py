@@ -241,41 +241,64 @@ def target_features(target: Transformer, seqs: torch.Tensor, layer_ids, logits: 
     return (f, out.logits) if logits else f
 
 
-def drafter_loss(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int,
-                 cfg: TrainConfig, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of `cfg.anchors` random blocks per sequence (roots in the generated part, at position
-    >= prompt_len - 1, so the labels are the target's greedy continuation), plus `cfg.soft_weight` times
-    KL(target || drafter) per depth: on a greedy sequence the target's distribution at position r + k - 1 is
-    exactly the one whose argmax is the depth-k label, so its alternatives teach the drafter's lower ranks
-    (what a tree spends its budget on). Returns (loss, per-depth accuracy)."""
+def _draft_blocks(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int, m: int,
+                  rng: np.random.Generator, target_logits: bool = False):
+    """m random blocks per sequence, drafted as at inference: roots in the generated part (position >= prompt_len
+    - 1), so the labels are the target's greedy continuation. Returns (anchors [B, m], drafter logits
+    [B, m, L, V], labels [B, m, L], the target's logits [B, n, V] or None)."""
     B, n = seqs.shape
     bs, L = drafter.block_size, drafter.block_size - 1
     hi = n - bs  # the root's block must fit: labels at r+1 .. r+L <= n-1
     if hi < prompt_len - 1:
         raise ValueError(f"sequences of {n} tokens: too short for blocks of {bs} after a prompt of {prompt_len}")
-    anchors = torch.from_numpy(rng.integers(prompt_len - 1, hi + 1, size=(B, cfg.anchors))).to(seqs.device)
-    soft = cfg.soft_weight > 0
-    feats = target_features(target, seqs, drafter.target_layer_ids, logits=soft)
-    if soft:
+    anchors = torch.from_numpy(rng.integers(prompt_len - 1, hi + 1, size=(B, m))).to(seqs.device)
+    feats = target_features(target, seqs, drafter.target_layer_ids, logits=target_logits)
+    t_logits = None
+    if target_logits:
         feats, t_logits = feats
-    blocks = torch.full((B, cfg.anchors, bs), drafter.args.mask_token_id, dtype=torch.int64, device=seqs.device)
+    blocks = torch.full((B, m, bs), drafter.args.mask_token_id, dtype=torch.int64, device=seqs.device)
     blocks[:, :, 0] = seqs.gather(1, anchors)
     labels = seqs.gather(1, (anchors[:, :, None] + torch.arange(1, bs, device=seqs.device)).reshape(B, -1))
-    labels = labels.view(B, cfg.anchors, L)
     with _autocast(seqs.device):
         logits = drafter.forward_blocks(feats, blocks, anchors)[:, :, 1:]          # [B, m, L, V]
+    return anchors, logits, labels.view(B, m, L), t_logits
+
+
+def drafter_loss(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int,
+                 cfg: TrainConfig, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of `cfg.anchors` random blocks per sequence (`_draft_blocks`), plus `cfg.soft_weight` times
+    KL(target || drafter) per depth: on a greedy sequence the target's distribution at position r + k - 1 is
+    exactly the one whose argmax is the depth-k label, so its alternatives teach the drafter's lower ranks
+    (what a tree spends its budget on). Returns (loss, per-depth accuracy)."""
+    soft = cfg.soft_weight > 0
+    anchors, logits, labels, t_logits = _draft_blocks(drafter, target, seqs, prompt_len, cfg.anchors, rng, soft)
+    B, m, L = labels.shape
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    per = ce.view(B, cfg.anchors, L)
+    per = ce.view(B, m, L)
     if soft:  # the target's distributions at positions anchor + k - 1, k = 1..L
         pos = (anchors[:, :, None] + torch.arange(L, device=seqs.device)).reshape(B, -1)
         t_logp = torch.log_softmax(t_logits.float().gather(1, pos[:, :, None].expand(-1, -1, t_logits.shape[-1])), -1)
         q_logp = torch.log_softmax(logits.float(), -1).reshape(B, -1, logits.shape[-1])
         kl = (t_logp.exp() * (t_logp - q_logp)).sum(-1)
-        per = per + cfg.soft_weight * kl.view(B, cfg.anchors, L)
+        per = per + cfg.soft_weight * kl.view(B, m, L)
     w = cfg.depth_decay ** torch.arange(L, device=seqs.device, dtype=torch.float32)
-    loss = (per * w).sum() / (w.sum() * B * cfg.anchors)
+    loss = (per * w).sum() / (w.sum() * B * m)
     acc = (logits.argmax(-1) == labels).float().mean(dim=(0, 1))
     return loss, acc
+
+
+@torch.no_grad()
+def rank_coverage(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int,
+                  ks=(1, 4, 16, 64), anchors: int = 8, seed: int = 1) -> dict[int, list[float]]:
+    """{k: [share of blocks whose depth-d label is among the drafter's top k, d = 1..L]} on greedy sequences:
+    what a tree can find at each depth (a label outside the top B of its depth is never in a budget-B tree)."""
+    was = drafter.training
+    drafter.eval()
+    _, logits, labels, _ = _draft_blocks(drafter, target, seqs, prompt_len, anchors, np.random.default_rng(seed))
+    drafter.train(was)
+    lg = logits.float()
+    rank = (lg > lg.gather(-1, labels[..., None])).sum(-1)  # [B, m, L]: the label's rank (0 = argmax)
+    return {int(k): (rank < k).float().mean(dim=(0, 1)).tolist() for k in ks}
 
 
 def train_drafter(target: Transformer, seqs: torch.Tensor, prompt_len: int, args: DrafterArgs, cfg: TrainConfig,

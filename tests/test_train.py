@@ -186,3 +186,18 @@ def test_router_bias_update_moves_load_toward_balance():
     after = load.counts[layer]
     assert after.max() / after.mean() < before.max() / before.mean()
     load.close()
+
+
+def test_rank_coverage_counts_labels_within_the_top_k():
+    """rank_coverage against a direct count: top-1 coverage is the accuracy, coverage grows with k, and at k = V
+    every label is covered."""
+    t = build_model(TINY_A, seed=9)
+    d = build_drafter(t, seed=10, block_size=4)
+    seqs = torch.randint(2, TINY_A.vocab_size, (3, 20), generator=torch.Generator().manual_seed(11))
+    cov = train.rank_coverage(d, t, seqs, 6, ks=(1, 8, TINY_A.vocab_size), anchors=3, seed=2)
+    _, acc = train.drafter_loss(d, t, seqs, 6, train.TrainConfig(anchors=3), np.random.default_rng(2))
+    assert np.allclose(cov[1], acc.tolist())
+    assert all(a <= b for a, b in zip(cov[1], cov[8])) and cov[TINY_A.vocab_size] == [1.0, 1.0, 1.0]
+    _, logits, labels, _ = train._draft_blocks(d, t, seqs, 6, 3, np.random.default_rng(2))
+    top8 = logits.topk(8, dim=-1).indices
+    assert np.allclose(cov[8], (top8 == labels[..., None]).any(-1).float().mean(dim=(0, 1)).tolist())
