@@ -59,3 +59,13 @@ def test_shard_rejects_bad_input():
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="backend='mpi'"):
         tp.dryrun(2, backend="mpi")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the nvidia-h200-x2 kind)")
+def test_dryrun_two_gpus_nccl():
+    """The same dry-run over NCCL, one GPU per rank."""
+    ranks = tp.dryrun(world=2, backend="nccl", new_tokens=10, budget=16)
+    for r in ranks:
+        assert r["backend"] == "nccl" and r["logits_rel_err"] < 1e-4, r
+        assert r["ddtree_equals_ar"] and r["ar_equals_unsharded"] and r["tau_oracle"] > 1.5, r
