@@ -1,15 +1,17 @@
 """Training the lab's own tiny target and DFlash drafter, so that acceptance lengths are real.
 
 Target: a DeepSeek-V3-architecture model (MLA + routed experts with a shared expert, the sigmoid router
-with its selection-only correction bias kept balanced by the aux-loss-free update) trained on the stdlib
-corpus (kdtree/data.py) with next-token cross-entropy.
+with its selection-only correction bias kept balanced by the aux-loss-free update) trained on the offline
+corpus of Python sources (kdtree/data.py: stdlib + torch in notebook 03) with next-token cross-entropy.
 
 Drafter: a DFlash block drafter trained on the target's own greedy generations. Prompts from the train
 split are continued greedily by the target; on those sequences the target's greedy continuation after
 any position is the sequence itself, so every anchor r inside the generated part gives a block
 [x_r, mask, ..., mask] whose labels are x_{r+1..r+L}, with the target's features of positions < r as the
 context, exactly as the drafter sees them at inference (DFlashDrafter.forward_blocks runs m anchors per
-sequence in one masked pass). Later depths can be down-weighted (`depth_decay`).
+sequence in one masked pass). Later depths can be down-weighted (`depth_decay`); `soft_weight` adds the KL to
+the target's own distributions at the block positions. `rank_coverage` says where the target's token sits in
+the drafter's ranking per depth (what a tree of a given budget can find).
 
     tcfg = TrainConfig(steps=..., batch=..., seq_len=...)
     target, log = train_target(target_args(vocab), train_ids, heldout_ids, tcfg, device)
