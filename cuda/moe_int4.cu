@@ -11,7 +11,8 @@
 // Token-expert pairs arrive grouped by expert (the wrapper sorts them): pairs [expert_off[e], expert_off[e+1])
 // belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
 //
-// moe_gate_up   grid (I / 16, S), block 256 (8 warps), static smem 16 KB
+// moe_gate_up   grid (I / 16, S), block 256 (8 warps), static smem 16 KB, <= 80 registers (three blocks per
+//               SM: at 99 registers two fit, and ncu measured 30% of DRAM bandwidth at 24% occupancy)
 //   x         bf16 [T, D] (as uint16)            pair_tok int32 [P]     expert_off int32 [E + 1]
 //   active    int32 [S]                          S = min(E, P) expert slots: the experts with pairs first
 //                                                (block y serves expert active[y]; an empty one returns)
@@ -26,6 +27,13 @@
 //   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
 //   (the wrapper zeroes it; fp32 atomics, so the summation order of a token's experts may vary).
+// moe_group_i32 / moe_group_i64   grid 1, block 1024, dynamic smem 8 E bytes (E <= 4096)
+//   ids       int32 or int64 [P] (topk_ids flattened, P = T * k, pair p is token p / k)   w float [P]
+//   pair_tok  int32 [P], pair_w float [P]: the pairs grouped by expert; the order WITHIN an expert is
+//             unspecified (shared-memory atomics); expert_off int32 [E + 1]: expert e owns [off[e], off[e+1]);
+//             active int32 [S], S = min(E, P): the experts with pairs by id, then the empty ones by id.
+//   Ids outside [0, E) are dropped (kdtree.kernels rejects them before launch unless told not to check).
+//   Golden twin: kdtree/golden.py group_pairs (stable order: compare within an expert as multisets).
 // Shapes: D % 32 == 0, I % 32 == 0 (checked by kdtree.kernels).
 #include <cuda_bf16.h>
 #include "common.cuh"
@@ -101,7 +109,7 @@ __device__ __forceinline__ void mma_group(float (*acc)[4], const AFrag& f, const
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up(
     const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off,
     const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, int D,
     int I, uint16_t* __restrict__ h) {
@@ -195,4 +203,78 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
         }
         __syncthreads();
     }
+}
+
+// ------------------------------------------------------------------------------------ pair grouping
+// One block: counts per expert (shared atomics), one exclusive scan that carries both the pair offset (high
+// word) and the number of non-empty experts before e (low word), then a scatter through per-expert cursors.
+template <typename Id>
+__device__ void moe_group_impl(const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E,
+                               int S, int32_t* __restrict__ pair_tok, float* __restrict__ pair_w,
+                               int32_t* __restrict__ expert_off, int32_t* __restrict__ active) {
+    extern __shared__ int32_t sm_group[];
+    int32_t* cnt = sm_group;      // [E] pairs per expert, then the cursors
+    int32_t* cur = sm_group + E;  // [E]
+    __shared__ uint64_t wsum[32];
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < E; e += nt) cnt[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < P; p += nt) {
+        const long long e = (long long)ids[p];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    // thread t owns experts [t * per, (t + 1) * per): local sums, a block scan of (pairs << 32 | non-empty)
+    const int per = (E + nt - 1) / nt, e0 = min(E, tid * per), e1 = min(E, e0 + per);
+    uint64_t mine = 0;
+    for (int e = e0; e < e1; ++e) mine += ((uint64_t)cnt[e] << 32) | (uint64_t)(cnt[e] > 0);
+    uint64_t inc = mine;  // inclusive scan within the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint64_t v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) wsum[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        uint64_t v = lane < (nt >> 5) ? wsum[lane] : 0ull;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint64_t u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        wsum[lane] = v;  // inclusive over warps
+    }
+    __syncthreads();
+    uint64_t run = inc - mine + (warp > 0 ? wsum[warp - 1] : 0ull);  // exclusive prefix of this thread
+    const int nnz = (int)(uint32_t)wsum[(nt >> 5) - 1];
+    for (int e = e0; e < e1; ++e) {
+        const int off = (int)(run >> 32), before = (int)(uint32_t)run, c = cnt[e];
+        expert_off[e] = off;
+        cur[e] = off;
+        const int slot = c > 0 ? before : nnz + (e - before);
+        if (slot < S) active[slot] = e;
+        run += ((uint64_t)c << 32) | (uint64_t)(c > 0);
+    }
+    if (tid == nt - 1) expert_off[E] = (int)(wsum[(nt >> 5) - 1] >> 32);
+    __syncthreads();
+    for (int p = tid; p < P; p += nt) {
+        const long long e = (long long)ids[p];
+        if (e < 0 || e >= E) continue;
+        const int q = atomicAdd(&cur[e], 1);
+        pair_tok[q] = p / k;
+        pair_w[q] = w[p];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_i32(
+    const int32_t* ids, const float* w, int P, int k, int E, int S, int32_t* pair_tok, float* pair_w,
+    int32_t* expert_off, int32_t* active) {
+    moe_group_impl<int32_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
+    const int64_t* ids, const float* w, int P, int k, int E, int S, int32_t* pair_tok, float* pair_w,
+    int32_t* expert_off, int32_t* active) {
+    moe_group_impl<int64_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
 }

@@ -419,12 +419,39 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------- INT4 MoE experts
-def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
-    """Token-expert pairs grouped by expert, with no host sync (graph-capturable), on any device.
+MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
 
-    Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs sorted by expert, stable),
-    pair_w float32 [P], expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and
-    active int32 [min(E, P)] (the experts that have pairs first, by id, then empty ones)."""
+
+def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    """Token-expert pairs grouped by expert, with no host sync (graph-capturable), on any device
+    (golden.group_pairs' contract).
+
+    Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs grouped by expert), pair_w float32 [P],
+    expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and active int32 [min(E, P)] (the
+    experts that have pairs first, by id, then empty ones). On a CUDA device one launch of moe_group_* (the
+    order of pairs within an expert is then unspecified); elsewhere torch ops (stable order)."""
+    if topk_ids.is_cuda and n_experts <= MAX_GROUP_EXPERTS:
+        return _group_pairs_kernel(topk_ids, topk_weights, n_experts)
+    return _group_pairs_torch(topk_ids, topk_weights, n_experts)
+
+
+def _group_pairs_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    T, k = topk_ids.shape
+    P, dev = T * k, topk_ids.device
+    ids = topk_ids.contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    pair_tok = _empty(P, dtype=torch.int32, device=dev)
+    pair_w = _empty(P, dtype=torch.float32, device=dev)
+    expert_off = _empty(n_experts + 1, dtype=torch.int32, device=dev)
+    S = min(n_experts, P)
+    active = _empty(S, dtype=torch.int32, device=dev)
+    name = "moe_group_i32" if ids.dtype == torch.int32 else "moe_group_i64"
+    _launch("moe_int4", name, (1,), (1024,), (_p(ids), _p(w), _i(P), _i(k), _i(n_experts), _i(S), _p(pair_tok),
+                                              _p(pair_w), _p(expert_off), _p(active)), smem=8 * n_experts)
+    return pair_tok, pair_w, expert_off, active
+
+
+def _group_pairs_torch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
@@ -492,7 +519,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
-    Returns float32 [T, D]. Pairs are grouped by expert with torch (group_pairs, no host sync), then two
+    Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
     launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")

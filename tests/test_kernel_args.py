@@ -1,4 +1,5 @@
 """The kernel wrappers reject bad arguments before anything is compiled or launched (runs on a CPU)."""
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,16 @@ def test_group_pairs_groups_by_expert():
     assert off.tolist() == [sum(1 for e2, _, _ in want if e2 < e) for e in range(E + 1)]
     used = sorted({e for e, _, _ in want})
     assert len(active) == min(E, T * k) and active.tolist()[:len(used)] == used
+
+
+def test_golden_group_pairs_is_the_torch_grouping():
+    """golden.group_pairs (the moe_group kernel's twin) equals the torch path on CPU tensors, P < E included."""
+    from kdtree import golden
+    g = torch.Generator().manual_seed(11)
+    for T, k, E in ((1, 1, 5), (2, 3, 16), (17, 4, 8), (40, 8, 384)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int64)
+        w = torch.rand(T, k, generator=g)
+        want = K.group_pairs(ids, w, E)
+        got = golden.group_pairs(ids.numpy(), w.numpy(), E)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b.numpy())
