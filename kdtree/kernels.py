@@ -428,8 +428,10 @@ def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: i
 
     Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs grouped by expert), pair_w float32 [P],
     expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and active int32 [min(E, P)] (the
-    experts that have pairs first, by id, then empty ones). On a CUDA device one launch of moe_group_* (the
-    order of pairs within an expert is then unspecified); elsewhere torch ops (stable order)."""
+    experts that have pairs first, by id, then empty ones). Ids outside [0, E) are dropped (expert parallelism
+    marks another rank's experts -1): entries past expert_off[E] are then unspecified. On a CUDA device one
+    launch of moe_group_* (the order of pairs within an expert is then unspecified); elsewhere torch ops
+    (stable order)."""
     if topk_ids.is_cuda and n_experts <= MAX_GROUP_EXPERTS:
         return _group_pairs_kernel(topk_ids, topk_weights, n_experts)
     return _group_pairs_torch(topk_ids, topk_weights, n_experts)
@@ -454,10 +456,12 @@ def _group_pairs_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_ex
 def _group_pairs_torch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)  # out of range: a bucket past the last
     order = torch.argsort(flat, stable=True)
     pair_tok = (order // k).to(torch.int32)
     pair_w = topk_weights.reshape(-1)[order].to(torch.float32).contiguous()
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))[:n_experts]
     expert_off = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
     expert_off[1:] = torch.cumsum(counts, 0).to(torch.int32)
     active = torch.argsort((counts == 0).to(torch.int8), stable=True)[:min(n_experts, T * k)].to(torch.int32)

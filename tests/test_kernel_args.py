@@ -142,3 +142,9 @@ def test_golden_group_pairs_is_the_torch_grouping():
         got = golden.group_pairs(ids.numpy(), w.numpy(), E)
         for a, b in zip(got, want):
             assert np.array_equal(a, b.numpy())
+        ids[0, 0] = -1  # another rank's expert (expert parallelism): dropped by both
+        want = K.group_pairs(ids, w, E)
+        got = golden.group_pairs(ids.numpy(), w.numpy(), E)
+        n = int(got[2][-1])
+        assert n == T * k - 1 and np.array_equal(got[2], want[2].numpy()) and np.array_equal(got[3], want[3].numpy())
+        assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
