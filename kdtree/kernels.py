@@ -419,6 +419,16 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------- INT4 MoE experts
+MOE_VARIANTS = ("regs", "pipe")  # moe_int4's expert GEMMs: fragments through registers, or a cp.async ring
+MOE_VARIANT = os.environ.get("KDTREE_MOE_VARIANT", "regs")
+MOE_PIPE_STAGES = 4
+
+
+def moe_pipe_smem(tiles: int) -> int:
+    """Dynamic shared memory of moe_*_pipe: 8 warps x stages x (tiles x (8 + 4) + 2 x 4 x 4) bytes x 32 lanes."""
+    return 8 * MOE_PIPE_STAGES * 32 * (tiles * 12 + 32)
+
+
 MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
 
 
@@ -519,12 +529,16 @@ def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: tor
 
 
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
-             check_values: bool = True) -> torch.Tensor:
+             check_values: bool = True, variant: str | None = None) -> torch.Tensor:
     """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
     Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
-    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
+    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. variant: MOE_VARIANTS (default
+    MOE_VARIANT, from KDTREE_MOE_VARIANT): the same contract, fragments through registers or a cp.async ring."""
+    variant = variant or MOE_VARIANT
+    if variant not in MOE_VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {MOE_VARIANTS}")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")
     E, D, I = weights.E, weights.D, weights.I
@@ -547,9 +561,11 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     slots = active.shape[0]
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    _launch("moe_int4", "moe_gate_up", (I // 16, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
-            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)))
-    _launch("moe_int4", "moe_down", (D // 16, slots), (256,),
+    pipe = variant == "pipe"
+    _launch("moe_int4", "moe_gate_up_pipe" if pipe else "moe_gate_up", (I // 16, slots), (256,),
+            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)),
+            smem=moe_pipe_smem(2) if pipe else 0)  # bf16 tensors go as raw pointers (uint16 in .cu)
+    _launch("moe_int4", "moe_down_pipe" if pipe else "moe_down", (D // 16, slots), (256,),
             (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2), _i(D),
-             _i(I), _p(out)))
+             _i(I), _p(out)), smem=moe_pipe_smem(1) if pipe else 0)
     return out

@@ -148,3 +148,9 @@ def test_golden_group_pairs_is_the_torch_grouping():
         n = int(got[2][-1])
         assert n == T * k - 1 and np.array_equal(got[2], want[2].numpy()) and np.array_equal(got[3], want[3].numpy())
         assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
+
+
+def test_moe_int4_rejects_an_unknown_variant():
+    with pytest.raises(ValueError, match="variant='fast'"):
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), variant="fast")

@@ -40,12 +40,13 @@ def _case(p: MoeParam, seed: int):
     return x, ids, wts, p13, s13, p2, s2
 
 
+@pytest.mark.parametrize("variant", ["regs", "pipe"])
 @pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
-def test_moe_int4_matches_golden(p):
+def test_moe_int4_matches_golden(p, variant):
     from kdtree import kernels
-    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D)
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + len(variant))
     mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
-    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw)
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, variant=variant)
     ref = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy(), p13.numpy(), s13.float().numpy(),
                           p2.numpy(), s2.float().numpy())
     got = out.double().cpu().numpy()
