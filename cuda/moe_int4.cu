@@ -113,6 +113,53 @@ __device__ __forceinline__ void mma_group(float (*acc)[4], const AFrag& f, const
     }
 }
 
+// The block's 8 warps each hold partial sums over their inputs for 16 rows x 16 pair slots: reduce them in shared
+// memory, then h = silu(gate) * up as bf16 (gate_up) or out += pair weight * down (fp32 atomics).
+__device__ __forceinline__ void gate_up_store(float (*red)[2][NT][128], const float (*g)[4], const float (*u)[4],
+                                              int pc, int p1, int f0, int I, uint16_t* __restrict__ h) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { red[warp][0][nt][lane * 4 + i] = g[nt][i]; red[warp][1][nt][lane * 4 + i] = u[nt][i]; }
+    __syncthreads();
+    for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
+        const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) { gs += red[w][0][nt][q]; us += red[w][1][nt][q]; }
+        const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
+        const int p = pc + tok;
+        if (p < p1) {
+            const float v = gs / (1.0f + __expf(-gs)) * us;
+            const __nv_bfloat16 hv = __float2bfloat16_rn(v);
+            h[(size_t)p * I + f0 + row] = *reinterpret_cast<const uint16_t*>(&hv);
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void down_store(float (*red)[NT][128], const float (*a)[4], int pc, int p1, int d0, int D,
+                                           const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
+                                           float* __restrict__ out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][nt][lane * 4 + i] = a[nt][i];
+    __syncthreads();
+    for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
+        const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += red[w][nt][q];
+        const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
+        const int p = pc + tok;
+        if (p < p1) atomicAdd(out + (size_t)pair_tok[p] * D + d0 + row, pair_w[p] * s);
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up(
     const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off,
     const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, int D,
@@ -120,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up(
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
     const int G = D / 32, tiles = 2 * I / 16;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
     const size_t tg = (size_t)e * tiles + blockIdx.x, tu = (size_t)e * tiles + I / 16 + blockIdx.x;
@@ -143,25 +190,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up(
             mma_group(au, u0, b0);
             if (two) { mma_group(ag, g1, b1); mma_group(au, u1, b1); }
         }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { red[warp][0][nt][lane * 4 + i] = ag[nt][i]; red[warp][1][nt][lane * 4 + i] = au[nt][i]; }
-        __syncthreads();
-        for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
-            const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
-            float gs = 0.f, us = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) { gs += red[w][0][nt][q]; us += red[w][1][nt][q]; }
-            const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
-            const int p = pc + tok;
-            if (p < p1) {
-                const float v = gs / (1.0f + __expf(-gs)) * us;
-                const __nv_bfloat16 hv = __float2bfloat16_rn(v);
-                h[(size_t)p * I + f0 + row] = *reinterpret_cast<const uint16_t*>(&hv);
-            }
-        }
-        __syncthreads();
+        gate_up_store(red, ag, au, pc, p1, f0, I, h);
     }
 }
 
@@ -172,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     __shared__ float red[WARPS][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
     const int G = I / 32;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
     const size_t t = (size_t)e * (D / 16) + blockIdx.x;
@@ -191,21 +220,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
             mma_group(acc, a0, b0);
             if (two) mma_group(acc, a1, b1);
         }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][nt][lane * 4 + i] = acc[nt][i];
-        __syncthreads();
-        for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
-            const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) s += red[w][nt][q];
-            const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
-            const int p = pc + tok;
-            if (p < p1) atomicAdd(out + (size_t)pair_tok[p] * D + d0 + row, pair_w[p] * s);
-        }
-        __syncthreads();
+        down_store(red, acc, pc, p1, d0, D, pair_tok, pair_w, out);
     }
 }
 
@@ -362,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_pipe(
     extern __shared__ __align__(16) unsigned char ring_smem[];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
     Ring<2>& R = reinterpret_cast<Ring<2>*>(ring_smem)[warp];
     const int G = D / 32, tiles = 2 * I / 16;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
@@ -374,25 +389,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_pipe(
         pass_rows(xr, x, D, pair_tok, pc, p1);
         float acc[2][NT][4] = {};
         ring_loop<2>(R, acc, W, S, xr, x, gb, ge);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { red[warp][0][nt][lane * 4 + i] = acc[0][nt][i]; red[warp][1][nt][lane * 4 + i] = acc[1][nt][i]; }
-        __syncthreads();
-        for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
-            const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
-            float gs = 0.f, us = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) { gs += red[w][0][nt][q]; us += red[w][1][nt][q]; }
-            const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
-            const int p = pc + tok;
-            if (p < p1) {
-                const float v = gs / (1.0f + __expf(-gs)) * us;
-                const __nv_bfloat16 hv = __float2bfloat16_rn(v);
-                h[(size_t)p * I + f0 + row] = *reinterpret_cast<const uint16_t*>(&hv);
-            }
-        }
-        __syncthreads();
+        gate_up_store(red, acc[0], acc[1], pc, p1, f0, I, h);
     }
 }
 
@@ -404,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_pipe(
     extern __shared__ __align__(16) unsigned char ring_smem[];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
     Ring<1>& R = reinterpret_cast<Ring<1>*>(ring_smem)[warp];
     const int G = I / 32;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
@@ -416,20 +413,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_pipe(
         pass_rows(hr, h, I, nullptr, pc, p1);
         float acc[1][NT][4] = {};
         ring_loop<1>(R, acc, W, S, hr, h, gb, ge);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][nt][lane * 4 + i] = acc[0][nt][i];
-        __syncthreads();
-        for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
-            const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) s += red[w][nt][q];
-            const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
-            const int p = pc + tok;
-            if (p < p1) atomicAdd(out + (size_t)pair_tok[p] * D + d0 + row, pair_w[p] * s);
-        }
-        __syncthreads();
+        down_store(red, acc[0], pc, p1, d0, D, pair_tok, pair_w, out);
     }
 }
