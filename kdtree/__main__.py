@@ -38,10 +38,11 @@ def main(argv: list[str] | None = None) -> int:
                                      "local ranks shard a tiny model and check it against the unsharded one")
         ap.add_argument("--world", type=int, default=8)
         ap.add_argument("--backend", default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
+        ap.add_argument("--int4", action="store_true", help="routed experts in the INT4 release format")
         a = ap.parse_args(rest)
         from .tp import dryrun
         try:
-            ranks = dryrun(a.world, a.backend)
+            ranks = dryrun(a.world, a.backend, int4=a.int4)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -309,6 +309,24 @@ def dequant_int4(packed, scale) -> np.ndarray:
     return q * np.repeat(np.asarray(scale, np.float64), 32, axis=-1)
 
 
+def group_pairs(topk_ids, topk_weights, n_experts: int):
+    """Token-expert pairs grouped by expert (the contract of cuda/moe_int4.cu moe_group_*).
+
+    topk_ids [T, k] expert ids; topk_weights [T, k]. Returns pair_tok int32 [P] (P = T k; pair p of the flat
+    ids is token p // k), pair_w float32 [P], expert_off int32 [E + 1] (expert e owns [off[e], off[e + 1])),
+    active int32 [min(E, P)]: experts with pairs by id, then empty ones by id. Here pairs keep their flat order
+    within an expert (the kernel's order within an expert is unspecified); ids outside [0, E) are dropped."""
+    ids = np.asarray(topk_ids).astype(np.int64)
+    T, k = ids.shape
+    flat, wf = ids.reshape(-1), np.asarray(topk_weights, np.float32).reshape(-1)
+    keep = np.nonzero((flat >= 0) & (flat < n_experts))[0]
+    order = keep[np.argsort(flat[keep], kind="stable")]
+    counts = np.bincount(flat[keep], minlength=n_experts)
+    off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    active = np.concatenate([np.nonzero(counts > 0)[0], np.nonzero(counts == 0)[0]])[:min(n_experts, T * k)]
+    return (order // k).astype(np.int32), wf[order], off, active.astype(np.int32)
+
+
 def moe_int4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> np.ndarray:
     """Routed experts with INT4 weights, float64 (the contract of cuda/moe_int4.cu).
 

@@ -419,18 +419,59 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------- INT4 MoE experts
-def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
-    """Token-expert pairs grouped by expert, with no host sync (graph-capturable), on any device.
+MOE_VARIANTS = ("regs", "pipe")  # moe_int4's expert GEMMs: fragments through registers, or a cp.async ring
+MOE_VARIANT = os.environ.get("KDTREE_MOE_VARIANT", "regs")
+MOE_PIPE_STAGES = 4
 
-    Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs sorted by expert, stable),
-    pair_w float32 [P], expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and
-    active int32 [min(E, P)] (the experts that have pairs first, by id, then empty ones)."""
+
+def moe_pipe_smem(tiles: int) -> int:
+    """Dynamic shared memory of moe_*_pipe: 8 warps x stages x (tiles x (8 + 4) + 2 x 4 x 4) bytes x 32 lanes."""
+    return 8 * MOE_PIPE_STAGES * 32 * (tiles * 12 + 32)
+
+
+MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
+
+
+def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    """Token-expert pairs grouped by expert, with no host sync (graph-capturable), on any device
+    (golden.group_pairs' contract).
+
+    Returns pair_tok int32 [P] (the token of each pair, P = T * k, pairs grouped by expert), pair_w float32 [P],
+    expert_off int32 [E + 1] (expert e owns pairs [off[e], off[e + 1])) and active int32 [min(E, P)] (the
+    experts that have pairs first, by id, then empty ones). Ids outside [0, E) are dropped (expert parallelism
+    marks another rank's experts -1): entries past expert_off[E] are then unspecified. On a CUDA device one
+    launch of moe_group_* (the order of pairs within an expert is then unspecified); elsewhere torch ops
+    (stable order)."""
+    if topk_ids.is_cuda and n_experts <= MAX_GROUP_EXPERTS:
+        return _group_pairs_kernel(topk_ids, topk_weights, n_experts)
+    return _group_pairs_torch(topk_ids, topk_weights, n_experts)
+
+
+def _group_pairs_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    T, k = topk_ids.shape
+    P, dev = T * k, topk_ids.device
+    ids = topk_ids.contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    pair_tok = _empty(P, dtype=torch.int32, device=dev)
+    pair_w = _empty(P, dtype=torch.float32, device=dev)
+    expert_off = _empty(n_experts + 1, dtype=torch.int32, device=dev)
+    S = min(n_experts, P)
+    active = _empty(S, dtype=torch.int32, device=dev)
+    name = "moe_group_i32" if ids.dtype == torch.int32 else "moe_group_i64"
+    _launch("moe_int4", name, (1,), (1024,), (_p(ids), _p(w), _i(P), _i(k), _i(n_experts), _i(S), _p(pair_tok),
+                                              _p(pair_w), _p(expert_off), _p(active)), smem=8 * n_experts)
+    return pair_tok, pair_w, expert_off, active
+
+
+def _group_pairs_torch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < n_experts), flat, n_experts)  # out of range: a bucket past the last
     order = torch.argsort(flat, stable=True)
     pair_tok = (order // k).to(torch.int32)
     pair_w = topk_weights.reshape(-1)[order].to(torch.float32).contiguous()
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))[:n_experts]
     expert_off = torch.zeros(n_experts + 1, dtype=torch.int32, device=flat.device)
     expert_off[1:] = torch.cumsum(counts, 0).to(torch.int32)
     active = torch.argsort((counts == 0).to(torch.int8), stable=True)[:min(n_experts, T * k)].to(torch.int32)
@@ -488,12 +529,16 @@ def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: tor
 
 
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
-             check_values: bool = True) -> torch.Tensor:
+             check_values: bool = True, variant: str | None = None) -> torch.Tensor:
     """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
-    Returns float32 [T, D]. Pairs are grouped by expert with torch (group_pairs, no host sync), then two
-    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine."""
+    Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
+    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. variant: MOE_VARIANTS (default
+    MOE_VARIANT, from KDTREE_MOE_VARIANT): the same contract, fragments through registers or a cp.async ring."""
+    variant = variant or MOE_VARIANT
+    if variant not in MOE_VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {MOE_VARIANTS}")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")
     E, D, I = weights.E, weights.D, weights.I
@@ -516,9 +561,11 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     slots = active.shape[0]
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    _launch("moe_int4", "moe_gate_up", (I // 16, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
-            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)))
-    _launch("moe_int4", "moe_down", (D // 16, slots), (256,),
+    pipe = variant == "pipe"
+    _launch("moe_int4", "moe_gate_up_pipe" if pipe else "moe_gate_up", (I // 16, slots), (256,),
+            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)),
+            smem=moe_pipe_smem(2) if pipe else 0)  # bf16 tensors go as raw pointers (uint16 in .cu)
+    _launch("moe_int4", "moe_down_pipe" if pipe else "moe_down", (D // 16, slots), (256,),
             (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2), _i(D),
-             _i(I), _p(out)))
+             _i(I), _p(out)), smem=moe_pipe_smem(1) if pipe else 0)
     return out

@@ -153,6 +153,17 @@ class Int4Experts(nn.Module):
         self.register_buffer("w13_scale", w13_scale)
         self.register_buffer("w2_packed", w2_packed)
         self.register_buffer("w2_scale", w2_scale)
+        self.id_offset, self.subset = 0, False  # experts [id_offset, id_offset + E) of the router's (kdtree.tp)
+
+    def select(self, lo: int, hi: int) -> "Int4Experts":
+        """Experts [lo, hi) only (expert parallelism): routed ids outside the range contribute nothing here."""
+        E = self.w13_packed.shape[0]
+        if not 0 <= lo < hi <= E:
+            raise ValueError(f"select: expected 0 <= lo < hi <= {E}, got lo={lo}, hi={hi}")
+        sub = Int4Experts(*(t[lo:hi].clone() for t in (self.w13_packed, self.w13_scale, self.w2_packed,
+                                                         self.w2_scale)))
+        sub.id_offset, sub.subset = self.id_offset + lo, True
+        return sub
 
     @classmethod
     def from_mlps(cls, experts) -> "Int4Experts":
@@ -194,12 +205,16 @@ class Int4Experts(nn.Module):
         return mw
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.subset:  # router ids -> this module's; another rank's experts become -1, which grouping drops
+            E = self.w13_packed.shape[0]
+            idx = idx - self.id_offset
+            idx = torch.where((idx >= 0) & (idx < E), idx, torch.full_like(idx, -1))
         if x.is_cuda and x.dtype == torch.bfloat16:
             from . import kernels
             return kernels.moe_int4(x.contiguous(), idx, weights.float(), self.kernel_weights(), check_values=False)
         I = self.w13_packed.shape[1] // 2
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(idx).tolist():
+        for e in torch.unique(idx[idx >= 0]).tolist():
             tok, slot = torch.where(idx == e)
             w13, w2 = self.expert_weights(e, torch.float32)
             gu = x[tok].float() @ w13.T

@@ -11,7 +11,8 @@ Layout (DeepSeek-V3's MLA and MoE, Megatron-style splits):
   dense MLP  gate/up rows and down columns split; down's partial sums all-reduced.
   MoE        routing replicated (each rank computes the same top-k from the same all-reduced input); rank r
              keeps routed experts [r E / world, (r + 1) E / world) (expert parallel), the others become
-             AbsentExpert; the shared expert's intermediate is split; one all-reduce of the layer's partial
+             AbsentExpert (INT4 experts: the stacked block, Int4Experts.select; ids routed to another rank's
+             experts become -1, which the pair grouping drops); the shared expert's intermediate is split; one all-reduce of the layer's partial
              output (own experts + own shared slice).
   embeddings, norms, lm_head, the drafter: replicated.
 Two all-reduces per layer, of [B, T, hidden] activations.
@@ -90,9 +91,8 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
         if isinstance(mlp, MLP):
             _split(mlp.gate_proj.out_features, rank, world, f"layer {i} intermediate_size")
             continue
-        if isinstance(mlp.experts, Int4Experts):
-            raise NotImplementedError(f"shard: layer {i} has INT4 routed experts; shard before quantize_experts()")
-        _split(len(mlp.experts), rank, world, f"layer {i} n_routed_experts")
+        n_exp = mlp.experts.w13_packed.shape[0] if isinstance(mlp.experts, Int4Experts) else len(mlp.experts)
+        _split(n_exp, rank, world, f"layer {i} n_routed_experts")
         if mlp.shared_experts is not None:
             _split(mlp.shared_experts.gate_proj.out_features, rank, world, f"layer {i} shared expert intermediate")
     reduce = _all_reduce_hook(group)
@@ -105,10 +105,14 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
             mlp.down_proj.register_forward_hook(reduce)
             continue
         assert isinstance(mlp, MoE)
-        own = set(_split(len(mlp.experts), rank, world, f"layer {i} n_routed_experts").tolist())
-        for e in range(len(mlp.experts)):
-            if e not in own:
-                mlp.experts[e] = AbsentExpert()
+        if isinstance(mlp.experts, Int4Experts):  # stacked INT4 experts: keep this rank's block of them
+            own = _split(mlp.experts.w13_packed.shape[0], rank, world, f"layer {i} n_routed_experts")
+            mlp.experts = mlp.experts.select(int(own[0]), int(own[-1]) + 1)
+        else:
+            own = set(_split(len(mlp.experts), rank, world, f"layer {i} n_routed_experts").tolist())
+            for e in range(len(mlp.experts)):
+                if e not in own:
+                    mlp.experts[e] = AbsentExpert()
         if mlp.shared_experts is not None:
             _shard_mlp(mlp.shared_experts, rank, world, f"layer {i} shared expert intermediate")
         mlp.register_forward_hook(reduce)
@@ -123,7 +127,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_tokens: int, budget: int) -> None:
+def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_tokens: int, budget: int,
+              int4: bool) -> None:
     import json
 
     from .config import TINY_B
@@ -139,7 +144,11 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
         torch.manual_seed(0)
         args = dataclasses.replace(TINY_B, num_attention_heads=8)  # 8 heads, 16 experts: divisible up to world 8
         ref = build_model(args, seed=1, device=dev)
-        model = shard(build_model(args, seed=1, device=dev), rank, world)
+        model = build_model(args, seed=1, device=dev)
+        if int4:  # routed experts in the INT4 release format, sharded as stacked blocks
+            ref.quantize_experts()
+            model.quantize_experts()
+        model = shard(model, rank, world)
         prompt = torch.randint(2, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             a, b = ref(prompt.to(dev)).logits, model(prompt.to(dev)).logits
@@ -157,7 +166,7 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
         res = {"rank": rank, "world": world, "backend": backend, "logits_rel_err": rel,
                "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens,
                "ar_equals_unsharded": ar.tokens == ar_ref.tokens, "tau_oracle": dd.mean_accept_length, "params_on_rank": n_params,
-               "params_unsharded": sum(p.numel() for p in ref.parameters())}
+               "params_unsharded": sum(p.numel() for p in ref.parameters()), "int4": int4}
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         if rank == 0:
@@ -167,11 +176,13 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
         dist.destroy_process_group()
 
 
-def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: int = 16) -> list[dict]:
+def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: int = 16,
+           int4: bool = False) -> list[dict]:
     """Spawn `world` local ranks; each shards a tiny-b-shaped model (8 heads, 16 experts) and reports: the
     relative error of its logits against the unsharded model, whether its DDTree outputs (test-oracle drafter,
     random DFlash drafter) equal its AR output, whether its AR output equals the unsharded model's, the
-    oracle's tau and its parameter count. Returns one dict per rank."""
+    oracle's tau and its parameter count; int4: the routed experts in the INT4 release format. Returns one dict
+    per rank."""
     import json
     import tempfile
 
@@ -182,6 +193,7 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
         raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are visible")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ranks.json")
-        mp.spawn(_dry_rank, args=(world, backend, _free_port(), out, new_tokens, budget), nprocs=world, join=True)
+        mp.spawn(_dry_rank, args=(world, backend, _free_port(), out, new_tokens, budget, int4), nprocs=world,
+                 join=True)
         with open(out) as f:
             return json.load(f)

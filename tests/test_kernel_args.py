@@ -1,4 +1,5 @@
 """The kernel wrappers reject bad arguments before anything is compiled or launched (runs on a CPU)."""
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,28 @@ def test_group_pairs_groups_by_expert():
     assert off.tolist() == [sum(1 for e2, _, _ in want if e2 < e) for e in range(E + 1)]
     used = sorted({e for e, _, _ in want})
     assert len(active) == min(E, T * k) and active.tolist()[:len(used)] == used
+
+
+def test_golden_group_pairs_is_the_torch_grouping():
+    """golden.group_pairs (the moe_group kernel's twin) equals the torch path on CPU tensors, P < E included."""
+    from kdtree import golden
+    g = torch.Generator().manual_seed(11)
+    for T, k, E in ((1, 1, 5), (2, 3, 16), (17, 4, 8), (40, 8, 384)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int64)
+        w = torch.rand(T, k, generator=g)
+        want = K.group_pairs(ids, w, E)
+        got = golden.group_pairs(ids.numpy(), w.numpy(), E)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b.numpy())
+        ids[0, 0] = -1  # another rank's expert (expert parallelism): dropped by both
+        want = K.group_pairs(ids, w, E)
+        got = golden.group_pairs(ids.numpy(), w.numpy(), E)
+        n = int(got[2][-1])
+        assert n == T * k - 1 and np.array_equal(got[2], want[2].numpy()) and np.array_equal(got[3], want[3].numpy())
+        assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
+
+
+def test_moe_int4_rejects_an_unknown_variant():
+    with pytest.raises(ValueError, match="variant='fast'"):
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), variant="fast")

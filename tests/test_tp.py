@@ -49,11 +49,14 @@ def test_shard_rejects_bad_input():
     try:
         with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by world = 3"):
             tp.shard(build_model(TINY_B, seed=0), 0, 3)
-        q = build_model(TINY_B, seed=0).quantize_experts()
+        # 8 heads and every MLP split by 8, but 12 INT4 experts are not: refused before anything changes
+        q = build_model(dataclasses.replace(TINY_B, num_attention_heads=8, n_routed_experts=12, n_group=1,
+                                            topk_group=1), seed=0)
+        q.quantize_experts()
         before = {k: v.clone() for k, v in q.state_dict().items()}
-        with pytest.raises(NotImplementedError, match="INT4 routed experts"):
-            tp.shard(q, 0, 2)
-        after = q.state_dict()  # a rejected call changes nothing
+        with pytest.raises(ValueError, match="n_routed_experts = 12 is not divisible by world = 8"):
+            tp.shard(q, 0, 8)
+        after = q.state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     finally:
         dist.destroy_process_group()
@@ -69,3 +72,27 @@ def test_dryrun_two_gpus_nccl():
     for r in ranks:
         assert r["backend"] == "nccl" and r["logits_rel_err"] < 1e-4, r
         assert r["ddtree_equals_ar"] and r["ar_equals_unsharded"] and r["tau_oracle"] > 1.5, r
+
+
+def test_dryrun_int4_experts_two_ranks():
+    """INT4 routed experts under expert parallelism: each rank keeps its stacked block; ids of the other rank's
+    experts are dropped by the grouping; the result equals the unsharded INT4 model."""
+    ranks = tp.dryrun(world=2, backend="gloo", new_tokens=8, budget=8, int4=True)
+    for r in ranks:
+        assert r["int4"] and r["logits_rel_err"] < 1e-5 and r["ddtree_equals_ar"] and r["ar_equals_unsharded"], r
+
+
+def test_int4_expert_blocks_add_up_to_all_experts():
+    """Int4Experts.select(lo, hi): the blocks' outputs (reference path) sum to the full module's."""
+    from kdtree.model import Int4Experts
+    ex = Int4Experts.random(8, 64, 32, seed=5, scale=0.05)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, 64, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(7)])
+    w = torch.rand(7, 3, generator=g)
+    full = ex(x, w, ids)
+    parts = sum(ex.select(lo, lo + 2)(x, w, ids) for lo in range(0, 8, 2))
+    assert full.abs().max() > 0 and torch.allclose(parts, full, rtol=1e-5, atol=1e-6)
+    assert ex.select(2, 4).select(1, 2).id_offset == 3
+    with pytest.raises(ValueError, match="select"):
+        ex.select(4, 4)
