@@ -5,32 +5,33 @@
 // one bf16 scale per 32 inputs, W = q * scale) reordered once by kdtree.kernels.repack_moe into mma
 // fragment order, so that each lane loads exactly the bytes its A fragment needs, 8 per 32-input group:
 //   wr int32 [E, R/16, K/32, 32 lanes, 2]: lane (g, c) = (lane / 4, lane % 4), word j (k-block j of the
-//      group), byte b = byte c of checkpoint word 2j + b / 2 of row 16 t + g + 8 (b % 2)
+//      group) holds A register b = 0..3 (rows 16 t + g + 8 (b % 2), checkpoint word 2j + b / 2, its inputs 2c and
+//      2c + 1) as nibble b (bits 4b..4b+3: input 2c) and nibble 4 + b (bits 16+4b..: input 2c + 1), so
+//      (word >> 4b) & 0x000f000f is register b's pair of 4-bit codes, one per bf16 half
 //   sr bf16  [E, R/16, K/32, 8, 2]:       scales of rows 16 t + g and 16 t + g + 8
 // for a matrix [R, K]: w13 is [2I, D] (rows [0, I) gate, [I, 2I) up), w2 is [D, I].
 // Token-expert pairs arrive grouped by expert (the wrapper sorts them): pairs [expert_off[e], expert_off[e+1])
 // belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
 //
-// moe_gate_up   grid (I / 16, S), block 256 (8 warps), static smem 16 KB, <= 80 registers (three blocks per
-//               SM: at 99 registers two fit, and ncu measured 30% of DRAM bandwidth at 24% occupancy)
+// moe_gate_up_t{8,16}   grid (I / 16, S), block 256 (8 warps), static smem 8 KB (t8) / 16 KB (t16),
+//               <= 80 registers at t8 (three blocks per SM), <= 128 at t16 (two)
 //   x         bf16 [T, D] (as uint16)            pair_tok int32 [P]     expert_off int32 [E + 1]
 //   active    int32 [S]                          S = min(E, P) expert slots: the experts with pairs first
 //                                                (block y serves expert active[y]; an empty one returns)
 //   w13r, s13r (above, R = 2I, K = D)
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
 //   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
-//   8 warps split the inputs D by groups of 32 and meet in shared memory. Tokens go 16 at a time (two
-//   n8 tiles) through mma.sync m16n8k16 (bf16 in, fp32 out); A fragments are the packed bytes turned into
-//   exact bf16 pairs (0x4300 | n is 128 + n; minus 136 gives n - 8); the scale multiplies each 32-input
-//   group's fp32 partial sum; one set of B fragments serves both tiles; two groups' loads go out together.
-// moe_down      grid (D / 16, S), block 256, static smem 8 KB
+//   8 warps split the inputs D by groups of 32 and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
+//   (t16: two) at a time through mma.sync m16n8k16 (bf16 in, fp32 out); the wrapper takes t8 when experts hold
+//   few pairs (decode, small trees) so no mma or register is spent on empty token columns. A fragments are
+//   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
+//   minus 136 gives n - 8); the scale multiplies each 32-input group's fp32 partial sum; one set of B
+//   fragments serves both tiles; U groups' loads go out together (t8: 4, down 3; t16: 2). Each lane walks
+//   its words with immediate offsets; rows past a pass's last pair repeat a valid row (computed, not stored).
+// moe_down_t{8,16}   grid (D / 32, S), block 256, static smem 8 / 16 KB; a block owns two 16-row tiles
 //   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
 //   (the wrapper zeroes it; fp32 atomics, so the summation order of a token's experts may vary).
-// moe_gate_up_pipe / moe_down_pipe   the same contracts, launch shapes and outputs as moe_gate_up / moe_down;
-//   each lane streams its own fragment bytes (A words, scales, B pairs) through a 4-stage ring in shared memory
-//   with cp.async (lane-private: no barrier), so three groups per warp are in flight instead of one or two
-//   in registers. Dynamic smem: 8 warps x STAGES x (TILES x 384 + NT x 512) bytes (kernels.MOE_PIPE_SMEM).
 // moe_group_i32 / moe_group_i64   grid 1, block 1024, dynamic smem 8 E bytes (E <= 4096)
 //   ids       int32 or int64 [P] (topk_ids flattened, P = T * k, pair p is token p / k)   w float [P]
 //   pair_tok  int32 [P], pair_w float [P]: the pairs grouped by expert; the order WITHIN an expert is
@@ -42,7 +43,6 @@
 #include <cuda_bf16.h>
 #include "common.cuh"
 
-#define NT 2            // n8 token tiles per pass: 16 tokens
 #define WARPS 8
 
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -52,53 +52,44 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// byte b of a fragment word (inputs 2c, 2c + 1 of one row's eight) -> bf16x2 (q_lo, q_hi), exact
+// A register B of a fragment word -> bf16x2 (q(2c), q(2c+1)) - 8, exact: one lop3 ((w >> 4B) & m) | 0x4300_4300
+// (bf16 128 + n per half) and one sub.bf16x2 of 136 (0x4308)
 template <int B>
 __device__ __forceinline__ uint32_t deq_pair(uint32_t word) {
-    const uint32_t v = ((word >> (8 * B)) & 0x0fu) | (((word >> (8 * B)) & 0xf0u) << 12) | 0x43004300u;
-    __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __float2bfloat162_rn(136.0f));
-    return *reinterpret_cast<uint32_t*>(&r);
+    uint32_t v, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(word >> (4 * B)), "n"(0x000f000f), "n"(0x43004300));
+    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(0x43084308u));
+    return r;
 }
 
 __device__ __forceinline__ float bf16f(uint32_t v16) { return __uint_as_float(v16 << 16); }
 
-__device__ __forceinline__ uint32_t ld_pair(const uint16_t* row, int k) {  // two bf16 at k, k + 1 (k even)
-    return row ? __ldg(reinterpret_cast<const uint32_t*>(row + k)) : 0u;
-}
+// One 16-row tile's fragment words and scales for one group: 8 bytes + 4 bytes per lane.
+struct AFrag { uint2 w; uint32_t s; };
 
-// This thread's B fragments of one 32-input group for NT n8 token tiles: xr[nt] is its token row
-// (token nt * 8 + lane / 4) or null; b[nt] = inputs (2c, 2c+1), (2c+8, +9), (2c+16, +17), (2c+24, +25).
-__device__ __forceinline__ void load_b(uint32_t (*b)[4], const uint16_t* const* xr, int grp) {
-    const int k0 = grp * 32 + 2 * (threadIdx.x & 3);
+// This lane's walk over its warp's input groups: A words of TL tiles (uint2 per group, stride 32), their scales
+// (one word: rows g and g + 8, stride 8), and the B rows of NT token tiles (four words per group at 4j from
+// word c, stride 16). Rows past the pass's last pair repeat a valid row: their columns are computed, never stored.
+template <int NT, int TL>
+struct Walk {
+    const uint2* w;      // tile 0's words; tile t's at + t * tw
+    const uint32_t* s;   // tile 0's scales; tile t's at + t * ts
+    int tw, ts;
+    const uint32_t* x[NT];
+};
+
+template <int NT, int TL>
+__device__ __forceinline__ void load_group(const Walk<NT, TL>& q, int i, AFrag* a, uint32_t (*b)[4]) {
+#pragma unroll
+    for (int t = 0; t < TL; ++t) { a[t].w = __ldg(q.w + t * q.tw + 32 * i); a[t].s = __ldg(q.s + t * q.ts + 8 * i); }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[nt][j] = ld_pair(xr[nt], k0 + 8 * j);
-}
-
-// This thread's B-fragment rows for a pass of 16 pairs from pc (token nt * 8 + lane / 4 of the pass): row
-// base + id * ld, id = pair_tok[p] (a token's activations) or p itself (the pair's workspace row); null past p1.
-__device__ __forceinline__ void pass_rows(const uint16_t** r, const uint16_t* base, int ld, const int32_t* pair_tok,
-                                          int pc, int p1) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int p = pc + nt * 8 + ((threadIdx.x & 31) >> 2);
-        r[nt] = p < p1 ? base + (size_t)(pair_tok ? pair_tok[p] : p) * ld : nullptr;
-    }
-}
-
-// One tile's fragment bytes and scales for one group: 8 bytes + 4 bytes per lane.
-struct AFrag { uint2 w; uint32_t s; };
-
-__device__ __forceinline__ AFrag load_a(const int32_t* Wt, const uint16_t* St, int grp) {
-    const int lane = threadIdx.x & 31;
-    AFrag f;
-    f.w = __ldg(reinterpret_cast<const uint2*>(Wt + (size_t)grp * 64 + lane * 2));
-    f.s = __ldg(reinterpret_cast<const uint32_t*>(St + (size_t)grp * 16 + (lane >> 2) * 2));
-    return f;
+        for (int j = 0; j < 4; ++j) b[nt][j] = __ldg(q.x[nt] + 16 * i + 4 * j);
 }
 
 // acc += scale * (q . x) for one group of a 16-row tile; acc[nt] = (row g: tokens 2c, 2c+1; row g+8: same)
+template <int NT>
 __device__ __forceinline__ void mma_group(float (*acc)[4], const AFrag& f, const uint32_t (*b)[4]) {
     const uint32_t a0[4] = {deq_pair<0>(f.w.x), deq_pair<1>(f.w.x), deq_pair<2>(f.w.x), deq_pair<3>(f.w.x)};
     const uint32_t a1[4] = {deq_pair<0>(f.w.y), deq_pair<1>(f.w.y), deq_pair<2>(f.w.y), deq_pair<3>(f.w.y)};
@@ -113,8 +104,9 @@ __device__ __forceinline__ void mma_group(float (*acc)[4], const AFrag& f, const
     }
 }
 
-// The block's 8 warps each hold partial sums over their inputs for 16 rows x 16 pair slots: reduce them in shared
-// memory, then h = silu(gate) * up as bf16 (gate_up) or out += pair weight * down (fp32 atomics).
+// The block's 8 warps each hold partial sums over their inputs for 16 rows x 8 NT pair slots: reduce them in
+// shared memory, then h = silu(gate) * up as bf16 (gate_up) or out += pair weight * down (fp32 atomics).
+template <int NT>
 __device__ __forceinline__ void gate_up_store(float (*red)[2][NT][128], const float (*g)[4], const float (*u)[4],
                                               int pc, int p1, int f0, int I, uint16_t* __restrict__ h) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -139,90 +131,148 @@ __device__ __forceinline__ void gate_up_store(float (*red)[2][NT][128], const fl
     __syncthreads();
 }
 
-__device__ __forceinline__ void down_store(float (*red)[NT][128], const float (*a)[4], int pc, int p1, int d0, int D,
-                                           const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
-                                           float* __restrict__ out) {
+template <int NT>
+__device__ __forceinline__ void down_store(float (*red)[2][NT][128], const float (*a)[NT][4], int pc, int p1, int d0,
+                                           int D, const int32_t* __restrict__ pair_tok,
+                                           const float* __restrict__ pair_w, float* __restrict__ out) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][nt][lane * 4 + i] = a[nt][i];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][t][nt][lane * 4 + i] = a[t][nt][i];
     __syncthreads();
-    for (int j = threadIdx.x; j < NT * 128; j += blockDim.x) {
-        const int nt = j >> 7, q = j & 127, ln = q >> 2, i = q & 3;
+    for (int j = threadIdx.x; j < 2 * NT * 128; j += blockDim.x) {
+        const int t = j / (NT * 128), nt = (j >> 7) % NT, q = j & 127, ln = q >> 2, i = q & 3;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) s += red[w][nt][q];
-        const int row = (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
+        for (int w = 0; w < WARPS; ++w) s += red[w][t][nt][q];
+        const int row = 16 * t + (ln >> 2) + ((i & 2) ? 8 : 0), tok = nt * 8 + 2 * (ln & 3) + (i & 1);
         const int p = pc + tok;
         if (p < p1) atomicAdd(out + (size_t)pair_tok[p] * D + d0 + row, pair_w[p] * s);
     }
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up(
-    const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off,
-    const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, int D,
-    int I, uint16_t* __restrict__ h) {
+template <int NT, int TL>
+__device__ __forceinline__ void advance(Walk<NT, TL>& q, int groups) {
+    q.w += 32 * groups;
+    q.s += 8 * groups;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) q.x[nt] += 16 * groups;
+}
+
+// acc[t] += scale * (q . x) over the next n groups of the walk, U groups' loads in flight at a time
+template <int NT, int TL, int U>
+__device__ __forceinline__ void kloop(float (*acc)[NT][4], Walk<NT, TL> q, int n) {
+    for (; n >= U; n -= U) {
+        AFrag a[U][TL];
+        uint32_t b[U][NT][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u) load_group<NT, TL>(q, u, a[u], b[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[u][t], b[u]);
+        advance<NT, TL>(q, U);
+    }
+    for (; n > 0; --n) {
+        AFrag a[TL];
+        uint32_t b[NT][4];
+        load_group<NT, TL>(q, 0, a, b);
+#pragma unroll
+        for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[t], b);
+        advance<NT, TL>(q, 1);
+    }
+}
+
+// This lane's B rows for the pass of 8 NT pairs from pc: row base + id * ld (id = pair_tok[p], a token's
+// activations, or p itself, the pair's workspace row), at word c of group gb; p clamped to the last pair.
+template <int NT, int TL>
+__device__ __forceinline__ void pass_rows(Walk<NT, TL>& q, const uint16_t* base, int ld,
+                                          const int32_t* __restrict__ pair_tok, int pc, int p1, int gb) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int p = min(pc + nt * 8 + (lane >> 2), p1 - 1);
+        q.x[nt] = reinterpret_cast<const uint32_t*>(base + (size_t)(pair_tok ? pair_tok[p] : p) * ld) + gb * 16 +
+                  (lane & 3);
+    }
+}
+
+// The walk over tiles first + t * step (a tile: 16 rows x K of one matrix, G groups of 32 inputs), from group gb
+template <int NT, int TL>
+__device__ __forceinline__ void tile_walk(Walk<NT, TL>& q, const int32_t* wr, const uint16_t* sr, size_t first,
+                                          int step, int G, int gb) {
+    const int lane = threadIdx.x & 31;
+    q.w = reinterpret_cast<const uint2*>(wr + first * G * 64) + gb * 32 + lane;
+    q.s = reinterpret_cast<const uint32_t*>(sr + first * G * 16) + gb * 8 + (lane >> 2);
+    q.tw = step * G * 32;
+    q.ts = step * G * 8;
+}
+
+template <int NT, int U>
+__device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok,
+                                             const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active,
+                                             const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r,
+                                             int D, int I, uint16_t* __restrict__ h) {
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
     const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
     const int G = D / 32, tiles = 2 * I / 16;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t tg = (size_t)e * tiles + blockIdx.x, tu = (size_t)e * tiles + I / 16 + blockIdx.x;
-    const int32_t* Wg = w13r + tg * G * 64;
-    const int32_t* Wu = w13r + tu * G * 64;
-    const uint16_t* Sg = s13r + tg * G * 16;
-    const uint16_t* Su = s13r + tu * G * 16;
+    const size_t tg = (size_t)e * tiles + blockIdx.x;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
-        const uint16_t* xr[NT];
-        pass_rows(xr, x, D, pair_tok, pc, p1);
-        float ag[NT][4] = {}, au[NT][4] = {};
-        for (int grp = gb; grp < ge; grp += 2) {
-            const bool two = grp + 1 < ge;
-            const AFrag g0 = load_a(Wg, Sg, grp), u0 = load_a(Wu, Su, grp);
-            const AFrag g1 = two ? load_a(Wg, Sg, grp + 1) : g0, u1 = two ? load_a(Wu, Su, grp + 1) : u0;
-            uint32_t b0[NT][4], b1[NT][4];
-            load_b(b0, xr, grp);  // shared by the gate and up tiles
-            if (two) load_b(b1, xr, grp + 1);
-            mma_group(ag, g0, b0);
-            mma_group(au, u0, b0);
-            if (two) { mma_group(ag, g1, b1); mma_group(au, u1, b1); }
-        }
-        gate_up_store(red, ag, au, pc, p1, f0, I, h);
+        Walk<NT, 2> q;
+        tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows f0..f0+15, then (t = 1) the same features' up rows
+        pass_rows(q, x, D, pair_tok, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U>(acc, q, ge - gb);
+        gate_up_store<NT>(red, acc[0], acc[1], pc, p1, f0, I, h);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_down(
-    const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
-    const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,
-    const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {
-    __shared__ float red[WARPS][NT][128];
+template <int NT, int U>
+__device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok,
+                                          const float* __restrict__ pair_w, const int32_t* __restrict__ expert_off,
+                                          const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,
+                                          const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {
+    __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
+    const int d0 = blockIdx.x * 32, warp = threadIdx.x >> 5;
     const int G = I / 32;
     const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t t = (size_t)e * (D / 16) + blockIdx.x;
-    const int32_t* W = w2r + t * G * 64;
-    const uint16_t* S = s2r + t * G * 16;
+    const size_t t0 = (size_t)e * (D / 16) + 2 * blockIdx.x;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
-        const uint16_t* hr[NT];
-        pass_rows(hr, h, I, nullptr, pc, p1);
-        float acc[NT][4] = {};
-        for (int grp = gb; grp < ge; grp += 2) {
-            const bool two = grp + 1 < ge;
-            const AFrag a0 = load_a(W, S, grp), a1 = two ? load_a(W, S, grp + 1) : a0;
-            uint32_t b0[NT][4], b1[NT][4];
-            load_b(b0, hr, grp);
-            if (two) load_b(b1, hr, grp + 1);
-            mma_group(acc, a0, b0);
-            if (two) mma_group(acc, a1, b1);
-        }
-        down_store(red, acc, pc, p1, d0, D, pair_tok, pair_w, out);
+        Walk<NT, 2> q;
+        tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs d0..d0+15, then (t = 1) d0+16..d0+31
+        pass_rows(q, h, I, nullptr, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U>(acc, q, ge - gb);
+        down_store<NT>(red, acc, pc, p1, d0, D, pair_tok, pair_w, out);
     }
 }
+
+#define MOE_GEMMS(SUFFIX, NT, U, UD, MINB)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, MINB) moe_gate_up_##SUFFIX(                                        \
+        const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off, \
+        const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r,     \
+        int D, int I, uint16_t* __restrict__ h) {                                                                     \
+        gate_up_body<NT, U>(x, pair_tok, expert_off, active, w13r, s13r, D, I, h);                                    \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MINB) moe_down_##SUFFIX(                                           \
+        const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,       \
+        const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,  \
+        const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {                                    \
+        down_body<NT, UD>(h, pair_tok, pair_w, expert_off, active, w2r, s2r, D, I, out);                               \
+    }
+
+// suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills)
+MOE_GEMMS(t8, 1, 4, 3, 3)
+MOE_GEMMS(t16, 2, 2, 2, 2)
 
 // ------------------------------------------------------------------------------------ pair grouping
 // One block: counts per expert (shared atomics), one exclusive scan that carries both the pair offset (high
@@ -296,123 +346,4 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
     const int64_t* ids, const float* w, int P, int k, int E, int S, int32_t* pair_tok, float* pair_w,
     int32_t* expert_off, int32_t* active) {
     moe_group_impl<int64_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
-}
-
-// ------------------------------------------------------------------------------------ pipelined variants
-#define STAGES 4
-
-__device__ __forceinline__ uint32_t sm_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sm_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {  // zero-fills past src_bytes
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sm_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// One warp's ring: every slot is [item][lane], so each lane reads back exactly the words it copied.
-template <int TILES>
-struct Ring {
-    uint2 a[STAGES][TILES][32];      // fragment words of each tile
-    uint32_t s[STAGES][TILES][32];   // the lane's two row scales of each tile
-    uint32_t b[STAGES][NT][4][32];   // B fragment pairs
-};
-
-template <int TILES>
-__device__ __forceinline__ void ring_issue(Ring<TILES>& R, int st, const int32_t* const* W, const uint16_t* const* S,
-                                           const uint16_t* const* xr, const uint16_t* any, int grp) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-        cp_async8(&R.a[st][t][lane], W[t] + (size_t)grp * 64 + lane * 2);
-        cp_async4(&R.s[st][t][lane], S[t] + (size_t)grp * 16 + (lane >> 2) * 2, 4);
-    }
-    const int k0 = grp * 32 + 2 * (lane & 3);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            cp_async4(&R.b[st][nt][j][lane], xr[nt] ? xr[nt] + k0 + 8 * j : any, xr[nt] ? 4 : 0);
-}
-
-// acc[t] += scale * (q . x) over this warp's groups [gb, ge) for TILES tiles, streamed through the ring
-template <int TILES>
-__device__ __forceinline__ void ring_loop(Ring<TILES>& R, float (*acc)[NT][4], const int32_t* const* W,
-                                          const uint16_t* const* S, const uint16_t* const* xr, const uint16_t* any,
-                                          int gb, int ge) {
-    const int lane = threadIdx.x & 31, n = ge - gb;
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < n) ring_issue<TILES>(R, i, W, S, xr, any, gb + i);
-        cp_commit_group();
-    }
-    for (int i = 0; i < n; ++i) {
-        // refill the slot read in iteration i - 1 (its values were consumed by that iteration's mma)
-        if (i + STAGES - 1 < n) ring_issue<TILES>(R, (i + STAGES - 1) % STAGES, W, S, xr, any, gb + i + STAGES - 1);
-        cp_commit_group();
-        cp_wait_group<STAGES - 1>();  // this lane's copies of group i have landed
-        const int st = i % STAGES;
-        uint32_t b[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) b[nt][j] = R.b[st][nt][j][lane];
-#pragma unroll
-        for (int t = 0; t < TILES; ++t) {
-            AFrag f;
-            f.w = R.a[st][t][lane];
-            f.s = R.s[st][t][lane];
-            mma_group(acc[t], f, b);
-        }
-    }
-    cp_wait_group<0>();
-}
-
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_pipe(
-    const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off,
-    const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, int D,
-    int I, uint16_t* __restrict__ h) {
-    __shared__ float red[WARPS][2][NT][128];
-    extern __shared__ __align__(16) unsigned char ring_smem[];
-    const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
-    if (p0 >= p1) return;
-    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
-    Ring<2>& R = reinterpret_cast<Ring<2>*>(ring_smem)[warp];
-    const int G = D / 32, tiles = 2 * I / 16;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t tg = (size_t)e * tiles + blockIdx.x, tu = (size_t)e * tiles + I / 16 + blockIdx.x;
-    const int32_t* W[2] = {w13r + tg * G * 64, w13r + tu * G * 64};
-    const uint16_t* S[2] = {s13r + tg * G * 16, s13r + tu * G * 16};
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        const uint16_t* xr[NT];
-        pass_rows(xr, x, D, pair_tok, pc, p1);
-        float acc[2][NT][4] = {};
-        ring_loop<2>(R, acc, W, S, xr, x, gb, ge);
-        gate_up_store(red, acc[0], acc[1], pc, p1, f0, I, h);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) moe_down_pipe(
-    const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
-    const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,
-    const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {
-    __shared__ float red[WARPS][NT][128];
-    extern __shared__ __align__(16) unsigned char ring_smem[];
-    const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
-    if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
-    Ring<1>& R = reinterpret_cast<Ring<1>*>(ring_smem)[warp];
-    const int G = I / 32;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t t = (size_t)e * (D / 16) + blockIdx.x;
-    const int32_t* W[1] = {w2r + t * G * 64};
-    const uint16_t* S[1] = {s2r + t * G * 16};
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        const uint16_t* hr[NT];
-        pass_rows(hr, h, I, nullptr, pc, p1);
-        float acc[1][NT][4] = {};
-        ring_loop<1>(R, acc, W, S, hr, h, gb, ge);
-        down_store(red, acc[0], pc, p1, d0, D, pair_tok, pair_w, out);
-    }
 }

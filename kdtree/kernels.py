@@ -419,14 +419,7 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------- INT4 MoE experts
-MOE_VARIANTS = ("regs", "pipe")  # moe_int4's expert GEMMs: fragments through registers, or a cp.async ring
-MOE_VARIANT = os.environ.get("KDTREE_MOE_VARIANT", "regs")
-MOE_PIPE_STAGES = 4
-
-
-def moe_pipe_smem(tiles: int) -> int:
-    """Dynamic shared memory of moe_*_pipe: 8 warps x stages x (tiles x (8 + 4) + 2 x 4 x 4) bytes x 32 lanes."""
-    return 8 * MOE_PIPE_STAGES * 32 * (tiles * 12 + 32)
+MOE_TILE_TOKENS = (8, 16)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 / moe_*_t16)
 
 
 MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
@@ -480,8 +473,9 @@ def _group_pairs_torch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_exp
 
 def repack_int4_mma(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint-format INT4 [..., R, K/8] int32 + [..., R, K/32] scales -> moe_int4's fragment order:
-    int32 [..., R/16, K/32, 32, 2] and scales [..., R/16, K/32, 8, 2] (layout in cuda/moe_int4.cu).
-    Torch ops on the tensors' device; R a multiple of 16, K of 32."""
+    int32 [..., R/16, K/32, 32, 2] and scales [..., R/16, K/32, 8, 2] (layout in cuda/moe_int4.cu: word j of
+    lane (g, c) holds A register b as nibbles b and 4 + b). Torch ops on the tensors' device; R a multiple of
+    16, K of 32."""
     *lead, R, K8 = packed.shape
     K = K8 * 8
     if R % 16 or K % 32 or tuple(scale.shape) != (*lead, R, K // 32):
@@ -491,10 +485,17 @@ def repack_int4_mma(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
     b = packed.contiguous().view(torch.uint8).view(*lead, R // 16, 2, 8, G, 2, 2, 4)  # tile, half, g, grp, j, w, c
     n = len(lead)
     perm = list(range(n)) + [n + i for i in (0, 3, 2, 6, 4, 5, 1)]                   # tile, grp, g, c, j, w, half
-    wr = b.permute(*perm).contiguous().view(*lead, R // 16, G, 8, 4, 2, 4).view(torch.int32)
+    regs = b.permute(*perm).reshape(-1, 4)                                           # register b = 2 w + half
+    wr = torch.empty(regs.shape[0], dtype=torch.int32, device=packed.device)
+    shift = 4 * torch.arange(4, device=packed.device, dtype=torch.int64)
+    for i in range(0, regs.shape[0], 1 << 24):                                       # 512 MB of int64 at a time
+        r = regs[i:i + (1 << 24)].to(torch.int64)
+        word = (((r & 0xF) << shift) | ((r >> 4) << (shift + 16))).sum(-1)           # disjoint bits: sum = or
+        wr[i:i + (1 << 24)] = word - ((word >> 31) << 32)                            # as signed 32-bit
+    wr = wr.view(*lead, R // 16, G, 32, 2)
     sr = scale.contiguous().view(*lead, R // 16, 2, 8, G)
     sr = sr.permute(*(list(range(n)) + [n, n + 3, n + 2, n + 1])).contiguous()       # tile, grp, g, half
-    return wr.view(*lead, R // 16, G, 32, 2), sr
+    return wr, sr
 
 
 @dataclass
@@ -529,16 +530,16 @@ def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: tor
 
 
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
-             check_values: bool = True, variant: str | None = None) -> torch.Tensor:
+             check_values: bool = True, tile_tokens: int | None = None) -> torch.Tensor:
     """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
     Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
-    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. variant: MOE_VARIANTS (default
-    MOE_VARIANT, from KDTREE_MOE_VARIANT): the same contract, fragments through registers or a cp.async ring."""
-    variant = variant or MOE_VARIANT
-    if variant not in MOE_VARIANTS:
-        raise ValueError(f"variant={variant!r}: expected one of {MOE_VARIANTS}")
+    launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. tile_tokens (MOE_TILE_TOKENS): pairs
+    per pass of one expert; default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else 16 (H200, K2.6
+    shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024)."""
+    if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
+        raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")
     E, D, I = weights.E, weights.D, weights.I
@@ -561,11 +562,12 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     slots = active.shape[0]
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    pipe = variant == "pipe"
-    _launch("moe_int4", "moe_gate_up_pipe" if pipe else "moe_gate_up", (I // 16, slots), (256,),
-            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)),
-            smem=moe_pipe_smem(2) if pipe else 0)  # bf16 tensors go as raw pointers (uint16 in .cu)
-    _launch("moe_int4", "moe_down_pipe" if pipe else "moe_down", (D // 16, slots), (256,),
+    if tile_tokens is None:
+        tile_tokens = 8 if T <= 8 or T * k <= 8 * E else 16
+    t = f"t{tile_tokens}"
+    _launch("moe_int4", "moe_gate_up_" + t, (I // 16, slots), (256,),
+            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I), _p(h)))
+    _launch("moe_int4", "moe_down_" + t, (D // 32, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
             (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2), _i(D),
-             _i(I), _p(out)), smem=moe_pipe_smem(1) if pipe else 0)
+             _i(I), _p(out)))
     return out

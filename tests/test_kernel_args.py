@@ -100,22 +100,25 @@ def test_moe_int4_rejects():
         K.moe_int4(x, ids, w, mw)
 
 
-def test_repack_puts_each_lanes_fragment_bytes_in_place():
-    """Lane (g, c), word j, byte b of a repacked group = byte c of checkpoint word 2j + b // 2 of row g + 8 (b % 2)."""
+def test_repack_puts_each_lanes_fragment_nibbles_in_place():
+    """Lane (g, c), word j of a repacked group: nibble b = input 2c and nibble 4 + b = input 2c + 1 of A register
+    b, i.e. of row g + 8 (b % 2), inputs 16 j + 8 (b // 2) + 2c and + 1 of the group (checkpoint codes + 8)."""
     from kdtree import quant
     g_ = torch.Generator().manual_seed(6)
     R, Kin = 48, 96
-    packed = quant.pack(torch.randint(-8, 8, (R, Kin), dtype=torch.int8, generator=g_))
+    q = torch.randint(-8, 8, (R, Kin), dtype=torch.int8, generator=g_)
+    packed = quant.pack(q)
     scale = torch.rand(R, Kin // 32, generator=g_).to(torch.bfloat16)
     wr, sr = K.repack_int4_mma(packed, scale)
-    assert wr.shape == (R // 16, Kin // 32, 32, 2) and sr.shape == (R // 16, Kin // 32, 8, 2)
-    pw = packed.view(torch.uint8).view(R, Kin // 8, 4)
-    got = wr.contiguous().view(torch.uint8).view(R // 16, Kin // 32, 8, 4, 2, 4)   # tile, grp, g, c, j, b
-    t, grp, g, c, j, b = torch.meshgrid(*(torch.arange(n) for n in got.shape), indexing="ij")
-    want = pw[t * 16 + g + 8 * (b % 2), grp * 4 + 2 * j + b // 2, c]
-    assert torch.equal(got, want)
-    tt, gg, g2, h = torch.meshgrid(*(torch.arange(n) for n in sr.shape), indexing="ij")
-    assert torch.equal(sr, scale[tt * 16 + g2 + 8 * h, gg])
+    assert wr.shape == (R // 16, Kin // 32, 32, 2) and wr.dtype == torch.int32
+    assert sr.shape == (R // 16, Kin // 32, 8, 2)
+    words = wr.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).view(R // 16, Kin // 32, 8, 4, 2, 2, 4)
+    t, grp, g, c, j, h, b = torch.meshgrid(*(torch.arange(n) for n in nib.shape), indexing="ij")  # h: nibble // 4
+    want = q.to(torch.int64)[t * 16 + g + 8 * (b % 2), grp * 32 + 16 * j + 8 * (b // 2) + 2 * c + h] + 8
+    assert torch.equal(nib, want)
+    tt, gg, g2, hh = torch.meshgrid(*(torch.arange(n) for n in sr.shape), indexing="ij")
+    assert torch.equal(sr, scale[tt * 16 + g2 + 8 * hh, gg])
 
 
 def test_group_pairs_groups_by_expert():
@@ -150,7 +153,7 @@ def test_golden_group_pairs_is_the_torch_grouping():
         assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
 
 
-def test_moe_int4_rejects_an_unknown_variant():
-    with pytest.raises(ValueError, match="variant='fast'"):
+def test_moe_int4_rejects_an_unknown_tile():
+    with pytest.raises(ValueError, match="tile_tokens=32"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
-                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), variant="fast")
+                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=32)

@@ -17,7 +17,7 @@ class MoeParam:
     I: int        # expert intermediate
     E: int        # experts
     k: int        # experts per token
-    skew: bool = False  # route most tokens to expert 0 (many passes of 16 tokens)
+    skew: bool = False  # route most tokens to expert 0 (many passes of 8 or 16 pairs)
 
 
 CASES = [MoeParam(1, 64, 32, 4, 1), MoeParam(5, 256, 64, 8, 2), MoeParam(64, 512, 128, 16, 8),
@@ -40,13 +40,13 @@ def _case(p: MoeParam, seed: int):
     return x, ids, wts, p13, s13, p2, s2
 
 
-@pytest.mark.parametrize("variant", ["regs", "pipe"])
+@pytest.mark.parametrize("tile_tokens", [None, 8, 16])
 @pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
-def test_moe_int4_matches_golden(p, variant):
+def test_moe_int4_matches_golden(p, tile_tokens):
     from kdtree import kernels
-    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + len(variant))
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + (tile_tokens or 0))
     mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
-    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, variant=variant)
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, tile_tokens=tile_tokens)
     ref = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy(), p13.numpy(), s13.float().numpy(),
                           p2.numpy(), s2.float().numpy())
     got = out.double().cpu().numpy()
