@@ -78,14 +78,15 @@ struct Walk {
     const uint32_t* x[NT];
 };
 
-template <int NT, int TL>
+// CG: B rows through L2 only (ld.global.cg), for rows written earlier in the same launch (moe_fused_t8)
+template <int NT, int TL, bool CG>
 __device__ __forceinline__ void load_group(const Walk<NT, TL>& q, int i, AFrag* a, uint32_t (*b)[4]) {
 #pragma unroll
     for (int t = 0; t < TL; ++t) { a[t].w = __ldg(q.w + t * q.tw + 32 * i); a[t].s = __ldg(q.s + t * q.ts + 8 * i); }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[nt][j] = __ldg(q.x[nt] + 16 * i + 4 * j);
+        for (int j = 0; j < 4; ++j) b[nt][j] = CG ? __ldcg(q.x[nt] + 16 * i + 4 * j) : __ldg(q.x[nt] + 16 * i + 4 * j);
 }
 
 // acc += scale * (q . x) for one group of a 16-row tile; acc[nt] = (row g: tokens 2c, 2c+1; row g+8: same)
@@ -164,13 +165,13 @@ __device__ __forceinline__ void advance(Walk<NT, TL>& q, int groups) {
 }
 
 // acc[t] += scale * (q . x) over the next n groups of the walk, U groups' loads in flight at a time
-template <int NT, int TL, int U>
+template <int NT, int TL, int U, bool CG = false>
 __device__ __forceinline__ void kloop(float (*acc)[NT][4], Walk<NT, TL> q, int n) {
     for (; n >= U; n -= U) {
         AFrag a[U][TL];
         uint32_t b[U][NT][4];
 #pragma unroll
-        for (int u = 0; u < U; ++u) load_group<NT, TL>(q, u, a[u], b[u]);
+        for (int u = 0; u < U; ++u) load_group<NT, TL, CG>(q, u, a[u], b[u]);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -180,7 +181,7 @@ __device__ __forceinline__ void kloop(float (*acc)[NT][4], Walk<NT, TL> q, int n
     for (; n > 0; --n) {
         AFrag a[TL];
         uint32_t b[NT][4];
-        load_group<NT, TL>(q, 0, a, b);
+        load_group<NT, TL, CG>(q, 0, a, b);
 #pragma unroll
         for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[t], b);
         advance<NT, TL>(q, 1);
@@ -212,6 +213,46 @@ __device__ __forceinline__ void tile_walk(Walk<NT, TL>& q, const int32_t* wr, co
     q.ts = step * G * 8;
 }
 
+// gate+up of one expert's pairs [p0, p1) for intermediate features 16 ftile .. + 15 (pair_tok: global or shared)
+template <int NT, int U>
+__device__ __forceinline__ void gate_up_tile(float (*red)[2][NT][128], const uint16_t* __restrict__ x,
+                                             const int32_t* pair_tok, int p0, int p1, const int32_t* __restrict__ w13r,
+                                             const uint16_t* __restrict__ s13r, int e, int ftile, int D, int I,
+                                             uint16_t* __restrict__ h) {
+    const int warp = threadIdx.x >> 5;
+    const int G = D / 32, tiles = 2 * I / 16;
+    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
+    const size_t tg = (size_t)e * tiles + ftile;
+    for (int pc = p0; pc < p1; pc += 8 * NT) {
+        Walk<NT, 2> q;
+        tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows, then (t = 1) the same features' up rows
+        pass_rows(q, x, D, pair_tok, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U>(acc, q, ge - gb);
+        gate_up_store<NT>(red, acc[0], acc[1], pc, p1, 16 * ftile, I, h);
+    }
+}
+
+// down + combine of one expert's pairs [p0, p1) (workspace rows p) for outputs 32 dpair .. + 31
+template <int NT, int U, bool CG>
+__device__ __forceinline__ void down_tile(float (*red)[2][NT][128], const uint16_t* h, const int32_t* pair_tok,
+                                          const float* pair_w, int p0, int p1, const int32_t* __restrict__ w2r,
+                                          const uint16_t* __restrict__ s2r, int e, int dpair, int D, int I,
+                                          float* __restrict__ out) {
+    const int warp = threadIdx.x >> 5;
+    const int G = I / 32;
+    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
+    const size_t t0 = (size_t)e * (D / 16) + 2 * dpair;
+    for (int pc = p0; pc < p1; pc += 8 * NT) {
+        Walk<NT, 2> q;
+        tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs 32 dpair .. + 15, then (t = 1) the next 16
+        pass_rows(q, h, I, nullptr, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U, CG>(acc, q, ge - gb);
+        down_store<NT>(red, acc, pc, p1, 32 * dpair, D, pair_tok, pair_w, out);
+    }
+}
+
 template <int NT, int U>
 __device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok,
                                              const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active,
@@ -220,18 +261,7 @@ __device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, con
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
-    const int G = D / 32, tiles = 2 * I / 16;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t tg = (size_t)e * tiles + blockIdx.x;
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        Walk<NT, 2> q;
-        tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows f0..f0+15, then (t = 1) the same features' up rows
-        pass_rows(q, x, D, pair_tok, pc, p1, gb);
-        float acc[2][NT][4] = {};
-        kloop<NT, 2, U>(acc, q, ge - gb);
-        gate_up_store<NT>(red, acc[0], acc[1], pc, p1, f0, I, h);
-    }
+    gate_up_tile<NT, U>(red, x, pair_tok, p0, p1, w13r, s13r, e, blockIdx.x, D, I, h);
 }
 
 template <int NT, int U>
@@ -242,18 +272,7 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 32, warp = threadIdx.x >> 5;
-    const int G = I / 32;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t t0 = (size_t)e * (D / 16) + 2 * blockIdx.x;
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        Walk<NT, 2> q;
-        tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs d0..d0+15, then (t = 1) d0+16..d0+31
-        pass_rows(q, h, I, nullptr, pc, p1, gb);
-        float acc[2][NT][4] = {};
-        kloop<NT, 2, U>(acc, q, ge - gb);
-        down_store<NT>(red, acc, pc, p1, d0, D, pair_tok, pair_w, out);
-    }
+    down_tile<NT, U, false>(red, h, pair_tok, pair_w, p0, p1, w2r, s2r, e, blockIdx.x, D, I, out);
 }
 
 #define MOE_GEMMS(SUFFIX, NT, U, UD, MINB)                                                                                      \
@@ -347,3 +366,114 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
     int32_t* expert_off, int32_t* active) {
     moe_group_impl<int64_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
 }
+
+// ------------------------------------------------------------------------------------ fused small-batch path
+// moe_fused_t8_{i32,i64}   grid: a persistent grid (kernels: 3 blocks per SM), block 256, static smem ~9 KB
+//   The whole routed-expert call for at most FUSED_MAX_PAIRS pairs (decode, short chains) in ONE launch: each
+//   block groups the pairs itself in shared memory (ids outside [0, E) dropped), then takes work items from a
+//   ticket counter in this order: Z items that zero `out`, S * I/16 gate+up items (slot-major), S * D/32 down
+//   items (slot-major). A down item of slot s waits (one thread spins) until the I/16 gate+up items of s and
+//   the Z zeroing items are done. Tickets are handed out in order and a gate+up or zeroing item never waits,
+//   so every item a down item waits on belongs to a running block: no deadlock, whatever the grid size.
+//   x bf16 [T, D]; ids int32 [P]; w float [P] (pair p = token p / k); h bf16 [P, I] workspace (row = the
+//   pair's rank in expert order); out float [T, D] (written whole: zeroed, then accumulated with fp32 atomics).
+//   sync int32 [4 + FUSED_MAX_PAIRS]: ticket, exits, zeroed, done[slot]; all zero between calls (the last
+//   block to exit resets them; the wrapper allocates them zeroed once per device).
+#define FUSED_MAX_PAIRS 64
+#define ZERO_CHUNK 4096  // floats of `out` per zeroing item
+
+__device__ __forceinline__ int ld_acquire(const int32_t* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <typename Id, int UG, int UD>
+__device__ __forceinline__ void moe_fused_impl(
+    const uint16_t* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E,
+    const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, const int32_t* __restrict__ w2r,
+    const uint16_t* __restrict__ s2r, int D, int I, int T, uint16_t* h, float* out, int32_t* sync) {
+    __shared__ float red[WARPS][2][1][128];
+    __shared__ int32_t tok[FUSED_MAX_PAIRS], key[FUSED_MAX_PAIRS], exp_of[FUSED_MAX_PAIRS];
+    __shared__ float pw[FUSED_MAX_PAIRS];
+    __shared__ int32_t slot_off[FUSED_MAX_PAIRS + 1], slot_exp[FUSED_MAX_PAIRS];
+    __shared__ int32_t n_slots, ticket;
+    const int tid = threadIdx.x;
+    int32_t* const next = sync;        // [0] the next ticket
+    int32_t* const exits = sync + 1;   // [1] blocks done with the loop
+    int32_t* const zeroed = sync + 2;  // [2] zeroing items done
+    int32_t* const done = sync + 4;    // [4 + s] gate+up items of slot s done
+    if (tid == 0) ticket = atomicAdd(next, 1);
+    // group: rank of pair p = number of pairs with a smaller (expert, p) key; dropped ids sort last
+    for (int p = tid; p < P; p += blockDim.x) {
+        const long long e = (long long)ids[p];
+        key[p] = (e >= 0 && e < E ? (int)e : E) * FUSED_MAX_PAIRS + p;
+    }
+    __syncthreads();
+    for (int p = tid; p < P; p += blockDim.x) {
+        const int kp = key[p];
+        int r = 0;
+        for (int q = 0; q < P; ++q) r += key[q] < kp;
+        tok[r] = p / k;
+        pw[r] = w[p];
+        exp_of[r] = kp / FUSED_MAX_PAIRS;  // E for a dropped pair
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int s = 0;
+        for (int r = 0; r < P && exp_of[r] < E; ++r)
+            if (r == 0 || exp_of[r] != exp_of[r - 1]) { slot_off[s] = r; slot_exp[s] = exp_of[r]; ++s; }
+        int valid = 0;
+        while (valid < P && exp_of[valid] < E) ++valid;
+        slot_off[s] = valid;
+        n_slots = s;
+    }
+    __syncthreads();
+    const int S = n_slots, FT = I / 16, DT = D / 32;
+    const int Z = (T * D + ZERO_CHUNK - 1) / ZERO_CHUNK;
+    const int total = Z + S * (FT + DT);
+    int item = ticket;
+    while (item < total) {
+        __syncthreads();  // every thread has read `ticket` (and the last item's shared memory is free)
+        if (tid == 0) ticket = atomicAdd(next, 1);  // the next item's ticket, fetched while this one runs
+        if (item < Z) {
+            float4* o = reinterpret_cast<float4*>(out) + (size_t)item * (ZERO_CHUNK / 4);
+            const int n4 = min(ZERO_CHUNK, T * D - item * ZERO_CHUNK) / 4;
+            for (int i = tid; i < n4; i += blockDim.x) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            __syncthreads();
+            if (tid == 0) { __threadfence(); atomicAdd(zeroed, 1); }
+        } else if (item < Z + S * FT) {
+            const int s = (item - Z) / FT, ft = (item - Z) % FT;
+            gate_up_tile<1, UG>(red, x, tok, slot_off[s], slot_off[s + 1], w13r, s13r, slot_exp[s], ft, D, I, h);
+            if (tid == 0) { __threadfence(); atomicAdd(done + s, 1); }  // gate_up_store ends with a barrier
+        } else {
+            const int s = (item - Z - S * FT) / DT, dp = (item - Z - S * FT) % DT;
+            if (tid == 0) {
+                while (ld_acquire(done + s) < FT || ld_acquire(zeroed) < Z) __nanosleep(64);
+            }
+            __syncthreads();
+            down_tile<1, UD, true>(red, h, tok, pw, slot_off[s], slot_off[s + 1], w2r, s2r, slot_exp[s], dp, D, I,
+                                  out);
+        }
+        __syncthreads();
+        item = ticket;
+    }
+    if (tid == 0 && atomicAdd(exits, 1) == (int)gridDim.x - 1) {  // the last block out resets the counters
+        *next = 0;
+        *zeroed = 0;
+        for (int s = 0; s < FUSED_MAX_PAIRS; ++s) done[s] = 0;
+        __threadfence();
+        *exits = 0;
+    }
+}
+
+#define MOE_FUSED(SUFFIX, Id, UG, UD)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_fused_t8_##SUFFIX(                                       \
+        const uint16_t* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E, \
+        const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, const int32_t* __restrict__ w2r,         \
+        const uint16_t* __restrict__ s2r, int D, int I, int T, uint16_t* h, float* out, int32_t* sync) {             \
+        moe_fused_impl<Id, UG, UD>(x, ids, w, P, k, E, w13r, s13r, w2r, s2r, D, I, T, h, out, sync);                 \
+    }
+// groups in flight 3 / 3: at 4 the gate+up items spill (80 registers for three blocks per SM)
+MOE_FUSED(i32, int32_t, 3, 3)
+MOE_FUSED(i64, int64_t, 3, 3)
