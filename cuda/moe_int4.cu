@@ -378,7 +378,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
 //   x bf16 [T, D]; ids int32 [P]; w float [P] (pair p = token p / k); h bf16 [P, I] workspace (row = the
 //   pair's rank in expert order); out float [T, D] (written whole: zeroed, then accumulated with fp32 atomics).
 //   sync int32 [4 + FUSED_MAX_PAIRS]: ticket, exits, zeroed, done[slot]; all zero between calls (the last
-//   block to exit resets them; the wrapper allocates them zeroed once per device).
+//   block to exit resets them; the wrapper allocates them zeroed once per stream, or per captured graph).
+//   One call in flight per sync buffer. P <= FUSED_MAX_PAIRS (checked by kdtree.kernels).
 #define FUSED_MAX_PAIRS 64
 #define ZERO_CHUNK 4096  // floats of `out` per zeroing item
 
@@ -458,6 +459,7 @@ __device__ __forceinline__ void moe_fused_impl(
         __syncthreads();
         item = ticket;
     }
+    if (tid == 0) __threadfence();  // this block's counter updates (a zeroing item's too) before its exit
     if (tid == 0 && atomicAdd(exits, 1) == (int)gridDim.x - 1) {  // the last block out resets the counters
         *next = 0;
         *zeroed = 0;

@@ -425,14 +425,15 @@ _FUSED_SYNC: dict = {}     # (device, stream) -> int32 [4 + FUSED_MAX_PAIRS] cou
 
 
 def _fused_sync(dev: torch.device) -> torch.Tensor:
-    """The fused kernel's counters for the current stream of `dev`, allocated zeroed on first use (the kernel
-    leaves them zero). Calls on one stream run in order, so one buffer per stream is never shared."""
-    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream)
+    """The fused kernel's counters for the stream it launches on (the current one), zero before each call (the
+    kernel's last block resets them). Outside graph capture: one buffer per stream, allocated zeroed on first
+    use; calls on one stream run in order, so it is never shared by two calls in flight. Inside a capture: a
+    buffer of the graph's own (its zero fill is recorded too), so graphs replayed on other streams never share."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(4 + FUSED_MAX_PAIRS, dtype=torch.int32, device=dev)
+    key = (dev.index, torch.cuda.current_stream().cuda_stream)
     buf = _FUSED_SYNC.get(key)
     if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_int4(fused=True): call it once on this stream before capturing a CUDA graph "
-                               "(its counters are allocated on the first call)")
         buf = _FUSED_SYNC[key] = torch.zeros(4 + FUSED_MAX_PAIRS, dtype=torch.int32, device=dev)
     return buf
 

@@ -81,7 +81,7 @@ def test_moe_fused_repeated_calls_int64_ids_and_a_graph():
         _check_golden(out, x, ids, wts, p13, s13, p2, s2)
     x, ids, wts, *_ = _case(p, seed=200)
     xs, ids_s, w_s = x.cuda(), ids.cuda(), wts.cuda()
-    kernels.moe_int4(xs, ids_s, w_s, mw, fused=True)  # counters allocated before the capture
+    kernels.moe_int4(xs, ids_s, w_s, mw, fused=True)  # the module loaded before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=True, check_values=False)
@@ -91,6 +91,8 @@ def test_moe_fused_repeated_calls_int64_ids_and_a_graph():
         out.fill_(float("nan"))
         g.replay()
         _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+    x, ids, wts, *_ = _case(p, seed=203)  # eager calls keep working after the replays
+    _check_golden(kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=True), x, ids, wts, p13, s13, p2, s2)
 
 
 def test_moe_fused_drops_ids_outside_the_experts_like_the_grouped_path():
