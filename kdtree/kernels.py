@@ -127,13 +127,18 @@ def _need(name: str, t, dtypes, ndim=None, shape=None, contiguous=True) -> None:
 
 
 def _on_one_gpu(**tensors) -> None:
-    """After the static checks: every tensor on the same CUDA device."""
+    """After the static checks: every tensor on the same CUDA device, the current one (kernels launch on the
+    current device's current stream)."""
     for k, v in tensors.items():
         if v.device.type != "cuda":
             raise ValueError(f"{k}: expected a CUDA tensor, got device {v.device}")
     devs = {k: v.device for k, v in tensors.items()}
     if len(set(devs.values())) > 1:
         raise ValueError(f"tensors on different devices: {devs}")
+    dev, cur = next(iter(devs.values())), torch.cuda.current_device()
+    if dev.index != cur:
+        raise ValueError(f"tensors on {dev} but the current CUDA device is cuda:{cur}: call under "
+                         f"torch.cuda.device({dev.index}) (or torch.cuda.set_device)")
 
 
 def _check_budget(budget) -> int:

@@ -187,3 +187,20 @@ def test_gpu_bad_values_rejected_before_launch():
     with pytest.raises(ValueError, match="seq_len"):
         kernels.verify_attn(q, cache, torch.tensor([[0, 1]], dtype=torch.int32).cuda(),
                             torch.tensor([1], dtype=torch.int32).cuda(), m, 0.1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the nvidia-h200-x2 kind)")
+def test_kernels_run_on_the_current_device_and_name_a_mismatch():
+    """A second GPU: the kernels run there under torch.cuda.device(1) (modules load per device), and a call
+    whose tensors sit on another device than the current one is refused with both devices named."""
+    from kdtree import kernels
+    rng = np.random.default_rng(12)
+    t, x = _logits(rng, 2, 3, 5000, torch.bfloat16)
+    gt, gl = golden.topk_logprobs(x.reshape(6, 5000), 16)
+    with torch.cuda.device(1):
+        tok, lp = kernels.topk_logprobs(t.to("cuda:1").reshape(6, 5000), 16)
+        assert tok.device.index == 1
+        np.testing.assert_array_equal(tok.cpu().numpy(), gt)
+        np.testing.assert_array_equal(lp.cpu().numpy(), gl)
+    with torch.cuda.device(0), pytest.raises(ValueError, match=r"tensors on cuda:1 but the current CUDA device is cuda:0"):
+        kernels.topk_logprobs(t.to("cuda:1").reshape(6, 5000), 16)
