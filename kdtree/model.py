@@ -335,8 +335,8 @@ class KVCache:
         self.block = None
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"truncate length={length}: expected in [0, {self.length}]")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"truncate length={length!r}: expected an int in [0, {self.length}]")
         self.length, self.block = length, None
 
 
@@ -445,10 +445,17 @@ class Transformer(nn.Module):
     """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or `kdtree.weights.load`."""
 
     def quantize_experts(self) -> "Transformer":
-        """Every MoE layer's routed experts to the INT4 release format (in place); returns self."""
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.quantize_experts()
+        """Every MoE layer's routed experts to the INT4 release format (in place); returns self. All layers are
+        quantized before any is replaced, so a failure (non-finite weights) names its layer and changes nothing."""
+        new = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, Int4Experts):
+                try:
+                    new[i] = Int4Experts.from_mlps(layer.mlp.experts)
+                except ValueError as e:
+                    raise ValueError(f"quantize_experts: layer {i}: {e}") from e
+        for i, ex in new.items():
+            self.model.layers[i].mlp.experts = ex
         return self
 
     def __init__(self, args: ModelArgs, attn_impl: str = "absorb"):

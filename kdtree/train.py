@@ -342,7 +342,7 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
     per token, the histogram of tokens per round (accept_hist[i] = rounds that emitted i + 1 tokens), seconds
     per stage (GenerationResult.stage_times summed), and at T = 0 whether every output equals AR's token for token. Each mode first runs once untimed
 (kernel compilation, first allocations). Returns {"rows": [...],
-    "targets": [...]} with the issue's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
+    "targets": [...]} with the lab's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
     1.3x the DFlash chain at T = 0, lossless throughout."""
     from .decode import generate_ar, generate_ddtree, generate_dflash
     cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
