@@ -96,3 +96,57 @@ def test_golden_moe_int4_drops_ids_outside_the_experts():
                 want[t] += golden.moe_int4(x[t:t + 1], ids[t:t + 1, j:j + 1], w[t:t + 1, j:j + 1], *args)[0]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert np.abs(got[1]).max() > 0
+
+
+def test_drafter_sessions_check_their_calls():
+    from kdtree.config import TINY_B
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    t = build_model(TINY_B, seed=3)
+    d = build_drafter(t, block_size=4)
+    for bad in (0, -1, "x", True):
+        with pytest.raises(ValueError, match="max_len="):
+            d.session(bad)
+    s = d.session(8)
+    with pytest.raises(RuntimeError, match="call start"):
+        s.propose([1, 2])
+    with pytest.raises(RuntimeError, match="call start"):
+        s.accept(torch.zeros(1, d.fc.in_features))
+    s.start([1, 2, 3], torch.randn(3, d.fc.in_features))
+    with pytest.raises(ValueError, match=r"features: 6 more positions overflow the session \(3 of max_len 8\)"):
+        s.accept(torch.randn(6, d.fc.in_features))
+    assert s.length == 3
+    with pytest.raises(ValueError, match="committed: expected"):
+        s.propose([1, TINY_B.vocab_size])
+    assert s.propose([1, 2, 3]).shape == (3, TINY_B.vocab_size)
+
+
+def test_train_config_rejects_settings_that_train_wrong():
+    from kdtree.train import TrainConfig
+    for kw, msg in ((dict(grad_clip=-1.0), "grad_clip=-1.0"), (dict(grad_clip=0.0), "grad_clip=0.0"),
+                    (dict(weight_decay=float("nan")), "weight_decay=nan"), (dict(bias_update=-1e-3), "bias_update"),
+                    (dict(warmup=-5), "warmup=-5")):
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw)
+    assert TrainConfig(warmup=0).warmup == 0
+
+
+def test_a_cache_for_another_model_is_refused():
+    m, other = _model(), _model(num_hidden_layers=2)
+    cache = other.new_cache(16)
+    with pytest.raises(ValueError, match=r"cache: 2 layers of width \d+, the model needs \d+ of width"):
+        m(torch.tensor([[1, 2]]), cache)
+    assert cache.length == 0
+
+
+def test_int4_experts_check_dtypes_and_sizes():
+    from kdtree.model import Int4Experts
+    from kdtree.quant import QuantFormatError
+    ok = Int4Experts.random(4, 64, 32, seed=0)
+    parts = [ok.w13_packed, ok.w13_scale, ok.w2_packed, ok.w2_scale]
+    with pytest.raises(QuantFormatError, match="w13_packed: expected a tensor of torch.int32, got torch.float32"):
+        Int4Experts(parts[0].float(), *parts[1:])
+    with pytest.raises(QuantFormatError, match="w2_scale: expected a tensor of"):
+        Int4Experts(*parts[:3], parts[3].to(torch.int32))
+    with pytest.raises(QuantFormatError, match="E > 0"):
+        Int4Experts(parts[0][:0], parts[1][:0], parts[2][:0], parts[3][:0])
