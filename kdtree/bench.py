@@ -2,7 +2,8 @@
 the INT4 MoE experts vs a bf16 baseline, and one decoder layer's verify cost vs tree size (also on a CPU, at
 small shapes, for the notebooks' smoke runs).
 
-    python -m kdtree bench [--out DIR] [--quick]
+    python -m kdtree bench [--out DIR] [--quick]   # the tree round, verify_attn and the two ceilings;
+                                                   # the MoE and layer benchmarks run from notebook 01
 
 Every speed claim is a ratio to a baseline measured in the same run: GPU times are medians of CUDA-event
 timed repeats after warm-up (CUDA-graph replays for the tree round, whose launches are tiny), inputs
@@ -356,8 +357,8 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
               repeats: int = 20, bandwidth: float | None = None, progress: bool = True, seed: int = 0) -> list[dict]:
     """Routed INT4 experts at the config's shape (hidden, moe_intermediate, experts, top-k), routing from a
     random router (the model's Gate): the moe_int4 kernel on a GPU, pair grouping included, timed as CUDA-graph
-    replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the issue
-    defines it (dequantize, then grouped matmul) and with the experts already held in bf16, and the floor
+    replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the
+    lab's goal defines it (dequantize, then grouped matmul) and with the experts already held in bf16, and the floor
     (bytes of the distinct experts touched over `bandwidth`)."""
     from .config import load_config
     from .model import Gate, Int4Experts

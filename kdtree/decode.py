@@ -74,8 +74,16 @@ class _Clock:
 
 
 def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: int) -> list[int]:
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.flatten().tolist()
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        t = torch.as_tensor(prompt)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
+                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
+            raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        prompt = t.flatten().tolist()
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+        bad = next(t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)))
+        raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("prompt: expected at least one token")
@@ -92,11 +100,22 @@ def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: in
     return prompt
 
 
+def _check_finite(logits: torch.Tensor) -> None:
+    """Target logits [N, V] must be finite (a host sync: called where the round syncs anyway)."""
+    ok = torch.isfinite(logits).all(dim=-1)
+    if not bool(ok.all()):
+        rows = torch.nonzero(~ok).flatten().tolist()
+        raise ValueError(f"target logits: NaN or inf in verify row(s) {rows[:8]}: the target's weights or inputs "
+                         "are not finite")
+
+
 def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
     """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T), drawn on
-    the logits' device with `gen` (a generator of that device: no copy of an [N, V] block to the host)."""
+    the logits' device with `gen` (a generator of that device: no copy of an [N, V] block to the host).
+    Sampling checks the logits first (NaN would reach the sampler); at T = 0 callers check after their sync."""
     if temperature == 0:
         return logits.argmax(-1)
+    _check_finite(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=gen).flatten()
 
@@ -134,6 +153,8 @@ def generate_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(),
     while True:
         with clock("commit"):
             tok = int(_choose(logits, temperature, gen)[-1])
+            if temperature == 0:
+                _check_finite(logits)
         if _finish(res.tokens, [tok], max_new_tokens, stop):
             break
         with clock("verify"):
@@ -154,6 +175,14 @@ def _check_backend(backend: str, model: Transformer) -> str:
     if backend == "kernel" and model.device.type != "cuda":
         raise ValueError("backend='kernel' needs the model on a CUDA device")
     return backend
+
+
+def _check_drafter(model: Transformer, drafter) -> None:
+    if not (hasattr(drafter, "session") and hasattr(drafter, "block_size")):
+        raise ValueError(f"drafter: expected a drafter (block_size, session()), got {type(drafter).__name__}")
+    dv = getattr(getattr(drafter, "args", None), "vocab_size", getattr(drafter, "vocab_size", None))
+    if dv is not None and dv != model.args.vocab_size:
+        raise ValueError(f"drafter: vocabulary {dv} differs from the target's {model.args.vocab_size}")
 
 
 def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
@@ -180,6 +209,8 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
     with clock("prefill"):
         out = model(torch.tensor([prompt], device=model.device), cache, hidden_layers=layers)
         first = int(_choose(out.logits[0, -1:], temperature, gen)[0])
+        if temperature == 0:
+            _check_finite(out.logits[0, -1:])
         session.start(prompt, features(out))
     res.target_forwards += 1
     committed = prompt + [first]
@@ -212,6 +243,8 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
             choice = _choose(out.logits[0], temperature, gen)[None]
             acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
             n_acc = int(acc_len[0])  # the round's one device-to-host read: how many rows were accepted
+            if temperature == 0:
+                _check_finite(out.logits[0])
             rows = acc[0, :n_acc].long()
             new = toks[0, rows[1:]].tolist() + [int(bonus[0])]
             cache.compact_rows(acc, n_acc)
@@ -236,6 +269,8 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
         res.target_forwards += 1
         with clock("commit"):
             choice = _choose(out.logits[0], temperature, gen).cpu().numpy()
+            if temperature == 0:
+                _check_finite(out.logits[0])
             accepted, bonus = golden.walk(vb.tokens, vb.parents, choice)
             cache.compact(torch.from_numpy(accepted))
             rows = torch.from_numpy(accepted).to(model.device)
@@ -254,6 +289,7 @@ def generate_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, st
                     temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
     """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round.
     backend "golden": tree steps in numpy; "kernel": walk and compaction on the GPU (kdtree.kernels)."""
+    _check_drafter(model, drafter)
     return _speculate(model, drafter, prompt, max_new_tokens, golden.chain_tree, "dflash",
                       drafter.block_size, stop_tokens, temperature, seed, backend)
 
@@ -264,6 +300,7 @@ def generate_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, bu
     backend "golden": build/compile/walk in numpy (golden.py); "kernel": the whole round on the GPU
     (kernels.tree_build, the model's verify forward, kernels.tree_walk, kernels.kv_compact); the verify
     block then always has budget + 1 rows (padding rows see only themselves and are never accepted)."""
+    _check_drafter(model, drafter)
     budget = golden._check_budget(budget)
     if backend == "kernel" and budget > 1024:
         raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")

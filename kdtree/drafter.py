@@ -232,10 +232,13 @@ class DFlashSession:
     """Per-request drafting state: the cached context keys/values of every drafter layer."""
 
     def __init__(self, drafter: DFlashDrafter, max_len: int):
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
+            raise ValueError(f"max_len={max_len!r}: expected a positive int")
         self.d, self.max_len = drafter, max_len
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.length = 0
+        self.started = False
 
     @torch.no_grad()
     def start(self, prompt_tokens, features: torch.Tensor) -> None:
@@ -245,14 +248,20 @@ class DFlashSession:
         self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.d.layers]
         self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in self.d.layers]
         self.length = 0
+        self.started = True
         self.accept(features)
 
     @torch.no_grad()
     def accept(self, features: torch.Tensor) -> None:
         """features [k, F] for the next k context positions."""
+        if not self.started:
+            raise RuntimeError("DFlashSession.accept: call start(prompt_tokens, features) first")
         if features.dim() != 2 or features.shape[1] != self.d.fc.in_features:
             raise ValueError(f"features: expected [k, {self.d.fc.in_features}], got {tuple(features.shape)}")
         k = features.shape[0]
+        if self.length + k > self.max_len:
+            raise ValueError(f"features: {k} more positions overflow the session ({self.length} of max_len "
+                             f"{self.max_len})")
         if k == 0:
             return
         ctx = self.d.project_context(features[None].to(self.d.fc.weight.dtype))  # [1, k, D]
@@ -268,6 +277,10 @@ class DFlashSession:
     def propose(self, committed) -> torch.Tensor:
         """Draft logits [L, V] for the L tokens after committed[-1] (at position len(committed) - 1)."""
         a = self.d.args
+        if not self.started:
+            raise RuntimeError("DFlashSession.propose: call start(prompt_tokens, features) first")
+        if len(committed) == 0 or not 0 <= int(committed[-1]) < a.vocab_size:
+            raise ValueError(f"committed: expected a non-empty list ending in a token id in [0, {a.vocab_size})")
         root_pos = len(committed) - 1
         dev = self.d.fc.weight.device
         block = torch.full((1, a.block_size), a.mask_token_id, dtype=torch.int64, device=dev)

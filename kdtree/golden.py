@@ -1,4 +1,4 @@
-"""Numpy golden references: each function is the contract of a (later) CUDA kernel.
+"""Numpy golden references: each function is the contract of a CUDA kernel in cuda/.
 
 Trees
 -----
@@ -332,14 +332,18 @@ def moe_int4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_sca
 
     x [T, D]; topk_ids [T, k] expert ids; topk_weights [T, k]; w13 [E, 2I, D/8] packed (+ [E, 2I, D/32]
     scales; rows [0, I) gate, [I, 2I) up); w2 [E, D, I/8] packed (+ [E, D, I/32] scales).
-    Returns [T, D] = sum_j topk_weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]."""
+    Returns [T, D] = sum_j topk_weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j];
+    pairs with an id outside [0, E) are dropped (expert parallelism marks another rank's experts -1)."""
     x = np.asarray(x, np.float64)
     ids = np.asarray(topk_ids)
     wts = np.asarray(topk_weights, np.float64)
     T, D = x.shape
     I = np.asarray(w13_packed).shape[1] // 2
     out = np.zeros((T, D))
+    E = np.asarray(w13_packed).shape[0]
     for e in np.unique(ids):
+        if not 0 <= e < E:
+            continue
         w13 = dequant_int4(w13_packed[e], w13_scale[e])
         w2 = dequant_int4(w2_packed[e], w2_scale[e])
         t, j = np.nonzero(ids == e)

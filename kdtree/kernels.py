@@ -26,7 +26,7 @@ import torch
 MAX_BUDGET = 1024
 MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
-MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's shared memory
+MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's registers (1024 x 16)
 MAX_CHUNK = 16384           # topk_partial holds a chunk in registers: 512 threads x 32 keys
 PAGE_SIZE = 64
 D_QK, D_V = 576, 512
@@ -170,7 +170,7 @@ def _chunking(R: int, V: int, K: int, sms: int = 132) -> tuple[int, int]:
 
 def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
     """logits [R, V] (or [..., V]) bf16/fp32 -> (tokens int32 [R, k'], logprobs fp32 [R, k']), k' = min(k, V);
-    sorted by log-probability descending, then token ascending (golden.topk_logprobs)."""
+    sorted by logit descending (so by log-probability), then token ascending (golden.topk_logprobs)."""
     _need("logits", logits, (torch.float32, torch.bfloat16))
     if logits.dim() < 2 or logits.shape[-1] == 0 or logits.numel() == 0:
         raise ValueError(f"logits: expected a non-empty [..., V] tensor, got shape {tuple(logits.shape)}")
@@ -194,12 +194,11 @@ def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
     out_lp = _empty(R, K, dtype=torch.float32, device=dev)
     name = "topk_partial_bf16" if x.dtype == torch.bfloat16 else "topk_partial_f32"
     _launch("tree_build", name, (nch, R), (512,),
-            (_p(x), _i(V), _i(K), _i(chunk), _p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum)),
-            smem=chunk * 4)
+            (_p(x), _i(V), _i(K), _i(chunk), _p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum)))
     Kp = 1 << max(0, math.ceil(math.log2(K)))
     _launch("tree_build", "topk_merge", (R,), (1024,),
             (_p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum), _i(nch), _i(K), _i(Kp), _p(out_tok),
-             _p(out_lp)), smem=nch * K * 8)
+             _p(out_lp)))  # both top-K kernels use static shared memory only
     return out_tok, out_lp
 
 

@@ -142,6 +142,16 @@ class Int4Experts(nn.Module):
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale):
         super().__init__()
         from .quant import QuantFormatError
+        for name, t, kinds in (("w13_packed", w13_packed, (torch.int32,)), ("w2_packed", w2_packed, (torch.int32,)),
+                               ("w13_scale", w13_scale, (torch.bfloat16, torch.float16, torch.float32)),
+                               ("w2_scale", w2_scale, (torch.bfloat16, torch.float16, torch.float32))):
+            if not isinstance(t, torch.Tensor) or t.dtype not in kinds:
+                raise QuantFormatError(f"{name}: expected a tensor of {' or '.join(map(str, kinds))}, got "
+                                       f"{getattr(t, 'dtype', type(t).__name__)}")
+        if w13_packed.dim() != 3 or 0 in w13_packed.shape or (w13_packed.shape[1] // 2) % 32 or w13_packed.shape[1] % 2 \
+                or w13_packed.shape[2] % 4:
+            raise QuantFormatError(f"w13_packed: expected int32 [E, 2I, D/8] with E > 0 and I, D multiples of 32, got "
+                                   f"{tuple(w13_packed.shape)}")
         E, I2, D8 = w13_packed.shape
         want = {"w13_scale": (E, I2, D8 * 8 // 32), "w2_packed": (E, D8 * 8, I2 // 2 // 8),
                 "w2_scale": (E, D8 * 8, I2 // 2 // 32)}
@@ -335,8 +345,8 @@ class KVCache:
         self.block = None
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"truncate length={length}: expected in [0, {self.length}]")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"truncate length={length!r}: expected an int in [0, {self.length}]")
         self.length, self.block = length, None
 
 
@@ -445,10 +455,17 @@ class Transformer(nn.Module):
     """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or `kdtree.weights.load`."""
 
     def quantize_experts(self) -> "Transformer":
-        """Every MoE layer's routed experts to the INT4 release format (in place); returns self."""
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.quantize_experts()
+        """Every MoE layer's routed experts to the INT4 release format (in place); returns self. All layers are
+        quantized before any is replaced, so a failure (non-finite weights) names its layer and changes nothing."""
+        new = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, Int4Experts):
+                try:
+                    new[i] = Int4Experts.from_mlps(layer.mlp.experts)
+                except ValueError as e:
+                    raise ValueError(f"quantize_experts: layer {i}: {e}") from e
+        for i, ex in new.items():
+            self.model.layers[i].mlp.experts = ex
         return self
 
     def __init__(self, args: ModelArgs, attn_impl: str = "absorb"):
@@ -512,6 +529,12 @@ class Transformer(nn.Module):
                 raise TypeError(f"cache: expected a KVCache, got {type(cache).__name__}")
             if cache.batch != B:
                 raise ValueError(f"cache: batch {cache.batch} != tokens batch {B}")
+            a = self.args
+            want = (a.num_hidden_layers, a.kv_lora_rank + a.qk_rope_head_dim)
+            got = (cache.latent.shape[0], cache.latent.shape[-1])
+            if got != want:
+                raise ValueError(f"cache: {got[0]} layers of width {got[1]}, the model needs {want[0]} of width "
+                                 f"{want[1]} (make it with model.new_cache)")
             if cache.latent.device != self.device or cache.latent.dtype != self.cache_dtype:
                 raise ValueError(f"cache: expected {self.cache_dtype} on {self.device}, got {cache.latent.dtype} on "
                                  f"{cache.latent.device} (make it with model.new_cache)")

@@ -16,7 +16,8 @@ max(weight bytes / copy bandwidth, 2 N b V D / matmul rate), both ceilings from 
 between measured node counts (and tree/walk times between measured budgets) are interpolated log-log; up to
 twice the largest measured count they are extrapolated along the last segment and the row says so
 (`extrapolated`); further out, or below the smallest, a row is not projected. per-user tok/s = tau / round time. Everything is one GPU's time for the whole model:
-what a tensor-parallel run divides (and adds communication to) is the subject of the multi-GPU notebook.
+what a tensor-parallel run divides (and adds communication to) is not measured here (`python -m kdtree tp`
+checks sharded correctness only).
 
     rec = json.load(open("outputs/h200/microbench_k26.json"))
     rows = project(rec, {"ar": 1.0, "dflash": 1.5, "ddtree": {64: 2.1, 256: 2.3}}, batch=1, context=4096)

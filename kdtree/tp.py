@@ -81,6 +81,8 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
     for `rank` of `world`; needs an initialised process group for world > 1. Returns the model."""
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"shard: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
+    if getattr(model, "tp", None) is not None:
+        raise ValueError(f"shard: the model is already sharded (rank, world) = {model.tp}: shard an unsharded copy")
     if world == 1:
         return model
     if not dist.is_initialized():
@@ -95,6 +97,10 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
         _split(n_exp, rank, world, f"layer {i} n_routed_experts")
         if mlp.shared_experts is not None:
             _split(mlp.shared_experts.gate_proj.out_features, rank, world, f"layer {i} shared expert intermediate")
+    g_world, g_rank = dist.get_world_size(group), dist.get_rank(group)
+    if (rank, world) != (g_rank, g_world):
+        raise ValueError(f"shard: rank={rank}, world={world} but this process is rank {g_rank} of a group of "
+                         f"{g_world}")
     reduce = _all_reduce_hook(group)
     for i, layer in enumerate(model.model.layers):
         _shard_mla(layer.self_attn, rank, world)
@@ -189,6 +195,8 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
     import torch.multiprocessing as mp
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (one GPU per rank)")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r}: expected an int >= 1")
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are visible")
     with tempfile.TemporaryDirectory() as d:

@@ -63,6 +63,13 @@ class TrainConfig:
             raise ValueError("TrainConfig: expected lr > 0, 0 <= min_lr_ratio <= 1, 0 < depth_decay <= 1")
         if not (math.isfinite(self.soft_weight) and self.soft_weight >= 0):
             raise ValueError(f"TrainConfig.soft_weight={self.soft_weight!r}: expected a finite number >= 0")
+        for name in ("grad_clip", "weight_decay", "bias_update"):  # a negative clip would flip the gradient
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "grad_clip" and v == 0):
+                raise ValueError(f"TrainConfig.{name}={v!r}: expected a finite number "
+                                 f"{'> 0' if name == 'grad_clip' else '>= 0'}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"TrainConfig.warmup={self.warmup!r}: expected an int >= 0")
 
 
 def target_args(vocab_size: int, **kw) -> ModelArgs:
@@ -342,7 +349,7 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
     per token, the histogram of tokens per round (accept_hist[i] = rounds that emitted i + 1 tokens), seconds
     per stage (GenerationResult.stage_times summed), and at T = 0 whether every output equals AR's token for token. Each mode first runs once untimed
 (kernel compilation, first allocations). Returns {"rows": [...],
-    "targets": [...]} with the issue's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
+    "targets": [...]} with the lab's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
     1.3x the DFlash chain at T = 0, lossless throughout."""
     from .decode import generate_ar, generate_ddtree, generate_dflash
     cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]

@@ -155,7 +155,12 @@ def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: 
 def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     """Write config.json + model.safetensors in the hub layout (INT4 routed experts as pack-quantized
     tensors per expert, the way compressed-tensors writes them)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, ...)")
     d = Path(path)
+    if (d / "model.safetensors.index.json").exists():
+        raise ValueError(f"{d}: holds a sharded checkpoint (model.safetensors.index.json), which load() would read "
+                         "instead of the file written here: save into an empty folder")
     d.mkdir(parents=True, exist_ok=True)
     sd = {}
     for k, v in model.state_dict().items():

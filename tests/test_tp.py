@@ -58,10 +58,19 @@ def test_shard_rejects_bad_input():
             tp.shard(q, 0, 8)
         after = q.state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        # shapes that split, but the group has one process: rank/world disagree with it
+        with pytest.raises(ValueError, match="rank=0, world=2 but this process is rank 0 of a group of 1"):
+            tp.shard(build_model(TINY_B, seed=0), 0, 2)
+        r = build_model(TINY_B, seed=0)
+        r.tp = (0, 2)  # as shard leaves a sharded model
+        with pytest.raises(ValueError, match=r"already sharded \(rank, world\) = \(0, 2\)"):
+            tp.shard(r, 0, 2)
     finally:
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="backend='mpi'"):
         tp.dryrun(2, backend="mpi")
+    with pytest.raises(ValueError, match=r"world=0: expected an int >= 1"):
+        tp.dryrun(0)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,152 @@
+"""Bad input at the public entry points: a clear error naming the argument, and no state changed."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import decode, golden, quant, weights
+from kdtree.config import ModelArgs
+from kdtree.drafter import OracleDrafter
+from kdtree.model import Transformer, init_weights
+
+
+def _model(seed=0, **kw):
+    return init_weights(Transformer(ModelArgs(**kw)), seed=seed).eval()
+
+
+def test_prompts_must_be_integer_token_ids():
+    m = _model()
+    for bad, msg in (([1.7, 2.2], r"expected integer token ids, got 1.7"), ([1, True], "got True"),
+                     (torch.tensor([[1, 2], [3, 4]]), r"shape \[T\] or \[1, T\]"),
+                     (torch.tensor([1.0, 2.0]), "torch.float32"), (np.array([1, 2], np.float64), "float64")):
+        with pytest.raises(ValueError, match=msg):
+            decode.generate_ar(m, bad, 3)
+    assert decode.generate_ar(m, np.array([1, 2, 3]), 2).tokens == decode.generate_ar(m, [1, 2, 3], 2).tokens
+
+
+def test_non_finite_target_logits_are_named_at_t0_and_t1():
+    m = _model()
+    with torch.no_grad():
+        m.lm_head.weight[5, 0] = float("nan")
+    for T in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"target logits: NaN or inf in verify row"):
+            decode.generate_ar(m, [1, 2, 3], 4, temperature=T)
+    oracle = OracleDrafter(decode.generate_ar(_model(), [1, 2, 3], 24).tokens, m.args.vocab_size)
+    with pytest.raises(ValueError, match=r"target logits: NaN or inf"):
+        decode.generate_ddtree(m, oracle, [1, 2, 3], 8, budget=8)
+
+
+def test_a_drafter_of_another_vocabulary_is_refused():
+    m = _model()
+    oracle = OracleDrafter([1, 2, 3], m.args.vocab_size + 5)
+    with pytest.raises(ValueError, match=r"drafter: vocabulary 1029 differs from the target's 1024"):
+        decode.generate_ddtree(m, oracle, [1, 2, 3], 4, budget=4)
+    with pytest.raises(ValueError, match=r"drafter: expected a drafter"):
+        decode.generate_dflash(m, None, [1, 2, 3], 4)
+
+
+def test_cache_truncate_takes_an_int_in_range():
+    m = _model()
+    cache = m.new_cache(16)
+    m(torch.tensor([[1, 2, 3, 4]]), cache)
+    for bad in (1.5, True, None, -1, 5):
+        with pytest.raises(ValueError, match="truncate length="):
+            cache.truncate(bad)
+    assert cache.length == 4
+    cache.truncate(2)
+    assert cache.length == 2
+
+
+def test_save_refuses_integer_dtypes_and_a_stale_shard_index(tmp_path):
+    m = _model()
+    with pytest.raises(ValueError, match=r"dtype=torch.int8: expected a floating torch dtype"):
+        weights.save(m, tmp_path / "a", dtype=torch.int8)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds a sharded checkpoint"):
+        weights.save(m, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_quantize_experts_names_the_layer_and_changes_nothing_on_failure():
+    m = _model()
+    moe_layers = [i for i, l in enumerate(m.model.layers) if hasattr(l.mlp, "experts")]
+    last = moe_layers[-1]
+    with torch.no_grad():
+        m.model.layers[last].mlp.experts[0].gate_proj.weight[0, 0] = float("inf")
+    before = [type(m.model.layers[i].mlp.experts).__name__ for i in moe_layers]
+    with pytest.raises(ValueError, match=rf"quantize_experts: layer {last}: "):
+        m.quantize_experts()
+    assert [type(m.model.layers[i].mlp.experts).__name__ for i in moe_layers] == before
+
+
+def test_golden_moe_int4_drops_ids_outside_the_experts():
+    g = torch.Generator().manual_seed(3)
+    E, D, I, T = 4, 64, 32, 3
+    p13, s13 = quant.stack_experts([quant.quantize(torch.randn(2 * I, D, generator=g) / 8) for _ in range(E)])
+    p2, s2 = quant.stack_experts([quant.quantize(torch.randn(D, I, generator=g) / 6) for _ in range(E)])
+    x = torch.randn(T, D, generator=g).numpy()
+    ids = np.array([[0, 2], [1, -1], [3, 4]])
+    w = np.random.default_rng(0).random((T, 2))
+    args = (p13.numpy(), s13.float().numpy(), p2.numpy(), s2.float().numpy())
+    got = golden.moe_int4(x, ids, w, *args)
+    want = np.zeros_like(got)
+    for t in range(T):
+        for j in range(2):
+            if 0 <= ids[t, j] < E:  # one pair at a time
+                want[t] += golden.moe_int4(x[t:t + 1], ids[t:t + 1, j:j + 1], w[t:t + 1, j:j + 1], *args)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.abs(got[1]).max() > 0
+
+
+def test_drafter_sessions_check_their_calls():
+    from kdtree.config import TINY_B
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    t = build_model(TINY_B, seed=3)
+    d = build_drafter(t, block_size=4)
+    for bad in (0, -1, "x", True):
+        with pytest.raises(ValueError, match="max_len="):
+            d.session(bad)
+    s = d.session(8)
+    with pytest.raises(RuntimeError, match="call start"):
+        s.propose([1, 2])
+    with pytest.raises(RuntimeError, match="call start"):
+        s.accept(torch.zeros(1, d.fc.in_features))
+    s.start([1, 2, 3], torch.randn(3, d.fc.in_features))
+    with pytest.raises(ValueError, match=r"features: 6 more positions overflow the session \(3 of max_len 8\)"):
+        s.accept(torch.randn(6, d.fc.in_features))
+    assert s.length == 3
+    with pytest.raises(ValueError, match="committed: expected"):
+        s.propose([1, TINY_B.vocab_size])
+    assert s.propose([1, 2, 3]).shape == (3, TINY_B.vocab_size)
+
+
+def test_train_config_rejects_settings_that_train_wrong():
+    from kdtree.train import TrainConfig
+    for kw, msg in ((dict(grad_clip=-1.0), "grad_clip=-1.0"), (dict(grad_clip=0.0), "grad_clip=0.0"),
+                    (dict(weight_decay=float("nan")), "weight_decay=nan"), (dict(bias_update=-1e-3), "bias_update"),
+                    (dict(warmup=-5), "warmup=-5")):
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw)
+    assert TrainConfig(warmup=0).warmup == 0
+
+
+def test_a_cache_for_another_model_is_refused():
+    m, other = _model(), _model(num_hidden_layers=2)
+    cache = other.new_cache(16)
+    with pytest.raises(ValueError, match=r"cache: 2 layers of width \d+, the model needs \d+ of width"):
+        m(torch.tensor([[1, 2]]), cache)
+    assert cache.length == 0
+
+
+def test_int4_experts_check_dtypes_and_sizes():
+    from kdtree.model import Int4Experts
+    from kdtree.quant import QuantFormatError
+    ok = Int4Experts.random(4, 64, 32, seed=0)
+    parts = [ok.w13_packed, ok.w13_scale, ok.w2_packed, ok.w2_scale]
+    with pytest.raises(QuantFormatError, match="w13_packed: expected a tensor of torch.int32, got torch.float32"):
+        Int4Experts(parts[0].float(), *parts[1:])
+    with pytest.raises(QuantFormatError, match="w2_scale: expected a tensor of"):
+        Int4Experts(*parts[:3], parts[3].to(torch.int32))
+    with pytest.raises(QuantFormatError, match="E > 0"):
+        Int4Experts(parts[0][:0], parts[1][:0], parts[2][:0], parts[3][:0])
