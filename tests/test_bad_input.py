@@ -169,3 +169,12 @@ def test_seed_and_stop_tokens_are_checked():
     with pytest.raises(ValueError, match=r"stop_tokens=\[1.5\]: expected token ids"):
         decode.generate_ar(m, [1, 2], 2, stop_tokens=[1.5])
     assert decode.generate_ar(m, [1, 2], 3, stop_tokens=None).tokens == decode.generate_ar(m, [1, 2], 3).tokens
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    from kdtree.weights import CheckpointError, read_state_dict
+    save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"a": torch.full((2,), 2.0)}, str(tmp_path / "part-2.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor a is in both part-1.safetensors and part-2.safetensors"):
+        read_state_dict(tmp_path)
