@@ -126,6 +126,20 @@ def _check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r}: expected an int >= 0")
+    return int(seed)
+
+
+def _check_stop(stop_tokens) -> set[int]:
+    """stop_tokens: an iterable of token ids (None: none)."""
+    toks = list(stop_tokens) if stop_tokens is not None else []
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks):
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
+    return {int(t) for t in toks}
+
+
 def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:
     """Append `new` to `out` up to max_new and the first stop token; True when generation is over."""
     for t in new:
@@ -140,12 +154,12 @@ def generate_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(),
     """Plain autoregressive decoding: one target forward per token."""
     prompt = _check_prompt(model, prompt, max_new_tokens, 0)
     temperature = _check_temperature(temperature)
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
     res = GenerationResult([], "ar")
     clock = _Clock(res.stage_times, model.device)
     t0 = time.perf_counter()
     cache = model.new_cache(len(prompt) + max_new_tokens)
-    stop = {int(t) for t in stop_tokens}
+    stop = _check_stop(stop_tokens)
     x = torch.tensor([prompt], device=model.device)
     with clock("prefill"):
         logits = model(x, cache, logits_for=[-1]).logits[0]
@@ -191,12 +205,12 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
     backend = _check_backend(backend, model)
     prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
     temperature = _check_temperature(temperature)
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
     layers = tuple(drafter.target_layer_ids)
     res = GenerationResult([], mode)
     clock = _Clock(res.stage_times, model.device)
     t0 = time.perf_counter()
-    stop = {int(t) for t in stop_tokens}
+    stop = _check_stop(stop_tokens)
     cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
     session = drafter.session(cache.max_len)
 

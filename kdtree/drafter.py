@@ -49,6 +49,17 @@ class DrafterArgs:
 
     def __post_init__(self):
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        for name in ("vocab_size", "target_hidden_size", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DrafterArgs.{name}={v!r}: expected a positive int")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"DrafterArgs.{name}={v!r}: expected a finite number > 0")
+        if min(self.target_layer_ids, default=0) < 0:
+            raise ValueError(f"DrafterArgs.target_layer_ids={self.target_layer_ids}: expected layer indices >= 0")
         if not (isinstance(self.block_size, int) and self.block_size >= 2):
             raise ValueError(f"DrafterArgs.block_size={self.block_size!r}: expected an int >= 2")
         if not 0 <= self.mask_token_id < self.vocab_size:

@@ -46,8 +46,14 @@ EXTRAPOLATE = 2.0  # beyond the largest measured x, log-log extrapolation up to 
 
 def loglog(pts, x: float) -> tuple[float | None, bool]:
     """(y at x, extrapolated?) from measured points [(x, y), ...] (x > 0, y > 0), log-log linear between
-    neighbours; past the largest x up to EXTRAPOLATE times it along the last segment; else (None, False)."""
-    pts = sorted(pts)
+    neighbours; past the largest x up to EXTRAPOLATE times it along the last segment; else (None, False).
+    Repeated measurements of one x count as their geometric mean."""
+    by_x: dict = {}
+    for px, py in pts:
+        if not (math.isfinite(px) and math.isfinite(py) and px > 0 and py > 0):
+            raise ValueError(f"loglog: expected points with finite x > 0 and y > 0, got ({px!r}, {py!r})")
+        by_x.setdefault(px, []).append(math.log(py))
+    pts = sorted((px, math.exp(sum(v) / len(v))) for px, v in by_x.items())
     if not pts or x < pts[0][0] or x > pts[-1][0] * EXTRAPOLATE:
         return None, False
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):

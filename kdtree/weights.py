@@ -47,12 +47,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, by name."""
     d = Path(path)
     out: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for f in _tensor_files(d):
         if not f.exists():
             raise CheckpointError(f"load: the index names {f.name}, which is not in {d}")
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
-                out[k] = fh.get_tensor(k)
+                if k in out:
+                    raise CheckpointError(f"load: tensor {k} is in both {where[k]} and {f.name} ({d})")
+                out[k], where[k] = fh.get_tensor(k), f.name
     return out
 
 

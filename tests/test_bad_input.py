@@ -150,3 +150,31 @@ def test_int4_experts_check_dtypes_and_sizes():
         Int4Experts(*parts[:3], parts[3].to(torch.int32))
     with pytest.raises(QuantFormatError, match="E > 0"):
         Int4Experts(parts[0][:0], parts[1][:0], parts[2][:0], parts[3][:0])
+
+
+def test_drafter_args_reject_sizes_and_constants_that_cannot_work():
+    from kdtree.drafter import DrafterArgs
+    for kw, msg in ((dict(num_attention_heads=0), "num_attention_heads=0"), (dict(hidden_size=-8), "hidden_size=-8"),
+                    (dict(num_key_value_heads=0), "num_key_value_heads=0"),
+                    (dict(rope_theta=float("nan")), "rope_theta=nan"), (dict(rms_norm_eps=-1e-6), "rms_norm_eps"),
+                    (dict(target_layer_ids=(0, -1)), r"target_layer_ids=\(0, -1\)")):
+        with pytest.raises(ValueError, match=msg):
+            DrafterArgs(**kw)
+
+
+def test_seed_and_stop_tokens_are_checked():
+    m = _model()
+    with pytest.raises(ValueError, match="seed=None: expected an int >= 0"):
+        decode.generate_ar(m, [1, 2], 2, seed=None)
+    with pytest.raises(ValueError, match=r"stop_tokens=\[1.5\]: expected token ids"):
+        decode.generate_ar(m, [1, 2], 2, stop_tokens=[1.5])
+    assert decode.generate_ar(m, [1, 2], 3, stop_tokens=None).tokens == decode.generate_ar(m, [1, 2], 3).tokens
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    from kdtree.weights import CheckpointError, read_state_dict
+    save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"a": torch.full((2,), 2.0)}, str(tmp_path / "part-2.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor a is in both part-1.safetensors and part-2.safetensors"):
+        read_state_dict(tmp_path)

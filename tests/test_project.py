@@ -101,3 +101,14 @@ def test_profile_taus_equal_brute_force_top_prefixes():
     assert 5.0 < taus[16] < taus[64] < taus[256] < 16  # a tree beats its chain and grows with the budget
     with pytest.raises(ValueError, match="p_top"):
         P.profile_rank_probs(1.0, 0.5, 4)
+
+
+def test_loglog_merges_repeated_x_and_rejects_bad_points():
+    from kdtree.project import loglog
+    y, ext = loglog([(1, 1.0), (4, 2.0), (4, 8.0), (16, 16.0)], 4)
+    assert abs(y - 4.0) < 1e-12 and not ext  # geometric mean of the two measurements at x = 4
+    y2, _ = loglog([(1, 1.0), (4, 4.0), (16, 16.0)], 2)
+    assert abs(y2 - 2.0) < 1e-12
+    for bad in ([(0, 1.0), (2, 2.0)], [(1, -1.0), (2, 2.0)], [(1, float("nan")), (2, 2.0)]):
+        with pytest.raises(ValueError, match="loglog: expected points with finite x > 0 and y > 0"):
+            loglog(bad, 1.5)
