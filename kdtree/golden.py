@@ -190,8 +190,14 @@ def pack_mask_bits(mask) -> np.ndarray:
 
 def compile_tree(tree: Tree, root_token: int, start_pos: int) -> VerifyBlock:
     """Tree + root -> the verify block: tokens, position ids (start_pos + depth), parents, ancestor mask."""
-    if start_pos < 0:
-        raise ValueError(f"start_pos={start_pos}: expected >= 0 (the root's position)")
+    if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+        raise ValueError(f"start_pos={start_pos!r}: expected an int >= 0 (the root's position)")
+    if isinstance(root_token, bool) or not isinstance(root_token, (int, np.integer)) or root_token < 0:
+        raise ValueError(f"root_token={root_token!r}: expected a token id (an int >= 0)")
+    n = len(tree.tokens)
+    if len(tree.parents) != n or len(tree.depths) != n:
+        raise ValueError(f"tree: tokens, parents and depths of one length expected, got {n}, {len(tree.parents)}, "
+                         f"{len(tree.depths)}")
     tokens = np.concatenate([[root_token], tree.tokens]).astype(np.int64)
     positions = start_pos + np.concatenate([[0], tree.depths]).astype(np.int64)
     parents = np.concatenate([[-1], tree.parents + 1]).astype(np.int32)
@@ -207,6 +213,11 @@ def walk(tokens, parents, target_choice) -> tuple[np.ndarray, int]:
     target's choice while one exists. Returns (accepted rows [k] int64, starting with 0; bonus token =
     target_choice at the last accepted row)."""
     tokens = np.asarray(tokens); parents = np.asarray(parents); choice = np.asarray(target_choice)
+    if tokens.ndim != 1 or tokens.shape[0] == 0:
+        raise ValueError(f"walk: expected tokens [N] with N >= 1 (row 0 the root), got shape {tokens.shape}")
+    for name, a in (("tokens", tokens), ("parents", parents), ("target_choice", choice)):
+        if a.size and not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"walk: {name} must hold integers, got {a.dtype}")
     N = tokens.shape[0]
     if parents.shape != (N,) or choice.shape != (N,):
         raise ValueError(f"walk: expected tokens, parents, target_choice all of shape [{N}], got "

@@ -178,3 +178,19 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
     save_file({"a": torch.full((2,), 2.0)}, str(tmp_path / "part-2.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor a is in both part-1.safetensors and part-2.safetensors"):
         read_state_dict(tmp_path)
+
+
+def test_golden_compile_tree_and_walk_check_their_arguments():
+    tree = golden.ddtree(np.random.default_rng(1).standard_normal((3, 50)).astype(np.float32), 6)
+    for kw, msg in ((dict(root_token=1, start_pos=2.5), r"start_pos=2.5"), (dict(root_token=1.7, start_pos=2),
+                                                                            r"root_token=1.7"),
+                    (dict(root_token=-1, start_pos=2), r"root_token=-1")):
+        with pytest.raises(ValueError, match=msg):
+            golden.compile_tree(tree, **kw)
+    vb = golden.compile_tree(tree, 1, 2)
+    with pytest.raises(ValueError, match=r"walk: expected tokens \[N\] with N >= 1"):
+        golden.walk([], [], [])
+    with pytest.raises(ValueError, match="walk: target_choice must hold integers"):
+        golden.walk(vb.tokens, vb.parents, vb.tokens.astype(np.float64))
+    acc, bonus = golden.walk(vb.tokens, vb.parents, vb.tokens)
+    assert acc[0] == 0
