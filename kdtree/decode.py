@@ -73,6 +73,11 @@ class _Clock:
         return _Ctx()
 
 
+def _is_id(t) -> bool:
+    """A token id's type: a Python or numpy int, not a bool."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
 def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: int) -> list[int]:
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         t = torch.as_tensor(prompt)
@@ -81,8 +86,8 @@ def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: in
             raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
                              f"{tuple(t.shape)}")
         prompt = t.flatten().tolist()
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
-        bad = next(t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)))
+    bad = next((t for t in prompt if not _is_id(t)), None)
+    if bad is not None:
         raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -100,9 +105,10 @@ def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: in
     return prompt
 
 
-def _check_finite(logits: torch.Tensor) -> None:
-    """Target logits [N, V] must be finite (a host sync: called where the round syncs anyway)."""
-    ok = torch.isfinite(logits).all(dim=-1)
+def _check_finite(logits: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+    """Target logits [N, V] must be finite (a host sync: called where the round syncs anyway). ok: the row
+    flags torch.isfinite(logits).all(-1), when launched earlier so the reduction overlaps other work."""
+    ok = torch.isfinite(logits).all(dim=-1) if ok is None else ok
     if not bool(ok.all()):
         rows = torch.nonzero(~ok).flatten().tolist()
         raise ValueError(f"target logits: NaN or inf in verify row(s) {rows[:8]}: the target's weights or inputs "
@@ -135,7 +141,7 @@ def _check_seed(seed) -> int:
 def _check_stop(stop_tokens) -> set[int]:
     """stop_tokens: an iterable of token ids (None: none)."""
     toks = list(stop_tokens) if stop_tokens is not None else []
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks):
+    if not all(_is_id(t) for t in toks):
         raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
     return {int(t) for t in toks}
 
@@ -255,10 +261,11 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
         with clock("commit"):
             from . import kernels
             choice = _choose(out.logits[0], temperature, gen)[None]
+            ok = torch.isfinite(out.logits[0]).all(dim=-1) if temperature == 0 else None  # read after the sync
             acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
-            n_acc = int(acc_len[0])  # the round's one device-to-host read: how many rows were accepted
-            if temperature == 0:
-                _check_finite(out.logits[0])
+            n_acc = int(acc_len[0])  # the round's device-to-host sync: how many rows were accepted
+            if ok is not None:
+                _check_finite(out.logits[0], ok)
             rows = acc[0, :n_acc].long()
             new = toks[0, rows[1:]].tolist() + [int(bonus[0])]
             cache.compact_rows(acc, n_acc)
