@@ -21,13 +21,14 @@
 //   w13r, s13r (above, R = 2I, K = D)
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
 //   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
-//   8 warps split the inputs D by groups of 32 and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
+//   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
 //   (t16: two) at a time through mma.sync m16n8k16 (bf16 in, fp32 out); the wrapper takes t8 when experts hold
 //   few pairs (decode, small trees) so no mma or register is spent on empty token columns. A fragments are
 //   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
 //   minus 136 gives n - 8); the scale multiplies each 32-input group's fp32 partial sum; one set of B
-//   fragments serves both tiles; U groups' loads go out together (t8: 4, down 3; t16: 2). Each lane walks
-//   its words with immediate offsets; rows past a pass's last pair repeat a valid row (computed, not stored).
+//   fragments serves both tiles; U groups' A loads go out together (t8: 4, down 3; t16: 2), bypassing L1, and
+//   each group's B rows (L1 hits) are loaded as it is used. Each lane walks its words with immediate offsets;
+//   rows past a pass's last pair repeat a valid row (computed, not stored).
 // moe_down_t{8,16}   grid (D / 32, S), block 256, static smem 8 / 16 KB; a block owns two 16-row tiles
 //   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
@@ -78,15 +79,41 @@ struct Walk {
     const uint32_t* x[NT];
 };
 
+// Weights are read once: they bypass L1 (L1::no_allocate), so the B rows, re-read every group, stay there.
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_stream(const uint32_t* p) {
+    uint32_t v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// A warp walks every WARPS-th group (warp w: groups w, w + 8, ...), so one step of a block's 8 warps reads
+// consecutive groups of each tile.
+#define GS WARPS
+
+template <int NT, int TL>
+__device__ __forceinline__ void load_a(const Walk<NT, TL>& q, int i, AFrag* a) {
+#pragma unroll
+    for (int t = 0; t < TL; ++t) {
+        a[t].w = ld_stream(q.w + t * q.tw + 32 * GS * i);
+        a[t].s = ld_stream(q.s + t * q.ts + 8 * GS * i);
+    }
+}
+
 // CG: B rows through L2 only (ld.global.cg), for rows written earlier in the same launch (moe_fused_t8)
 template <int NT, int TL, bool CG>
-__device__ __forceinline__ void load_group(const Walk<NT, TL>& q, int i, AFrag* a, uint32_t (*b)[4]) {
-#pragma unroll
-    for (int t = 0; t < TL; ++t) { a[t].w = __ldg(q.w + t * q.tw + 32 * i); a[t].s = __ldg(q.s + t * q.ts + 8 * i); }
+__device__ __forceinline__ void load_b(const Walk<NT, TL>& q, int i, uint32_t (*b)[4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[nt][j] = CG ? __ldcg(q.x[nt] + 16 * i + 4 * j) : __ldg(q.x[nt] + 16 * i + 4 * j);
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t* p = q.x[nt] + 16 * GS * i + 4 * j;
+            b[nt][j] = CG ? __ldcg(p) : __ldg(p);
+        }
 }
 
 // acc += scale * (q . x) for one group of a 16-row tile; acc[nt] = (row g: tokens 2c, 2c+1; row g+8: same)
@@ -158,10 +185,10 @@ __device__ __forceinline__ void down_store(float (*red)[2][NT][128], const float
 
 template <int NT, int TL>
 __device__ __forceinline__ void advance(Walk<NT, TL>& q, int groups) {
-    q.w += 32 * groups;
-    q.s += 8 * groups;
+    q.w += 32 * GS * groups;
+    q.s += 8 * GS * groups;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) q.x[nt] += 16 * groups;
+    for (int nt = 0; nt < NT; ++nt) q.x[nt] += 16 * GS * groups;
 }
 
 // acc[t] += scale * (q . x) over the next n groups of the walk, U groups' loads in flight at a time
@@ -169,19 +196,22 @@ template <int NT, int TL, int U, bool CG = false>
 __device__ __forceinline__ void kloop(float (*acc)[NT][4], Walk<NT, TL> q, int n) {
     for (; n >= U; n -= U) {
         AFrag a[U][TL];
-        uint32_t b[U][NT][4];
 #pragma unroll
-        for (int u = 0; u < U; ++u) load_group<NT, TL, CG>(q, u, a[u], b[u]);
+        for (int u = 0; u < U; ++u) load_a<NT, TL>(q, u, a[u]);
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) {
+            uint32_t b[NT][4];  // B rows are L1/L2 hits: loaded when needed, so registers go to A in flight
+            load_b<NT, TL, CG>(q, u, b);
 #pragma unroll
-            for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[u][t], b[u]);
+            for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[u][t], b);
+        }
         advance<NT, TL>(q, U);
     }
     for (; n > 0; --n) {
         AFrag a[TL];
         uint32_t b[NT][4];
-        load_group<NT, TL, CG>(q, 0, a, b);
+        load_a<NT, TL>(q, 0, a);
+        load_b<NT, TL, CG>(q, 0, b);
 #pragma unroll
         for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[t], b);
         advance<NT, TL>(q, 1);
@@ -221,14 +251,14 @@ __device__ __forceinline__ void gate_up_tile(float (*red)[2][NT][128], const uin
                                              uint16_t* __restrict__ h) {
     const int warp = threadIdx.x >> 5;
     const int G = D / 32, tiles = 2 * I / 16;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
+    const int gb = warp, ng = (G - warp + GS - 1) / GS;  // this warp's groups gb, gb + GS, ...
     const size_t tg = (size_t)e * tiles + ftile;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
         Walk<NT, 2> q;
         tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows, then (t = 1) the same features' up rows
         pass_rows(q, x, D, pair_tok, pc, p1, gb);
         float acc[2][NT][4] = {};
-        kloop<NT, 2, U>(acc, q, ge - gb);
+        kloop<NT, 2, U>(acc, q, ng);
         gate_up_store<NT>(red, acc[0], acc[1], pc, p1, 16 * ftile, I, h);
     }
 }
@@ -241,14 +271,14 @@ __device__ __forceinline__ void down_tile(float (*red)[2][NT][128], const uint16
                                           float* __restrict__ out) {
     const int warp = threadIdx.x >> 5;
     const int G = I / 32;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
+    const int gb = warp, ng = (G - warp + GS - 1) / GS;  // this warp's groups gb, gb + GS, ...
     const size_t t0 = (size_t)e * (D / 16) + 2 * dpair;
     for (int pc = p0; pc < p1; pc += 8 * NT) {
         Walk<NT, 2> q;
         tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs 32 dpair .. + 15, then (t = 1) the next 16
         pass_rows(q, h, I, nullptr, pc, p1, gb);
         float acc[2][NT][4] = {};
-        kloop<NT, 2, U, CG>(acc, q, ge - gb);
+        kloop<NT, 2, U, CG>(acc, q, ng);
         down_store<NT>(red, acc, pc, p1, 32 * dpair, D, pair_tok, pair_w, out);
     }
 }
@@ -289,8 +319,14 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
         down_body<NT, UD>(h, pair_tok, pair_w, expert_off, active, w2r, s2r, D, I, out);                               \
     }
 
-// suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills)
-MOE_GEMMS(t8, 1, 4, 3, 3)
+// suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills).
+// Measured on the H200 at K2.6 shapes: U 2-16 at 2-3 blocks per SM, none faster than 4 / 3 at 3.
+#ifndef MOE_T8_U  // tuning knobs (kdtree.kernels compiles with the defaults; -DMOE_T8_U=... to explore)
+#define MOE_T8_U 4
+#define MOE_T8_UD 3
+#define MOE_T8_MINB 3
+#endif
+MOE_GEMMS(t8, 1, MOE_T8_U, MOE_T8_UD, MOE_T8_MINB)
 MOE_GEMMS(t16, 2, 2, 2, 2)
 
 // ------------------------------------------------------------------------------------ pair grouping
@@ -470,12 +506,12 @@ __device__ __forceinline__ void moe_fused_impl(
 }
 
 #define MOE_FUSED(SUFFIX, Id, UG, UD)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, 3) moe_fused_t8_##SUFFIX(                                       \
+    extern "C" __global__ void __launch_bounds__(256, MOE_T8_MINB) moe_fused_t8_##SUFFIX(                         \
         const uint16_t* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E, \
         const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, const int32_t* __restrict__ w2r,         \
         const uint16_t* __restrict__ s2r, int D, int I, int T, uint16_t* h, float* out, int32_t* sync) {             \
         moe_fused_impl<Id, UG, UD>(x, ids, w, P, k, E, w13r, s13r, w2r, s2r, D, I, T, h, out, sync);                 \
     }
-// groups in flight 3 / 3: at 4 the gate+up items spill (80 registers for three blocks per SM)
-MOE_FUSED(i32, int32_t, 3, 3)
-MOE_FUSED(i64, int64_t, 3, 3)
+// groups in flight as moe_*_t8 (80 registers for three blocks per SM, no spills)
+MOE_FUSED(i32, int32_t, MOE_T8_U, MOE_T8_UD)
+MOE_FUSED(i64, int64_t, MOE_T8_U, MOE_T8_UD)

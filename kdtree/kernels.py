@@ -559,7 +559,8 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     per pass of one expert; default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else 16 (H200, K2.6
     shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024). fused: the whole call in one launch
     (moe_fused_t8_*: grouping, zeroing, gate+up and down in a persistent grid) for at most FUSED_MAX_PAIRS pairs;
-    default: when T * k <= FUSED_MAX_PAIRS and tile_tokens is not 16."""
+    default: for one token (T == 1) unless tile_tokens is 16 (H200, K2.6 shapes: 0.073 vs 0.080 ms at one token,
+    slower than the three launches from two tokens on)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
     if fused and tile_tokens == 16:
@@ -586,7 +587,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         if lo < 0 or hi >= E:
             raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
     if fused is None:
-        fused = P <= FUSED_MAX_PAIRS and tile_tokens != 16
+        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens != 16
     if fused:
         return _moe_fused(x, topk_ids, topk_weights, weights)
     pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
