@@ -21,13 +21,14 @@
 //   w13r, s13r (above, R = 2I, K = D)
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
 //   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
-//   8 warps split the inputs D by groups of 32 and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
+//   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
 //   (t16: two) at a time through mma.sync m16n8k16 (bf16 in, fp32 out); the wrapper takes t8 when experts hold
 //   few pairs (decode, small trees) so no mma or register is spent on empty token columns. A fragments are
 //   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
 //   minus 136 gives n - 8); the scale multiplies each 32-input group's fp32 partial sum; one set of B
-//   fragments serves both tiles; U groups' loads go out together (t8: 4, down 3; t16: 2). Each lane walks
-//   its words with immediate offsets; rows past a pass's last pair repeat a valid row (computed, not stored).
+//   fragments serves both tiles; U groups' A loads go out together (t8: 4, down 3; t16: 2), bypassing L1, and
+//   each group's B rows (L1 hits) are loaded as it is used. Each lane walks its words with immediate offsets;
+//   rows past a pass's last pair repeat a valid row (computed, not stored).
 // moe_down_t{8,16}   grid (D / 32, S), block 256, static smem 8 / 16 KB; a block owns two 16-row tiles
 //   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
@@ -78,14 +79,41 @@ struct Walk {
     const uint32_t* x[NT];
 };
 
+// Weights are read once: they bypass L1 (L1::no_allocate), so the B rows, re-read every group, stay there.
+__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_stream(const uint32_t* p) {
+    uint32_t v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// A warp walks every WARPS-th group (warp w: groups w, w + 8, ...), so one step of a block's 8 warps reads
+// consecutive groups of each tile.
+#define GS WARPS
+
 template <int NT, int TL>
-__device__ __forceinline__ void load_group(const Walk<NT, TL>& q, int i, AFrag* a, uint32_t (*b)[4]) {
+__device__ __forceinline__ void load_a(const Walk<NT, TL>& q, int i, AFrag* a) {
 #pragma unroll
-    for (int t = 0; t < TL; ++t) { a[t].w = __ldg(q.w + t * q.tw + 32 * i); a[t].s = __ldg(q.s + t * q.ts + 8 * i); }
+    for (int t = 0; t < TL; ++t) {
+        a[t].w = ld_stream(q.w + t * q.tw + 32 * GS * i);
+        a[t].s = ld_stream(q.s + t * q.ts + 8 * GS * i);
+    }
+}
+
+// CG: B rows through L2 only (ld.global.cg), for rows written earlier in the same launch (moe_fused_t8)
+template <int NT, int TL, bool CG>
+__device__ __forceinline__ void load_b(const Walk<NT, TL>& q, int i, uint32_t (*b)[4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) b[nt][j] = __ldg(q.x[nt] + 16 * i + 4 * j);
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t* p = q.x[nt] + 16 * GS * i + 4 * j;
+            b[nt][j] = CG ? __ldcg(p) : __ldg(p);
+        }
 }
 
 // acc += scale * (q . x) for one group of a 16-row tile; acc[nt] = (row g: tokens 2c, 2c+1; row g+8: same)
@@ -157,30 +185,33 @@ __device__ __forceinline__ void down_store(float (*red)[2][NT][128], const float
 
 template <int NT, int TL>
 __device__ __forceinline__ void advance(Walk<NT, TL>& q, int groups) {
-    q.w += 32 * groups;
-    q.s += 8 * groups;
+    q.w += 32 * GS * groups;
+    q.s += 8 * GS * groups;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) q.x[nt] += 16 * groups;
+    for (int nt = 0; nt < NT; ++nt) q.x[nt] += 16 * GS * groups;
 }
 
 // acc[t] += scale * (q . x) over the next n groups of the walk, U groups' loads in flight at a time
-template <int NT, int TL, int U>
+template <int NT, int TL, int U, bool CG = false>
 __device__ __forceinline__ void kloop(float (*acc)[NT][4], Walk<NT, TL> q, int n) {
     for (; n >= U; n -= U) {
         AFrag a[U][TL];
-        uint32_t b[U][NT][4];
 #pragma unroll
-        for (int u = 0; u < U; ++u) load_group<NT, TL>(q, u, a[u], b[u]);
+        for (int u = 0; u < U; ++u) load_a<NT, TL>(q, u, a[u]);
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) {
+            uint32_t b[NT][4];  // B rows are L1/L2 hits: loaded when needed, so registers go to A in flight
+            load_b<NT, TL, CG>(q, u, b);
 #pragma unroll
-            for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[u][t], b[u]);
+            for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[u][t], b);
+        }
         advance<NT, TL>(q, U);
     }
     for (; n > 0; --n) {
         AFrag a[TL];
         uint32_t b[NT][4];
-        load_group<NT, TL>(q, 0, a, b);
+        load_a<NT, TL>(q, 0, a);
+        load_b<NT, TL, CG>(q, 0, b);
 #pragma unroll
         for (int t = 0; t < TL; ++t) mma_group<NT>(acc[t], a[t], b);
         advance<NT, TL>(q, 1);
@@ -212,6 +243,46 @@ __device__ __forceinline__ void tile_walk(Walk<NT, TL>& q, const int32_t* wr, co
     q.ts = step * G * 8;
 }
 
+// gate+up of one expert's pairs [p0, p1) for intermediate features 16 ftile .. + 15 (pair_tok: global or shared)
+template <int NT, int U>
+__device__ __forceinline__ void gate_up_tile(float (*red)[2][NT][128], const uint16_t* __restrict__ x,
+                                             const int32_t* pair_tok, int p0, int p1, const int32_t* __restrict__ w13r,
+                                             const uint16_t* __restrict__ s13r, int e, int ftile, int D, int I,
+                                             uint16_t* __restrict__ h) {
+    const int warp = threadIdx.x >> 5;
+    const int G = D / 32, tiles = 2 * I / 16;
+    const int gb = warp, ng = (G - warp + GS - 1) / GS;  // this warp's groups gb, gb + GS, ...
+    const size_t tg = (size_t)e * tiles + ftile;
+    for (int pc = p0; pc < p1; pc += 8 * NT) {
+        Walk<NT, 2> q;
+        tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows, then (t = 1) the same features' up rows
+        pass_rows(q, x, D, pair_tok, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U>(acc, q, ng);
+        gate_up_store<NT>(red, acc[0], acc[1], pc, p1, 16 * ftile, I, h);
+    }
+}
+
+// down + combine of one expert's pairs [p0, p1) (workspace rows p) for outputs 32 dpair .. + 31
+template <int NT, int U, bool CG>
+__device__ __forceinline__ void down_tile(float (*red)[2][NT][128], const uint16_t* h, const int32_t* pair_tok,
+                                          const float* pair_w, int p0, int p1, const int32_t* __restrict__ w2r,
+                                          const uint16_t* __restrict__ s2r, int e, int dpair, int D, int I,
+                                          float* __restrict__ out) {
+    const int warp = threadIdx.x >> 5;
+    const int G = I / 32;
+    const int gb = warp, ng = (G - warp + GS - 1) / GS;  // this warp's groups gb, gb + GS, ...
+    const size_t t0 = (size_t)e * (D / 16) + 2 * dpair;
+    for (int pc = p0; pc < p1; pc += 8 * NT) {
+        Walk<NT, 2> q;
+        tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs 32 dpair .. + 15, then (t = 1) the next 16
+        pass_rows(q, h, I, nullptr, pc, p1, gb);
+        float acc[2][NT][4] = {};
+        kloop<NT, 2, U, CG>(acc, q, ng);
+        down_store<NT>(red, acc, pc, p1, 32 * dpair, D, pair_tok, pair_w, out);
+    }
+}
+
 template <int NT, int U>
 __device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok,
                                              const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active,
@@ -220,18 +291,7 @@ __device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, con
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int f0 = blockIdx.x * 16, warp = threadIdx.x >> 5;
-    const int G = D / 32, tiles = 2 * I / 16;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t tg = (size_t)e * tiles + blockIdx.x;
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        Walk<NT, 2> q;
-        tile_walk(q, w13r, s13r, tg, I / 16, G, gb);  // gate rows f0..f0+15, then (t = 1) the same features' up rows
-        pass_rows(q, x, D, pair_tok, pc, p1, gb);
-        float acc[2][NT][4] = {};
-        kloop<NT, 2, U>(acc, q, ge - gb);
-        gate_up_store<NT>(red, acc[0], acc[1], pc, p1, f0, I, h);
-    }
+    gate_up_tile<NT, U>(red, x, pair_tok, p0, p1, w13r, s13r, e, blockIdx.x, D, I, h);
 }
 
 template <int NT, int U>
@@ -242,18 +302,7 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
     __shared__ float red[WARPS][2][NT][128];
     const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
     if (p0 >= p1) return;
-    const int d0 = blockIdx.x * 32, warp = threadIdx.x >> 5;
-    const int G = I / 32;
-    const int gb = warp * G / WARPS, ge = (warp + 1) * G / WARPS;
-    const size_t t0 = (size_t)e * (D / 16) + 2 * blockIdx.x;
-    for (int pc = p0; pc < p1; pc += 8 * NT) {
-        Walk<NT, 2> q;
-        tile_walk(q, w2r, s2r, t0, 1, G, gb);  // outputs d0..d0+15, then (t = 1) d0+16..d0+31
-        pass_rows(q, h, I, nullptr, pc, p1, gb);
-        float acc[2][NT][4] = {};
-        kloop<NT, 2, U>(acc, q, ge - gb);
-        down_store<NT>(red, acc, pc, p1, d0, D, pair_tok, pair_w, out);
-    }
+    down_tile<NT, U, false>(red, h, pair_tok, pair_w, p0, p1, w2r, s2r, e, blockIdx.x, D, I, out);
 }
 
 #define MOE_GEMMS(SUFFIX, NT, U, UD, MINB)                                                                                      \
@@ -270,8 +319,14 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
         down_body<NT, UD>(h, pair_tok, pair_w, expert_off, active, w2r, s2r, D, I, out);                               \
     }
 
-// suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills)
-MOE_GEMMS(t8, 1, 4, 3, 3)
+// suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills).
+// Measured on the H200 at K2.6 shapes: U 2-16 at 2-3 blocks per SM, none faster than 4 / 3 at 3.
+#ifndef MOE_T8_U  // tuning knobs (kdtree.kernels compiles with the defaults; -DMOE_T8_U=... to explore)
+#define MOE_T8_U 4
+#define MOE_T8_UD 3
+#define MOE_T8_MINB 3
+#endif
+MOE_GEMMS(t8, 1, MOE_T8_U, MOE_T8_UD, MOE_T8_MINB)
 MOE_GEMMS(t16, 2, 2, 2, 2)
 
 // ------------------------------------------------------------------------------------ pair grouping
@@ -347,3 +402,116 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
     int32_t* expert_off, int32_t* active) {
     moe_group_impl<int64_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
 }
+
+// ------------------------------------------------------------------------------------ fused small-batch path
+// moe_fused_t8_{i32,i64}   grid: a persistent grid (kernels: 3 blocks per SM), block 256, static smem ~9 KB
+//   The whole routed-expert call for at most FUSED_MAX_PAIRS pairs (decode, short chains) in ONE launch: each
+//   block groups the pairs itself in shared memory (ids outside [0, E) dropped), then takes work items from a
+//   ticket counter in this order: Z items that zero `out`, S * I/16 gate+up items (slot-major), S * D/32 down
+//   items (slot-major). A down item of slot s waits (one thread spins) until the I/16 gate+up items of s and
+//   the Z zeroing items are done. Tickets are handed out in order and a gate+up or zeroing item never waits,
+//   so every item a down item waits on belongs to a running block: no deadlock, whatever the grid size.
+//   x bf16 [T, D]; ids int32 [P]; w float [P] (pair p = token p / k); h bf16 [P, I] workspace (row = the
+//   pair's rank in expert order); out float [T, D] (written whole: zeroed, then accumulated with fp32 atomics).
+//   sync int32 [4 + FUSED_MAX_PAIRS]: ticket, exits, zeroed, done[slot]; all zero between calls (the last
+//   block to exit resets them; the wrapper allocates them zeroed once per stream, or per captured graph).
+//   One call in flight per sync buffer. P <= FUSED_MAX_PAIRS (checked by kdtree.kernels).
+#define FUSED_MAX_PAIRS 64
+#define ZERO_CHUNK 4096  // floats of `out` per zeroing item
+
+__device__ __forceinline__ int ld_acquire(const int32_t* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <typename Id, int UG, int UD>
+__device__ __forceinline__ void moe_fused_impl(
+    const uint16_t* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E,
+    const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, const int32_t* __restrict__ w2r,
+    const uint16_t* __restrict__ s2r, int D, int I, int T, uint16_t* h, float* out, int32_t* sync) {
+    __shared__ float red[WARPS][2][1][128];
+    __shared__ int32_t tok[FUSED_MAX_PAIRS], key[FUSED_MAX_PAIRS], exp_of[FUSED_MAX_PAIRS];
+    __shared__ float pw[FUSED_MAX_PAIRS];
+    __shared__ int32_t slot_off[FUSED_MAX_PAIRS + 1], slot_exp[FUSED_MAX_PAIRS];
+    __shared__ int32_t n_slots, ticket;
+    const int tid = threadIdx.x;
+    int32_t* const next = sync;        // [0] the next ticket
+    int32_t* const exits = sync + 1;   // [1] blocks done with the loop
+    int32_t* const zeroed = sync + 2;  // [2] zeroing items done
+    int32_t* const done = sync + 4;    // [4 + s] gate+up items of slot s done
+    if (tid == 0) ticket = atomicAdd(next, 1);
+    // group: rank of pair p = number of pairs with a smaller (expert, p) key; dropped ids sort last
+    for (int p = tid; p < P; p += blockDim.x) {
+        const long long e = (long long)ids[p];
+        key[p] = (e >= 0 && e < E ? (int)e : E) * FUSED_MAX_PAIRS + p;
+    }
+    __syncthreads();
+    for (int p = tid; p < P; p += blockDim.x) {
+        const int kp = key[p];
+        int r = 0;
+        for (int q = 0; q < P; ++q) r += key[q] < kp;
+        tok[r] = p / k;
+        pw[r] = w[p];
+        exp_of[r] = kp / FUSED_MAX_PAIRS;  // E for a dropped pair
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int s = 0;
+        for (int r = 0; r < P && exp_of[r] < E; ++r)
+            if (r == 0 || exp_of[r] != exp_of[r - 1]) { slot_off[s] = r; slot_exp[s] = exp_of[r]; ++s; }
+        int valid = 0;
+        while (valid < P && exp_of[valid] < E) ++valid;
+        slot_off[s] = valid;
+        n_slots = s;
+    }
+    __syncthreads();
+    const int S = n_slots, FT = I / 16, DT = D / 32;
+    const int Z = (T * D + ZERO_CHUNK - 1) / ZERO_CHUNK;
+    const int total = Z + S * (FT + DT);
+    int item = ticket;
+    while (item < total) {
+        __syncthreads();  // every thread has read `ticket` (and the last item's shared memory is free)
+        if (tid == 0) ticket = atomicAdd(next, 1);  // the next item's ticket, fetched while this one runs
+        if (item < Z) {
+            float4* o = reinterpret_cast<float4*>(out) + (size_t)item * (ZERO_CHUNK / 4);
+            const int n4 = min(ZERO_CHUNK, T * D - item * ZERO_CHUNK) / 4;
+            for (int i = tid; i < n4; i += blockDim.x) o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            __syncthreads();
+            if (tid == 0) { __threadfence(); atomicAdd(zeroed, 1); }
+        } else if (item < Z + S * FT) {
+            const int s = (item - Z) / FT, ft = (item - Z) % FT;
+            gate_up_tile<1, UG>(red, x, tok, slot_off[s], slot_off[s + 1], w13r, s13r, slot_exp[s], ft, D, I, h);
+            if (tid == 0) { __threadfence(); atomicAdd(done + s, 1); }  // gate_up_store ends with a barrier
+        } else {
+            const int s = (item - Z - S * FT) / DT, dp = (item - Z - S * FT) % DT;
+            if (tid == 0) {
+                while (ld_acquire(done + s) < FT || ld_acquire(zeroed) < Z) __nanosleep(64);
+            }
+            __syncthreads();
+            down_tile<1, UD, true>(red, h, tok, pw, slot_off[s], slot_off[s + 1], w2r, s2r, slot_exp[s], dp, D, I,
+                                  out);
+        }
+        __syncthreads();
+        item = ticket;
+    }
+    if (tid == 0) __threadfence();  // this block's counter updates (a zeroing item's too) before its exit
+    if (tid == 0 && atomicAdd(exits, 1) == (int)gridDim.x - 1) {  // the last block out resets the counters
+        *next = 0;
+        *zeroed = 0;
+        for (int s = 0; s < FUSED_MAX_PAIRS; ++s) done[s] = 0;
+        __threadfence();
+        *exits = 0;
+    }
+}
+
+#define MOE_FUSED(SUFFIX, Id, UG, UD)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, MOE_T8_MINB) moe_fused_t8_##SUFFIX(                         \
+        const uint16_t* __restrict__ x, const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E, \
+        const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r, const int32_t* __restrict__ w2r,         \
+        const uint16_t* __restrict__ s2r, int D, int I, int T, uint16_t* h, float* out, int32_t* sync) {             \
+        moe_fused_impl<Id, UG, UD>(x, ids, w, P, k, E, w13r, s13r, w2r, s2r, D, I, T, h, out, sync);                 \
+    }
+// groups in flight as moe_*_t8 (80 registers for three blocks per SM, no spills)
+MOE_FUSED(i32, int32_t, MOE_T8_U, MOE_T8_UD)
+MOE_FUSED(i64, int64_t, MOE_T8_U, MOE_T8_UD)

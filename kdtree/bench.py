@@ -28,14 +28,21 @@ from . import golden, kernels
 L2_BYTES = 60 * 2**20
 
 
-def _events_median(fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of fn() over repeats, each timed with CUDA events."""
+QUEUE_CYCLES = 200_000  # ~0.1 ms of GPU spin queued before a timed graph replay
+
+
+def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False) -> float:
+    """Median seconds of fn() over repeats, each timed with CUDA events. queued: each repeat's work is enqueued
+    behind a short GPU spin (torch.cuda._sleep) that starts before the first event, so the time is the GPU's
+    alone, not the host's launch latency (as in a decode loop, where a step's graph is queued behind the last)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         a.record()
         fn()
         b.record()
@@ -58,7 +65,8 @@ def _wall_median(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def _graph_median(fns, repeats: int) -> float:
-    """Capture each fn (one per rotated input set) in a CUDA graph; median event time of replays."""
+    """Capture each fn (one per rotated input set) in a CUDA graph; median event time of replays, each queued
+    behind a GPU spin (the GPU's time, launch latency hidden as in a graph-launched decode loop)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -76,7 +84,7 @@ def _graph_median(fns, repeats: int) -> float:
     def replay():
         graphs[k[0] % len(graphs)].replay()
         k[0] += 1
-    t = _events_median(replay, repeats, warmup=len(graphs))
+    t = _events_median(replay, repeats, warmup=len(graphs), queued=True)
     del graphs
     return t
 

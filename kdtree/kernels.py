@@ -424,6 +424,22 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 
 # ----------------------------------------------------------------------------- INT4 MoE experts
 MOE_TILE_TOKENS = (8, 16)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 / moe_*_t16)
+FUSED_MAX_PAIRS = 64       # moe_fused_t8_*: the whole call in one launch up to this many token-expert pairs
+_FUSED_SYNC: dict = {}     # (device, stream) -> int32 [4 + FUSED_MAX_PAIRS] counters, zero between calls
+
+
+def _fused_sync(dev: torch.device) -> torch.Tensor:
+    """The fused kernel's counters for the stream it launches on (the current one), zero before each call (the
+    kernel's last block resets them). Outside graph capture: one buffer per stream, allocated zeroed on first
+    use; calls on one stream run in order, so it is never shared by two calls in flight. Inside a capture: a
+    buffer of the graph's own (its zero fill is recorded too), so graphs replayed on other streams never share."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(4 + FUSED_MAX_PAIRS, dtype=torch.int32, device=dev)
+    key = (dev.index, torch.cuda.current_stream().cuda_stream)
+    buf = _FUSED_SYNC.get(key)
+    if buf is None:
+        buf = _FUSED_SYNC[key] = torch.zeros(4 + FUSED_MAX_PAIRS, dtype=torch.int32, device=dev)
+    return buf
 
 
 MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
@@ -534,16 +550,21 @@ def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: tor
 
 
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
-             check_values: bool = True, tile_tokens: int | None = None) -> torch.Tensor:
+             check_values: bool = True, tile_tokens: int | None = None, fused: bool | None = None) -> torch.Tensor:
     """Routed experts with INT4 weights (golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
     Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
     launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. tile_tokens (MOE_TILE_TOKENS): pairs
     per pass of one expert; default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else 16 (H200, K2.6
-    shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024)."""
+    shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024). fused: the whole call in one launch
+    (moe_fused_t8_*: grouping, zeroing, gate+up and down in a persistent grid) for at most FUSED_MAX_PAIRS pairs;
+    default: for one token (T == 1) unless tile_tokens is 16 (H200, K2.6 shapes: 0.073 vs 0.080 ms at one token,
+    slower than the three launches from two tokens on)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
+    if fused and tile_tokens == 16:
+        raise ValueError("fused=True runs 8-pair passes: expected tile_tokens None or 8")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, got {type(weights).__name__}")
     E, D, I = weights.E, weights.D, weights.I
@@ -555,6 +576,9 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
         raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
     k = topk_ids.shape[1]
+    P = T * k
+    if fused and P > FUSED_MAX_PAIRS:
+        raise ValueError(f"fused=True: expected T * k <= {FUSED_MAX_PAIRS} token-expert pairs, got {T} x {k} = {P}")
     _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
     _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=weights.w13, s13=weights.s13,
                 w2=weights.w2, s2=weights.s2)
@@ -562,6 +586,10 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
+    if fused is None:
+        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens != 16
+    if fused:
+        return _moe_fused(x, topk_ids, topk_weights, weights)
     pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
     slots = active.shape[0]
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
@@ -574,4 +602,21 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     _launch("moe_int4", "moe_down_" + t, (D // 32, slots), (256,),  # bf16 tensors go as raw pointers (uint16 in .cu)
             (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2), _i(D),
              _i(I), _p(out)))
+    return out
+
+
+def _moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+    """moe_int4 in one launch of moe_fused_t8_* (checked arguments; T * k <= FUSED_MAX_PAIRS)."""
+    E, D, I = weights.E, weights.D, weights.I
+    T, k = topk_ids.shape
+    dev = x.device
+    ids = topk_ids.contiguous()
+    w = topk_weights.contiguous()
+    h = _empty(T * k, I, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(T, D, dtype=torch.float32, device=dev)  # the kernel zeroes it before accumulating
+    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    name = "moe_fused_t8_i32" if ids.dtype == torch.int32 else "moe_fused_t8_i64"
+    _launch("moe_int4", name, (3 * n_sm,), (256,),
+            (_p(x), _p(ids), _p(w), _i(T * k), _i(k), _i(E), _p(weights.w13), _p(weights.s13), _p(weights.w2),
+             _p(weights.s2), _i(D), _i(I), _i(T), _p(h), _p(out), _p(_fused_sync(dev))))
     return out

@@ -157,3 +157,14 @@ def test_moe_int4_rejects_an_unknown_tile():
     with pytest.raises(ValueError, match="tile_tokens=32"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
                    torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=32)
+
+
+def test_moe_int4_rejects_fused_beyond_its_limits():
+    mw = K.MoeWeights(*(torch.zeros(1),) * 4, 4, 32, 32)
+    with pytest.raises(ValueError, match="fused=True runs 8-pair passes"):
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
+                   mw, tile_tokens=16, fused=True)
+    T, k = 9, 8
+    with pytest.raises(ValueError, match=r"fused=True: expected T \* k <= 64 token-expert pairs, got 9 x 8 = 72"):
+        K.moe_int4(torch.zeros(T, 32, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32),
+                   torch.ones(T, k), mw, fused=True)

@@ -40,19 +40,73 @@ def _case(p: MoeParam, seed: int):
     return x, ids, wts, p13, s13, p2, s2
 
 
-@pytest.mark.parametrize("tile_tokens", [None, 8, 16])
-@pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
-def test_moe_int4_matches_golden(p, tile_tokens):
-    from kdtree import kernels
-    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + (tile_tokens or 0))
-    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
-    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, tile_tokens=tile_tokens)
+def _check_golden(out, x, ids, wts, p13, s13, p2, s2):
     ref = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy(), p13.numpy(), s13.float().numpy(),
                           p2.numpy(), s2.float().numpy())
     got = out.double().cpu().numpy()
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert err <= 1e-2, err  # bf16 activations and workspace, fp32 accumulation
+
+
+# (tile_tokens, fused): 8- and 16-pair passes of the grouped path, the one-launch path (small cases), the default
+MODES = [(8, False), (16, False), (8, True), (None, None)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"tile{m[0]}-fused{m[1]}")
+@pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
+def test_moe_int4_matches_golden(p, mode):
+    from kdtree import kernels
+    tile_tokens, fused = mode
+    if fused and p.T * p.k > kernels.FUSED_MAX_PAIRS:
+        pytest.skip(f"the fused path takes at most {kernels.FUSED_MAX_PAIRS} pairs (this case: {p.T * p.k})")
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + (tile_tokens or 0) + 7 * bool(fused))
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, tile_tokens=tile_tokens, fused=fused)
+    _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+
+
+def test_moe_fused_repeated_calls_int64_ids_and_a_graph():
+    """The fused kernel's counters return to zero after every call: many calls in a row (fresh inputs each,
+    int32 and int64 ids, 1..8 tokens), then a captured graph replayed on new inputs."""
+    from kdtree import kernels
+    p = MoeParam(8, 512, 128, 24, 8)
+    _, _, _, p13, s13, p2, s2 = _case(p, seed=11)
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    for i in range(12):
+        q = MoeParam(1 + i % 8, p.D, p.I, p.E, p.k)
+        x, ids, wts, *_ = _case(q, seed=100 + i)
+        ids_dev = ids.cuda().to(torch.int64 if i % 2 else torch.int32)
+        out = kernels.moe_int4(x.cuda(), ids_dev, wts.cuda(), mw, fused=True)
+        _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+    x, ids, wts, *_ = _case(p, seed=200)
+    xs, ids_s, w_s = x.cuda(), ids.cuda(), wts.cuda()
+    kernels.moe_int4(xs, ids_s, w_s, mw, fused=True)  # the module loaded before the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=True, check_values=False)
+    for seed in (201, 202):
+        x, ids, wts, *_ = _case(p, seed=seed)
+        xs.copy_(x.cuda()); ids_s.copy_(ids.cuda()); w_s.copy_(wts.cuda())
+        out.fill_(float("nan"))
+        g.replay()
+        _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+    x, ids, wts, *_ = _case(p, seed=203)  # eager calls keep working after the replays
+    _check_golden(kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=True), x, ids, wts, p13, s13, p2, s2)
+
+
+def test_moe_fused_drops_ids_outside_the_experts_like_the_grouped_path():
+    """Expert parallelism marks another rank's experts -1: both paths skip those pairs."""
+    from kdtree import kernels
+    p = MoeParam(6, 256, 64, 8, 4)
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=31)
+    ids[0, 1] = -1
+    ids[3, :] = -1  # a token with no local expert: its output is zero
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    got = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, check_values=False, fused=True)
+    want = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, check_values=False, fused=False)
+    assert float(got[3].abs().max()) == 0.0 and float(want.norm()) > 0
+    assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
 def test_moe_int4_rejects_expert_ids_out_of_range():
