@@ -14,14 +14,16 @@
 //      The row's top-K over all candidates (radix select on the key; equal keys by token),
 //      bitonic-sorted by (key descending, token ascending); lse = m + log(sum) combined in double;
 //      out_tok int32 [R, K], out_lp float [R, K] = float(double(x) - lse)   (-inf stays -inf).
-// 3. tree_build_c{1,2,4,8,16,33}   grid batch, block 256, dynamic smem = 8 * B + 4 * (B + 1) + 4 * L * K
-//      (staged log-probabilities, when stage_lp) + 2 * (B + 1) bytes
+// 3. tree_build_c{1,2,4} / tree_build_groups   grid batch, block 256, dynamic smem = 8 * B + 256 * G
+//      + 4 * (B + 1) + 4 * L * K (staged log-probabilities, when stage_lp) + 2 * (B + 1) bytes, G = ceil((B + 1) / 32)
 //      Best-first search over the per-depth top-K lists (rows b*L .. b*L+L-1), budget B <= 1024, L <= 63:
 //      pop the smallest (-score, depth, parent index, rank) key, emit it, push its next sibling and first
 //      child; score(child) = float(score(parent) + logprob), round-to-nearest, no contraction.
-//      Warp 0 runs the search; the frontier has one slot per emitted node (its next child) plus the
-//      root's, slot s in lane s % 32, register s / 32 (C = ceil((B + 1) / 32) registers, rounded up to an
-//      instantiated C). All warps then write the block. N = B + 1 rows per request, root first:
+//      Warp 0 runs the search; the frontier has one slot per emitted node (its next child) plus the root's:
+//      _c{C} keeps slot s in lane s % 32, register s / 32 (C = G rounded up to 1, 2 or 4: B <= 127); _groups
+//      keeps the slots in shared memory by groups of 32, each group's best key in one lane (a pop and the
+//      popped group's refresh are one warp reduction each, whatever B). All warps then write the block.
+//      N = B + 1 rows per request, root first:
 //        tokens int32 [batch, N]     root_tok[b], then node tokens; padding rows repeat the root token
 //        positions int32 [batch, N]  start_pos[b] + depth
 //        parents int32 [batch, N]    -1 for the root and padding rows, else the parent's row
@@ -467,6 +469,101 @@ __device__ __forceinline__ uint64_t tree_key(float score, int depth, int slot, i
            (uint64_t)(1023 - rank);
 }
 
+// Warp 0's search with the frontier in registers: slot s in lane s % 32, register s / 32 (C registers per lane;
+// cheapest while C is small). Each pop is computed by the whole warp alike (the popped key is uniform); only the
+// two owning lanes store, and only they refresh their best. Returns the number of nodes emitted.
+template <int C>
+__device__ int search_regs(const float* lp, int L, int K, int B, uint64_t* nodes, float* nsc) {
+    const int lane = threadIdx.x;
+    uint64_t key[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) key[j] = 0ull;
+    if (lane == 0 && lp[0] != NEG_INF) key[0] = tree_key(lp[0], 1, 0, 0);
+    uint64_t best = key[0];
+    int n = 0;
+    for (; n < B; ++n) {
+        // warp argmax of the lanes' best keys: the high words, then the low words among the winners
+        const uint32_t hi = __reduce_max_sync(FULL, (uint32_t)(best >> 32));
+        const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
+        if (hi == 0u) break;  // frontier empty (a real key's high word is never 0)
+        const float score = key2f(hi);
+        const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
+                  rk = 1023 - (int)(lo & 1023u), t = n + 1;
+        const float l2 = (rk + 1 < K) ? lp[(d - 1) * K + rk + 1] : NEG_INF;  // next sibling
+        const float l3 = (d < L) ? lp[d * K] : NEG_INF;                      // first child
+        const float ps = nsc[s];
+        const uint64_t k2 = (l2 != NEG_INF) ? tree_key(__fadd_rn(ps, l2), d, s, rk + 1) : 0ull;
+        const uint64_t k3 = (l3 != NEG_INF) ? tree_key(__fadd_rn(score, l3), d + 1, t, 0) : 0ull;
+        const bool own_s = lane == (s & 31), own_t = lane == (t & 31);
+        const int js = s >> 5, jt = t >> 5;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            if (own_s && j == js) key[j] = k2;
+            if (own_t && j == jt) key[j] = k3;
+        }
+        if (own_s) {  // its best was popped: tree reduction over the registers
+            uint64_t m[C];
+#pragma unroll
+            for (int j = 0; j < C; ++j) m[j] = key[j];
+#pragma unroll
+            for (int w = 1; w < C; w <<= 1)
+#pragma unroll
+                for (int j = 0; j + w < C; j += 2 * w) m[j] = m[j + w] > m[j] ? m[j + w] : m[j];
+            best = m[0];
+        } else if (own_t) {  // a new key in an empty slot
+            best = k3 > best ? k3 : best;
+        }
+        if (lane == 0) { nodes[n] = ((uint64_t)hi << 32) | lo; nsc[t] = score; }
+        __syncwarp();
+    }
+    return n;
+}
+
+// Warp 0's search with the frontier in shared memory, fk[s] for slot s, by groups of 32 slots; lane j keeps
+// group j's best key in ga (lane 0 group 32's in gb), so a pop is one warp reduction over the lanes, and
+// refreshing the popped slot's group is one more (over its other 31 slots, issued alongside the loads of the
+// new keys' log-probabilities): the work per pop does not grow with the budget.
+__device__ int search_groups(const float* lp, int L, int K, int B, uint64_t* nodes, uint64_t* fk, float* nsc) {
+    const int lane = threadIdx.x;
+    const uint64_t root_key = (lp[0] != NEG_INF) ? tree_key(lp[0], 1, 0, 0) : 0ull;
+    if (lane == 0) fk[0] = root_key;
+    uint64_t ga = (lane == 0) ? root_key : 0ull, gb = 0ull;
+    __syncwarp();
+    int n = 0;
+    for (; n < B; ++n) {
+        const uint64_t v = ga > gb ? ga : gb;
+        const uint32_t hi = __reduce_max_sync(FULL, (uint32_t)(v >> 32));
+        const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(v >> 32) == hi ? (uint32_t)v : 0u);
+        if (hi == 0u) break;  // frontier empty
+        const float score = key2f(hi);
+        const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
+                  rk = 1023 - (int)(lo & 1023u), t = n + 1;
+        const int js = s >> 5, jt = t >> 5;
+        // the popped slot's group without it (slot t, if in the group, is still empty)
+        const uint64_t o = (lane == (s & 31)) ? 0ull : fk[32 * js + lane];
+        const float l2 = (rk + 1 < K) ? lp[(d - 1) * K + rk + 1] : NEG_INF;  // next sibling
+        const float l3 = (d < L) ? lp[d * K] : NEG_INF;                      // first child
+        const float ps = nsc[s];
+        const uint32_t oh = __reduce_max_sync(FULL, (uint32_t)(o >> 32));
+        const uint32_t ol = __reduce_max_sync(FULL, (uint32_t)(o >> 32) == oh ? (uint32_t)o : 0u);
+        const uint64_t k2 = (l2 != NEG_INF) ? tree_key(__fadd_rn(ps, l2), d, s, rk + 1) : 0ull;
+        const uint64_t k3 = (l3 != NEG_INF) ? tree_key(__fadd_rn(score, l3), d + 1, t, 0) : 0ull;
+        uint64_t gs = ((uint64_t)oh << 32) | ol;
+        gs = k2 > gs ? k2 : gs;
+        if (jt == js) gs = k3 > gs ? k3 : gs;
+        if (js < 32) { if (lane == js) ga = gs; } else if (lane == 0) gb = gs;
+        if (jt != js) {
+            if (jt < 32) { if (lane == jt) ga = k3 > ga ? k3 : ga; } else if (lane == 0) gb = k3 > gb ? k3 : gb;
+        }
+        if (lane == (s & 31)) fk[s] = k2;
+        if (lane == (t & 31)) fk[t] = k3;
+        if (lane == 0) { nodes[n] = ((uint64_t)hi << 32) | lo; nsc[t] = score; }
+        __syncwarp();
+    }
+    return n;
+}
+
+// C > 0: search_regs<C>; C = 0: search_groups.
 template <int C>
 __device__ void tree_build_impl(
     const int32_t* __restrict__ top_tok, const float* __restrict__ top_lp, int L, int K, int B, int stage_lp,
@@ -475,9 +572,10 @@ __device__ void tree_build_impl(
     int32_t* __restrict__ depths, float* __restrict__ scores, uint32_t* __restrict__ mask,
     int32_t* __restrict__ n_nodes) {
     extern __shared__ uint64_t sm_tree[];
-    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5;
+    const int b = blockIdx.x, N = B + 1, W = (N + 31) >> 5, G = (N + 31) >> 5;
     uint64_t* nodes = sm_tree;                                   // [B] popped keys, in emission order
-    float* nsc = (float*)(nodes + B);                            // [B + 1] slot scores (slot 0 = the root)
+    uint64_t* fk = nodes + B;                                    // [32 G] frontier keys by slot (0 = none)
+    float* nsc = (float*)(fk + 32 * G);                          // [B + 1] slot scores (slot 0 = the root)
     float* lp_s = nsc + N;                                       // [L * K] when staged
     int16_t* prow = (int16_t*)(lp_s + (stage_lp ? L * K : 0));   // [N] parent row of each verify row
     __shared__ int s_n;
@@ -487,56 +585,15 @@ __device__ void tree_build_impl(
         for (int i = threadIdx.x; i < L * K; i += blockDim.x) lp_s[i] = lp[i];
         lp = lp_s;
     }
+    if (C == 0)
+        for (int i = threadIdx.x; i < 32 * G; i += blockDim.x) fk[i] = 0ull;
     if (threadIdx.x == 0) nsc[0] = 0.0f;
     __syncthreads();
-
     if (threadIdx.x < 32) {
-        // Frontier: slot s holds the next unexplored child of slot s's node (0 = none); lane s % 32,
-        // register s / 32. Each pop is computed by the whole warp alike (the popped key is uniform);
-        // only the two owning lanes store, and only they refresh their best.
-        const int lane = threadIdx.x;
-        uint64_t key[C];
-#pragma unroll
-        for (int j = 0; j < C; ++j) key[j] = 0ull;
-        if (lane == 0 && lp[0] != NEG_INF) key[0] = tree_key(lp[0], 1, 0, 0);
-        uint64_t best = key[0];
-        int n = 0;
-        for (; n < B; ++n) {
-            // warp argmax of the lanes' best keys: the high words, then the low words among the winners
-            const uint32_t hi = __reduce_max_sync(FULL, (uint32_t)(best >> 32));
-            const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
-            if (hi == 0u) break;  // frontier empty (a real key's high word is never 0)
-            const float score = key2f(hi);
-            const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
-                      rk = 1023 - (int)(lo & 1023u), t = n + 1;
-            const float l2 = (rk + 1 < K) ? lp[(d - 1) * K + rk + 1] : NEG_INF;  // next sibling
-            const float l3 = (d < L) ? lp[d * K] : NEG_INF;                      // first child
-            const float ps = nsc[s];
-            const uint64_t k2 = (l2 != NEG_INF) ? tree_key(__fadd_rn(ps, l2), d, s, rk + 1) : 0ull;
-            const uint64_t k3 = (l3 != NEG_INF) ? tree_key(__fadd_rn(score, l3), d + 1, t, 0) : 0ull;
-            const bool own_s = lane == (s & 31), own_t = lane == (t & 31);
-            const int js = s >> 5, jt = t >> 5;
-#pragma unroll
-            for (int j = 0; j < C; ++j) {
-                if (own_s && j == js) key[j] = k2;
-                if (own_t && j == jt) key[j] = k3;
-            }
-            if (own_s) {  // its best was popped: tree reduction over the registers
-                uint64_t m[C];
-#pragma unroll
-                for (int j = 0; j < C; ++j) m[j] = key[j];
-#pragma unroll
-                for (int w = 1; w < C; w <<= 1)
-#pragma unroll
-                    for (int j = 0; j + w < C; j += 2 * w) m[j] = m[j + w] > m[j] ? m[j + w] : m[j];
-                best = m[0];
-            } else if (own_t) {  // a new key in an empty slot
-                best = k3 > best ? k3 : best;
-            }
-            if (lane == 0) { nodes[n] = ((uint64_t)hi << 32) | lo; nsc[t] = score; }
-            __syncwarp();
-        }
-        if (lane == 0) s_n = n;
+        int n;
+        if constexpr (C > 0) n = search_regs<C>(lp, L, K, B, nodes, nsc);
+        else n = search_groups(lp, L, K, B, nodes, fk, nsc);
+        if (threadIdx.x == 0) s_n = n;
     }
     __syncthreads();
     const int n = s_n;
@@ -566,17 +623,15 @@ __device__ void tree_build_impl(
     if (threadIdx.x == 0) n_nodes[b] = n;
 }
 
-#define TREE_BUILD(C)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) tree_build_c##C(                                     \
+#define TREE_BUILD(NAME, C)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                \
         const int32_t* top_tok, const float* top_lp, int L, int K, int B, int stage_lp,                    \
         const int32_t* root_tok, const int32_t* start_pos, int32_t* tokens, int32_t* positions,            \
         int32_t* parents, int32_t* depths, float* scores, uint32_t* mask, int32_t* n_nodes) {              \
         tree_build_impl<C>(top_tok, top_lp, L, K, B, stage_lp, root_tok, start_pos, tokens, positions,     \
                            parents, depths, scores, mask, n_nodes);                                        \
     }
-TREE_BUILD(1)
-TREE_BUILD(2)
-TREE_BUILD(4)
-TREE_BUILD(8)
-TREE_BUILD(16)
-TREE_BUILD(33)
+TREE_BUILD(tree_build_c1, 1)
+TREE_BUILD(tree_build_c2, 2)
+TREE_BUILD(tree_build_c4, 4)
+TREE_BUILD(tree_build_groups, 0)

@@ -222,19 +222,20 @@ class TreeBatch:
         return ((words >> (j % 32)) & 1).bool()
 
 
-TREE_SLOTS = (1, 2, 4, 8, 16, 33)  # instantiated frontier registers per lane (cuda/tree_build.cu)
+TREE_REG_SLOTS = (1, 2, 4)  # frontier registers per lane of tree_build_c* (cuda/tree_build.cu); beyond: _groups
 
 
-def tree_slots(B: int) -> int:
-    """Frontier registers per lane: one slot per node plus the root's, 32 lanes."""
+def tree_kernel(B: int) -> str:
+    """tree_build_c{C} while one slot per node plus the root's fits C <= 4 registers per lane (B <= 127), else
+    tree_build_groups (H200, batch 1: 20 vs 24 us at B = 64; 370 vs 700 us at B = 1024)."""
     need = math.ceil((B + 1) / 32)
-    return next(c for c in TREE_SLOTS if c >= need)
+    return next((f"tree_build_c{c}" for c in TREE_REG_SLOTS if c >= need), "tree_build_groups")
 
 
 def tree_smem_bytes(B: int, L: int = 0, K: int = 0) -> int:
-    """Dynamic shared memory of tree_build: popped keys, slot scores, parent rows, and (L, K > 0) the
-    staged log-probabilities [L, K]."""
-    return 8 * B + 4 * (B + 1) + 4 * L * K + 2 * (B + 1)
+    """Dynamic shared memory of tree_build: popped keys, frontier keys (32 slots a group), slot scores, parent
+    rows, and (L, K > 0) the staged log-probabilities [L, K]."""
+    return 8 * B + 256 * math.ceil((B + 1) / 32) + 4 * (B + 1) + 4 * L * K + 2 * (B + 1)
 
 
 TREE_SMEM_LIMIT = 200 * 1024
@@ -268,7 +269,7 @@ def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, sta
     root = root_tokens.to(torch.int32).contiguous()
     start = start_pos.to(torch.int32).contiguous()
     stage = tree_smem_bytes(budget, L, K) <= TREE_SMEM_LIMIT
-    _launch("tree_build", f"tree_build_c{tree_slots(budget)}", (b,), (256,),
+    _launch("tree_build", tree_kernel(budget), (b,), (256,),
             (_p(tok), _p(lp), _i(L), _i(K), _i(budget), _i(int(stage)), _p(root),
              _p(start), _p(out.tokens), _p(out.positions),
              _p(out.parents), _p(out.depths), _p(out.scores), _p(out.mask), _p(out.n_nodes)),

@@ -22,6 +22,20 @@ def test_tree_build_rejects():
         K.tree_build(x, 8, r, r)
 
 
+def test_tree_kernel_fits_the_frontier_in_registers_or_goes_to_groups():
+    """One slot per node plus the root's, 32 lanes: registers per lane while <= 4, then the shared-memory groups;
+    the shared memory covers every slot of the chosen layout."""
+    for B in range(1, 1025):
+        name = K.tree_kernel(B)
+        need = -(-(B + 1) // 32)
+        if need <= 4:
+            c = int(name.removeprefix("tree_build_c"))
+            assert c in K.TREE_REG_SLOTS and need <= c and (c == 1 or need > c // 2), (B, name)
+        else:
+            assert name == "tree_build_groups", (B, name)
+        assert K.tree_smem_bytes(B) >= 8 * B + 8 * 32 * need + 4 * (B + 1) + 2 * (B + 1)
+
+
 def test_topk_rejects():
     with pytest.raises(ValueError, match="k="):
         K.topk_logprobs(torch.zeros(2, 5), 0)
