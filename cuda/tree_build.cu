@@ -2,6 +2,7 @@
 //
 // Golden twin: kdtree/golden.py  topk_logprobs + build_tree + compile_tree + pack_mask_bits.
 // Three launches, no host round trip (capturable in a CUDA graph):
+// (topk_partial_small_* and topk_merge_small, below, serve K <= 512 under the same contracts as 1 and 2.)
 //
 // 1. topk_partial_{f32,bf16}   grid (n_chunks, R), block 512, chunk <= 16384 columns (32 per thread)
 //      logits [R, V] (fp32, or bf16 passed as uint16), R = batch * L rows.
@@ -453,6 +454,264 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge(
     __syncthreads();
     v = bitonic_desc(v, Kp, buf);
     const double lse = s_lse;
+    if (threadIdx.x < K) {
+        const float x = key2f((uint32_t)(v >> 32));
+        out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
+        out_lp[(size_t)r * K + threadIdx.x] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
+    }
+}
+
+// ------------------------------------------------------------------------------ top-K for K <= 512
+// topk_partial_small_{f32,bf16} and topk_merge_small: the same contracts as topk_partial / topk_merge, for
+// K <= 512, with a handful of block barriers instead of ~45 (the block-wide histogram selections of the
+// general kernels cost ~13 us a block on the H200 whatever the chunk's width):
+//   - max and sum(exp) per thread first (a thread's terms relative to its own max), combined once per block;
+//   - the lower bound is the smallest of each warp's ceil(Kc / warps)-th largest thread maximum (those are
+//     Kc distinct items), from a sort of the warp's 32 maxima in registers;
+//   - the items at or above it go to a shared-memory list through shared atomics; a list of at most RANK_CAP
+//     items is ranked by counting (rank = items with a larger key, or an equal key and a smaller column), which
+//     gives the chunk's top-Kc already sorted (key descending, column ascending); a longer one (ties, -inf-heavy
+//     chunks) takes the general kernel's radix selection over the registers.
+// The merge takes, as its lower bound, the largest over chunks of the chunk's smallest listed key (each chunk
+// lists its top-min(K, width) keys, padding 0), keeps the candidates at or above it, and ranks them by counting
+// (key descending, token ascending) when at most RANK_CAP survive; otherwise the general merge's selection.
+#define RANK_CAP 1024
+
+// exp(d) for d <= 0 in double, like exp_neg but without a branch: d below -700 is taken as -700, whose term
+// (~1e-304) cannot change a sum that holds a 1.
+__device__ __forceinline__ double exp_neg_nb(double d, const double* tab) {
+    d = fmax(d, -700.0);
+    const double n = rint(d * 92.33248261689366);
+    double r = fma(-n, 0.01083042469326756, d);
+    r = fma(-n, 2.9815858269852933e-12, r);
+    const int ni = (int)n, j = ni & 63, k = (ni - j) / 64;
+    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+    p = fma(r, p, 1.0 / 24.0);
+    p = fma(r, p, 1.0 / 6.0);
+    p = fma(r, p, 0.5);
+    p = fma(r, p, 1.0);
+    p = fma(r, p, 1.0);
+    const double t = tab[j] * p;
+    return __longlong_as_double(__double_as_longlong(t) + ((long long)k << 52));
+}
+
+// Descending sort of one uint32 per lane over the warp (bitonic, shuffles only); lane 0 ends with the largest.
+__device__ __forceinline__ uint32_t warp_sort_desc(uint32_t v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int size = 2; size <= 32; size <<= 1)
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            const uint32_t o = __shfl_xor_sync(FULL, v, stride);
+            const bool lower = (lane & stride) == 0, desc = (lane & size) == 0;
+            v = (lower == desc) ? max(v, o) : min(v, o);
+        }
+    return v;
+}
+
+template <typename T>
+__device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int K, int chunk, int low_bit,
+                                        uint32_t* __restrict__ cand_key, int32_t* __restrict__ cand_tok,
+                                        float* __restrict__ part_max, double* __restrict__ part_sum) {
+    __shared__ uint32_t hist[4096];
+    __shared__ double tab[64];
+    __shared__ float wmax[32];
+    __shared__ double wsum[32];
+    __shared__ uint32_t wbound[32];
+    __shared__ int ired[32];
+    __shared__ int s_int[4];
+    __shared__ int s_cnt;
+    __shared__ uint32_t s_bound;
+    __shared__ uint32_t lkey[LIST_CAP];
+    __shared__ uint16_t lcol[LIST_CAP];
+    const int r = blockIdx.y, c = blockIdx.x, nch = gridDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lo = c * chunk, n = min(V, lo + chunk) - lo;
+    const int w = (((n + blockDim.x - 1) / blockDim.x) + 7) & ~7;
+    const int t0 = threadIdx.x * w, cnt = max(0, min(w, n - t0));
+    const size_t base = (size_t)r * V + lo + t0;
+    const bool vec = (V % 8) == 0 && (chunk % 8) == 0;
+    init_exp_table(tab);
+    if (threadIdx.x == 0) s_cnt = 0;
+
+    uint32_t k[PE];
+    float m = NEG_INF;
+    load_keys<PE>(logits + base, cnt, vec, k, &m);
+    uint32_t top = 0u;  // this thread's largest key (0: no item)
+#pragma unroll
+    for (int j = 0; j < PE; ++j) top = max(top, k[j]);
+    __syncthreads();  // tab
+    double s = 0.0;
+    if (m != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < PE; ++j)
+            if (j < cnt) s += exp_neg_nb((double)key2f(k[j]) - (double)m, tab);
+    }
+    // warp: max, sum relative to it, and the bound's share
+    float mw = m;
+    for (int o = 16; o > 0; o >>= 1) mw = fmaxf(mw, __shfl_xor_sync(FULL, mw, o));
+    double sw = (m != NEG_INF) ? s * exp_neg_nb((double)m - (double)mw, tab) : 0.0;
+    for (int o = 16; o > 0; o >>= 1) sw += __shfl_xor_sync(FULL, sw, o);
+    const int Kc = min(K, n);
+    const int q = (Kc + nw - 1) / nw;  // <= 32 for K <= 512 at 512 threads
+    const uint32_t bw = __shfl_sync(FULL, warp_sort_desc(top), q - 1);
+    if (lane == 0) { wmax[warp] = mw; wsum[warp] = sw; wbound[warp] = bw; }
+    __syncthreads();
+    const size_t pidx = (size_t)r * nch + c;
+    if (warp == 0) {
+        const float wm = lane < nw ? wmax[lane] : NEG_INF;
+        float M = wm;
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+        double S = (lane < nw && wm != NEG_INF) ? wsum[lane] * exp_neg_nb((double)wm - (double)M, tab) : 0.0;
+        for (int o = 16; o > 0; o >>= 1) S += __shfl_xor_sync(FULL, S, o);
+        uint32_t b = lane < nw ? wbound[lane] : 0xffffffffu;
+        for (int o = 16; o > 0; o >>= 1) b = min(b, __shfl_xor_sync(FULL, b, o));
+        if (lane == 0) { part_max[pidx] = M; part_sum[pidx] = (M != NEG_INF) ? S : 0.0; s_bound = b; }
+    }
+    __syncthreads();
+    const uint32_t bound = s_bound;
+    // the items at or above the bound, in any order (columns kept)
+#pragma unroll
+    for (int j = 0; j < PE; ++j)
+        if (k[j] != 0u && k[j] >= bound) {
+            const int pos = atomicAdd(&s_cnt, 1);
+            if (pos < LIST_CAP) { lkey[pos] = k[j]; lcol[pos] = (uint16_t)(t0 + j); }
+        }
+    __syncthreads();
+    const int total = s_cnt;
+    uint32_t* ok = cand_key + pidx * K;
+    int32_t* ot = cand_tok + pidx * K;
+    if (total <= RANK_CAP) {
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+            const uint32_t ki = lkey[i];
+            const int ci = lcol[i];
+            int rank = 0;
+            for (int j = 0; j < total; ++j) {
+                const uint32_t kj = lkey[j];
+                rank += (kj > ki) || (kj == ki && (int)lcol[j] < ci);
+            }
+            if (rank < Kc) { ok[rank] = ki; ot[rank] = lo + ci; }
+        }
+    } else {  // many items at the bound: the general selection over the registers (item order among equals)
+        const Selection sel = radix_passes([&](auto f) {
+#pragma unroll
+            for (int j = 0; j < PE; ++j) f(k[j]);
+        }, Kc, bound, low_bit, hist, ired, s_int);
+        emit_selected<PE>(k, sel, ired, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = lo + t0 + j; });
+    }
+    for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_small_f32(
+    const float* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
+    float* part_max, double* part_sum) {
+    topk_partial_small_impl(logits, V, K, chunk, 0, cand_key, cand_tok, part_max, part_sum);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_small_bf16(
+    const uint16_t* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
+    float* part_max, double* part_sum) {
+    topk_partial_small_impl(logits, V, K, chunk, 16, cand_key, cand_tok, part_max, part_sum);
+}
+
+#define MAX_MERGE_CHUNKS 1024
+extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
+    const uint32_t* __restrict__ cand_key, const int32_t* __restrict__ cand_tok,
+    const float* __restrict__ part_max, const double* __restrict__ part_sum, int nch, int K, int Kp,
+    int32_t* __restrict__ out_tok, float* __restrict__ out_lp) {
+    __shared__ uint32_t hist[4096];
+    __shared__ uint64_t buf[1024];
+    __shared__ uint32_t cmin[MAX_MERGE_CHUNKS];
+    __shared__ uint32_t lkey[RANK_CAP];
+    __shared__ int32_t ltok[RANK_CAP];
+    __shared__ int ired[32];
+    __shared__ int s_int[4];
+    __shared__ int s_cnt;
+    __shared__ uint32_t s_bound;
+    __shared__ double s_lse;
+    const int r = blockIdx.x, M = nch * K;
+    const int w = (M + blockDim.x - 1) / blockDim.x;  // <= ME
+    const int t0 = threadIdx.x * w, cnt = max(0, min(w, M - t0));
+    const uint32_t* ck = cand_key + (size_t)r * M + t0;
+    const int32_t* ct = cand_tok + (size_t)r * M + t0;
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) cmin[c] = 0xffffffffu;
+    if (threadIdx.x == 0) s_cnt = 0;
+    uint32_t k[ME];
+#pragma unroll
+    for (int j = 0; j < ME; ++j) k[j] = (j < cnt) ? ck[j] : 0u;
+    if (threadIdx.x < 32) {
+        float m = NEG_INF;
+        for (int c = threadIdx.x; c < nch; c += 32) m = fmaxf(m, part_max[(size_t)r * nch + c]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+        double s = 0.0;
+        for (int c = threadIdx.x; c < nch; c += 32) {
+            const float pm = part_max[(size_t)r * nch + c];
+            if (pm != NEG_INF) s += part_sum[(size_t)r * nch + c] * exp((double)pm - (double)m);
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+        if (threadIdx.x == 0) s_lse = (double)m + log(s);
+    }
+    __syncthreads();  // cmin, s_cnt
+    {  // each chunk's smallest listed key (its K-th largest: every chunk lists K keys, padding 0)
+        int cc = -1;
+        uint32_t mn = 0xffffffffu;
+#pragma unroll
+        for (int j = 0; j < ME; ++j) {
+            if (j < cnt) {
+                const int c = (t0 + j) / K;
+                if (c != cc) {
+                    if (cc >= 0) atomicMin(&cmin[cc], mn);
+                    cc = c;
+                    mn = 0xffffffffu;
+                }
+                mn = min(mn, k[j]);
+            }
+        }
+        if (cc >= 0) atomicMin(&cmin[cc], mn);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // the bound: the largest chunk minimum (those chunks' K keys are all >= it)
+        uint32_t b = 0u;
+        for (int c = threadIdx.x; c < nch; c += 32) b = max(b, cmin[c]);
+        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(FULL, b, o));
+        if (threadIdx.x == 0) s_bound = b;
+    }
+    __syncthreads();
+    const uint32_t bound = s_bound;
+#pragma unroll
+    for (int j = 0; j < ME; ++j)
+        if (k[j] != 0u && k[j] >= bound) {
+            const int pos = atomicAdd(&s_cnt, 1);
+            if (pos < RANK_CAP) { lkey[pos] = k[j]; ltok[pos] = ct[j]; }
+        }
+    __syncthreads();
+    const int total = s_cnt;
+    const double lse = s_lse;
+    if (total <= RANK_CAP) {
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+            const uint32_t ki = lkey[i];
+            const int32_t ti = ltok[i];
+            int rank = 0;
+            for (int j = 0; j < total; ++j) {
+                const uint32_t kj = lkey[j];
+                rank += (kj > ki) || (kj == ki && ltok[j] < ti);
+            }
+            if (rank < K) {
+                const float x = key2f(ki);
+                out_tok[(size_t)r * K + rank] = ti;
+                out_lp[(size_t)r * K + rank] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
+            }
+        }
+        return;
+    }
+    // many survivors (ties at the bound): the general merge's selection
+    const Selection sel = select_kth<ME>(k, K, 0, hist, ired, s_int);
+    emit_selected<ME>(k, sel, ired, [&](int j, int slot) {
+        buf[slot] = ((uint64_t)k[j] << 32) | (uint64_t)(~(uint32_t)ct[j]); });
+    __syncthreads();
+    uint64_t v = (threadIdx.x < K) ? buf[threadIdx.x] : 0ull;
+    __syncthreads();
+    v = bitonic_desc(v, Kp, buf);
     if (threadIdx.x < K) {
         const float x = key2f((uint32_t)(v >> 32));
         out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));

@@ -28,6 +28,7 @@ MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
 MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's registers (1024 x 16)
 MAX_CHUNK = 16384           # topk_partial holds a chunk in registers: 512 threads x 32 keys
+TOPK_SMALL_K = 512          # topk_*_small up to this K (a warp's share of the bound: 32 maxima)
 PAGE_SIZE = 64
 D_QK, D_V = 576, 512
 
@@ -212,11 +213,12 @@ def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
     part_sum = _empty(R, nch, dtype=torch.float64, device=dev)
     out_tok = _empty(R, K, dtype=torch.int32, device=dev)
     out_lp = _empty(R, K, dtype=torch.float32, device=dev)
-    name = "topk_partial_bf16" if x.dtype == torch.bfloat16 else "topk_partial_f32"
+    small = "_small" if K <= TOPK_SMALL_K else ""  # few block barriers, lists ranked by counting
+    name = f"topk_partial{small}_" + ("bf16" if x.dtype == torch.bfloat16 else "f32")
     _launch("tree_build", name, (nch, R), (512,),
             (_p(x), _i(V), _i(K), _i(chunk), _p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum)))
     Kp = 1 << max(0, math.ceil(math.log2(K)))
-    _launch("tree_build", "topk_merge", (R,), (1024,),
+    _launch("tree_build", f"topk_merge{small}", (R,), (1024,),
             (_p(cand_key), _p(cand_tok), _p(part_max), _p(part_sum), _i(nch), _i(K), _i(Kp), _p(out_tok),
              _p(out_lp)))  # both top-K kernels use static shared memory only
     return out_tok, out_lp

@@ -37,6 +37,32 @@ def test_topk_matches_golden(V, K, dtype):
     np.testing.assert_array_equal(lp.cpu().numpy(), gl)
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf_holes", "one_finite"])
+@pytest.mark.parametrize("V,K", [(163840, 64), (163840, 512), (3000, 200)])
+def test_topk_small_paths_match_golden(kind, V, K):
+    """topk_*_small (K <= 512): the ranked lists (distinct values) and the radix fallback (thousands of ties at
+    the bound), in both the partial and the merge, against the golden."""
+    from kdtree import kernels
+    rng = np.random.default_rng(V + K + len(kind))
+    R = 6
+    if kind == "normal":
+        x = rng.standard_normal((R, V)).astype(np.float32) * 3
+    elif kind == "ties":
+        x = rng.integers(-3, 3, size=(R, V)).astype(np.float32)
+    elif kind == "inf_holes":
+        x = rng.standard_normal((R, V)).astype(np.float32)
+        x[rng.random((R, V)) < 0.9] = -np.inf
+    else:  # one finite logit per row: the rest of the top-K is -inf, by token
+        x = np.full((R, V), -np.inf, dtype=np.float32)
+        x[np.arange(R), rng.integers(V, size=R)] = 1.0
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(x).to(dtype)
+        tok, lp = kernels.topk_logprobs(t.cuda(), K, check_values=False)
+        gt, gl = golden.topk_logprobs(t.float().numpy(), K)
+        np.testing.assert_array_equal(tok.cpu().numpy(), gt)
+        np.testing.assert_array_equal(lp.cpu().numpy(), gl)
+
+
 def _check_tree(tb, i, x, budget, root, start):
     tree = golden.ddtree(x, budget)
     vb = golden.compile_tree(tree, root, start)
