@@ -2,7 +2,7 @@
 //
 // Golden twin: kdtree/golden.py  topk_logprobs + build_tree + compile_tree + pack_mask_bits.
 // Three launches, no host round trip (capturable in a CUDA graph):
-// (topk_partial_small_* and topk_merge_small, below, serve K <= 512 under the same contracts as 1 and 2.)
+// (topk_partial_small_* and topk_merge_small, below, serve K <= 256 under the same contracts as 1 and 2.)
 //
 // 1. topk_partial_{f32,bf16}   grid (n_chunks, R), block 512, chunk <= 16384 columns (32 per thread)
 //      logits [R, V] (fp32, or bf16 passed as uint16), R = batch * L rows.
@@ -461,21 +461,24 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge(
     }
 }
 
-// ------------------------------------------------------------------------------ top-K for K <= 512
+// ------------------------------------------------------------------------------ top-K for K <= 256
 // topk_partial_small_{f32,bf16} and topk_merge_small: the same contracts as topk_partial / topk_merge, for
-// K <= 512, with a handful of block barriers instead of ~45 (the block-wide histogram selections of the
+// K <= 256, with a handful of block barriers instead of ~45 (the block-wide histogram selections of the
 // general kernels cost ~13 us a block on the H200 whatever the chunk's width):
 //   - max and sum(exp) per thread first (a thread's terms relative to its own max), combined once per block;
-//   - the lower bound is the smallest of each warp's ceil(Kc / warps)-th largest thread maximum (those are
-//     Kc distinct items), from a sort of the warp's 32 maxima in registers;
+//   - the lower bound is the smallest of each full warp's ceil(Kc / full warps)-th largest thread maximum
+//     (together at least Kc distinct items), from a sort of the warp's 32 maxima in registers;
 //   - the items at or above it go to a shared-memory list through shared atomics; a list of at most RANK_CAP
 //     items is ranked by counting (rank = items with a larger key, or an equal key and a smaller column), which
 //     gives the chunk's top-Kc already sorted (key descending, column ascending); a longer one (ties, -inf-heavy
 //     chunks) takes the general kernel's radix selection over the registers.
-// The merge takes, as its lower bound, the largest over chunks of the chunk's smallest listed key (each chunk
-// lists its top-min(K, width) keys, padding 0), keeps the candidates at or above it, and ranks them by counting
-// (key descending, token ascending) when at most RANK_CAP survive; otherwise the general merge's selection.
+// The merge's lower bound is the larger of: the largest over chunks of the chunk's smallest listed key (each
+// chunk lists its top-min(K, width) keys, padding 0), and the smallest of every chunk's first ceil(K / chunks)
+// listed keys (the ranked lists are sorted, so those are each chunk's best). It keeps the candidates at or above
+// it and ranks them by counting (key descending, token ascending) when at most RANK_CAP survive; otherwise the
+// general merge's selection.
 #define RANK_CAP 1024
+static_assert(RANK_CAP >= 512, "a list longer than RANK_CAP must hold more than K items (K <= 256, q <= 32)");
 
 // exp(d) for d <= 0 in double, like exp_neg but without a branch: d below -700 is taken as -700, whose term
 // (~1e-304) cannot change a sum that holds a 1.
@@ -552,9 +555,14 @@ __device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int
     for (int o = 16; o > 0; o >>= 1) mw = fmaxf(mw, __shfl_xor_sync(FULL, mw, o));
     double sw = (m != NEG_INF) ? s * exp_neg_nb((double)m - (double)mw, tab) : 0.0;
     for (int o = 16; o > 0; o >>= 1) sw += __shfl_xor_sync(FULL, sw, o);
+    // the bound: each full warp (all 32 lanes hold columns) offers its q-th largest thread maximum, q =
+    // ceil(Kc / full warps); the smallest offer has q * full >= Kc distinct items at or above it. No full
+    // warp, or q > 32: no bound (0).
     const int Kc = min(K, n);
-    const int q = (Kc + nw - 1) / nw;  // <= 32 for K <= 512 at 512 threads
-    const uint32_t bw = __shfl_sync(FULL, warp_sort_desc(top), q - 1);
+    const int full = min((int)blockDim.x, (n + w - 1) / w) >> 5;
+    const int q = full > 0 ? (Kc + full - 1) / full : 33;
+    const uint32_t sorted = warp_sort_desc(top);
+    const uint32_t bw = q > 32 ? 0u : (warp < full ? __shfl_sync(FULL, sorted, q - 1) : 0xffffffffu);
     if (lane == 0) { wmax[warp] = mw; wsum[warp] = sw; wbound[warp] = bw; }
     __syncthreads();
     const size_t pidx = (size_t)r * nch + c;
@@ -592,11 +600,12 @@ __device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int
             }
             if (rank < Kc) { ok[rank] = ki; ot[rank] = lo + ci; }
         }
-    } else {  // many items at the bound: the general selection over the registers (item order among equals)
+    } else {  // many items at the bound: the general selection over the registers (item order among equals),
+              // from the bound's 12-bit bin (radix_passes counts whole first-pass bins)
         const Selection sel = radix_passes([&](auto f) {
 #pragma unroll
             for (int j = 0; j < PE; ++j) f(k[j]);
-        }, Kc, bound, low_bit, hist, ired, s_int);
+        }, Kc, bound & 0xfff00000u, low_bit, hist, ired, s_int);
         emit_selected<PE>(k, sel, ired, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = lo + t0 + j; });
     }
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
@@ -627,7 +636,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
     __shared__ int ired[32];
     __shared__ int s_int[4];
     __shared__ int s_cnt;
-    __shared__ uint32_t s_bound;
+    __shared__ uint32_t s_bound, s_firstq;
     __shared__ double s_lse;
     const int r = blockIdx.x, M = nch * K;
     const int w = (M + blockDim.x - 1) / blockDim.x;  // <= ME
@@ -635,7 +644,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
     const uint32_t* ck = cand_key + (size_t)r * M + t0;
     const int32_t* ct = cand_tok + (size_t)r * M + t0;
     for (int c = threadIdx.x; c < nch; c += blockDim.x) cmin[c] = 0xffffffffu;
-    if (threadIdx.x == 0) s_cnt = 0;
+    if (threadIdx.x == 0) { s_cnt = 0; s_firstq = 0xffffffffu; }
     uint32_t k[ME];
 #pragma unroll
     for (int j = 0; j < ME; ++j) k[j] = (j < cnt) ? ck[j] : 0u;
@@ -652,9 +661,11 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
         if (threadIdx.x == 0) s_lse = (double)m + log(s);
     }
     __syncthreads();  // cmin, s_cnt
-    {  // each chunk's smallest listed key (its K-th largest: every chunk lists K keys, padding 0)
+    {  // each chunk's smallest listed key (every chunk lists K keys, padding 0), and the smallest of the first
+       // q = ceil(K / nch) keys of every chunk
+        const int q = (K + nch - 1) / nch;
         int cc = -1;
-        uint32_t mn = 0xffffffffu;
+        uint32_t mn = 0xffffffffu, mq = 0xffffffffu;
 #pragma unroll
         for (int j = 0; j < ME; ++j) {
             if (j < cnt) {
@@ -665,16 +676,19 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
                     mn = 0xffffffffu;
                 }
                 mn = min(mn, k[j]);
+                if ((t0 + j) - c * K < q) mq = min(mq, k[j]);
             }
         }
         if (cc >= 0) atomicMin(&cmin[cc], mn);
+        atomicMin(&s_firstq, mq);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {  // the bound: the largest chunk minimum (those chunks' K keys are all >= it)
+    if (threadIdx.x < 32) {  // the bound: the largest chunk minimum (that chunk's K keys are all >= it), or the
+                             // smallest of the chunks' first q keys (nch * q >= K keys are >= it), whichever is larger
         uint32_t b = 0u;
         for (int c = threadIdx.x; c < nch; c += 32) b = max(b, cmin[c]);
         for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(FULL, b, o));
-        if (threadIdx.x == 0) s_bound = b;
+        if (threadIdx.x == 0) s_bound = max(b, s_firstq);
     }
     __syncthreads();
     const uint32_t bound = s_bound;

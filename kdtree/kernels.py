@@ -28,7 +28,7 @@ MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
 MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's registers (1024 x 16)
 MAX_CHUNK = 16384           # topk_partial holds a chunk in registers: 512 threads x 32 keys
-TOPK_SMALL_K = 512          # topk_*_small up to this K (a warp's share of the bound: 32 maxima)
+TOPK_SMALL_K = 256          # topk_*_small up to this K (beyond, one maximum per thread bounds too loosely)
 PAGE_SIZE = 64
 D_QK, D_V = 576, 512
 

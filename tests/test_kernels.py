@@ -38,13 +38,13 @@ def test_topk_matches_golden(V, K, dtype):
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "inf_holes", "one_finite"])
-@pytest.mark.parametrize("V,K", [(163840, 64), (163840, 512), (3000, 200)])
-def test_topk_small_paths_match_golden(kind, V, K):
-    """topk_*_small (K <= 512): the ranked lists (distinct values) and the radix fallback (thousands of ties at
-    the bound), in both the partial and the merge, against the golden."""
+@pytest.mark.parametrize("R,V,K", [(15, 163840, 64), (64, 262144, 64), (15, 163840, 256), (6, 3000, 200)])
+def test_topk_small_paths_match_golden(kind, R, V, K):
+    """topk_*_small (K <= TOPK_SMALL_K): the ranked lists under a real bound (distinct values), the radix
+    fallback (thousands of ties at the bound), small chunks without a bound, in the partial and the merge."""
     from kdtree import kernels
-    rng = np.random.default_rng(V + K + len(kind))
-    R = 6
+    assert K <= kernels.TOPK_SMALL_K
+    rng = np.random.default_rng(V + K + R + len(kind))
     if kind == "normal":
         x = rng.standard_normal((R, V)).astype(np.float32) * 3
     elif kind == "ties":
