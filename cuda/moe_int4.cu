@@ -10,8 +10,9 @@
 //      (word >> 4b) & 0x000f000f is register b's pair of 4-bit codes, one per bf16 half
 //   sr bf16  [E, R/16, K/32, 8, 2]:       scales of rows 16 t + g and 16 t + g + 8
 // for a matrix [R, K]: w13 is [2I, D] (rows [0, I) gate, [I, 2I) up), w2 is [D, I].
-// Token-expert pairs arrive grouped by expert (the wrapper sorts them): pairs [expert_off[e], expert_off[e+1])
-// belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
+// moe_gate_up / moe_down take the token-expert pairs grouped by expert (moe_group does it): pairs
+// [expert_off[e], expert_off[e+1]) belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
+// moe_fused_t8 groups them itself.
 //
 // moe_gate_up_t{8,16}   grid (I / 16, S), block 256 (8 warps), static smem 8 KB (t8) / 16 KB (t16),
 //               <= 80 registers at t8 (three blocks per SM), <= 128 at t16 (two)
@@ -321,9 +322,14 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
 
 // suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills).
 // Measured on the H200 at K2.6 shapes: U 2-16 at 2-3 blocks per SM, none faster than 4 / 3 at 3.
-#ifndef MOE_T8_U  // tuning knobs (kdtree.kernels compiles with the defaults; -DMOE_T8_U=... to explore)
+// Tuning knobs (kdtree.kernels compiles with the defaults; -DMOE_T8_U=... etc. to explore).
+#ifndef MOE_T8_U
 #define MOE_T8_U 4
+#endif
+#ifndef MOE_T8_UD
 #define MOE_T8_UD 3
+#endif
+#ifndef MOE_T8_MINB
 #define MOE_T8_MINB 3
 #endif
 MOE_GEMMS(t8, 1, MOE_T8_U, MOE_T8_UD, MOE_T8_MINB)
@@ -404,14 +410,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
 }
 
 // ------------------------------------------------------------------------------------ fused small-batch path
-// moe_fused_t8_{i32,i64}   grid: a persistent grid (kernels: 3 blocks per SM), block 256, static smem ~9 KB
+// moe_fused_t8_{i32,i64}   grid: a persistent grid (kernels: 3 blocks per SM), block 256, static smem 9.5 KB
 //   The whole routed-expert call for at most FUSED_MAX_PAIRS pairs (decode, short chains) in ONE launch: each
 //   block groups the pairs itself in shared memory (ids outside [0, E) dropped), then takes work items from a
 //   ticket counter in this order: Z items that zero `out`, S * I/16 gate+up items (slot-major), S * D/32 down
 //   items (slot-major). A down item of slot s waits (one thread spins) until the I/16 gate+up items of s and
 //   the Z zeroing items are done. Tickets are handed out in order and a gate+up or zeroing item never waits,
 //   so every item a down item waits on belongs to a running block: no deadlock, whatever the grid size.
-//   x bf16 [T, D]; ids int32 [P]; w float [P] (pair p = token p / k); h bf16 [P, I] workspace (row = the
+//   x bf16 [T, D]; ids int32 (_i32) or int64 (_i64) [P]; w float [P] (pair p = token p / k); h bf16 [P, I] workspace (row = the
 //   pair's rank in expert order); out float [T, D] (written whole: zeroed, then accumulated with fp32 atomics).
 //   sync int32 [4 + FUSED_MAX_PAIRS]: ticket, exits, zeroed, done[slot]; all zero between calls (the last
 //   block to exit resets them; the wrapper allocates them zeroed once per stream, or per captured graph).

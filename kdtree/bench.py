@@ -414,7 +414,7 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
             moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[c[0] % n_sets])
             c[0] += 1
         with torch.no_grad():
-            if str(device).startswith("cuda"):  # GPU time of the whole call (grouping + 2 launches): graph replays
+            if str(device).startswith("cuda"):  # GPU time of the whole call (one fused launch at 1 token, else grouping + 2): graph replays
                 t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats)
             else:
                 t_k = timer(kern, repeats)

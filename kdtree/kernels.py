@@ -583,7 +583,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024). fused: the whole call in one launch
     (moe_fused_t8_*: grouping, zeroing, gate+up and down in a persistent grid) for at most FUSED_MAX_PAIRS pairs;
     default: for one token (T == 1) unless tile_tokens is 16 (H200, K2.6 shapes: 0.073 vs 0.080 ms at one token,
-    slower than the three launches from two tokens on)."""
+    not faster than the three launches from two tokens on)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
     if fused and tile_tokens == 16:
@@ -636,7 +636,7 @@ def _moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     ids = topk_ids.contiguous()
     w = topk_weights.contiguous()
     h = _empty(T * k, I, dtype=torch.bfloat16, device=dev)
-    out = torch.empty(T, D, dtype=torch.float32, device=dev)  # the kernel zeroes it before accumulating
+    out = _empty(T, D, dtype=torch.float32, device=dev)  # the kernel zeroes it before accumulating
     n_sm = _sm_count(dev)
     name = "moe_fused_t8_i32" if ids.dtype == torch.int32 else "moe_fused_t8_i64"
     _launch("moe_int4", name, (3 * n_sm,), (256,),
