@@ -22,9 +22,10 @@
 //   w13r, s13r (above, R = 2I, K = D)
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
 //   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
-//   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared memory. Pairs go 8 (t8: one n8 tile) or 16
-//   (t16: two) at a time through mma.sync m16n8k16 (bf16 in, fp32 out); the wrapper takes t8 when experts hold
-//   few pairs (decode, small trees) so no mma or register is spent on empty token columns. A fragments are
+//   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared
+//   memory. Pairs go 8 (t8: one n8 tile) or 16 (t16: two) at a time through mma.sync m16n8k16 (bf16 in,
+//   fp32 out); the wrapper takes t8 when experts hold few pairs (decode, small trees) so no mma or register
+//   is spent on empty token columns. A fragments are
 //   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
 //   minus 136 gives n - 8); the scale multiplies each 32-input group's fp32 partial sum; one set of B
 //   fragments serves both tiles; U groups' A loads go out together (t8: 4, down 3; t16: 2), bypassing L1, and

@@ -742,6 +742,13 @@ __device__ __forceinline__ uint64_t tree_key(float score, int depth, int slot, i
            (uint64_t)(1023 - rank);
 }
 
+// The low word's fields back: depth, parent slot, rank.
+__device__ __forceinline__ void key_fields(uint32_t lo, int& depth, int& slot, int& rank) {
+    depth = 63 - (int)((lo >> 21) & 63u);
+    slot = 2047 - (int)((lo >> 10) & 2047u);
+    rank = 1023 - (int)(lo & 1023u);
+}
+
 // Warp 0's search with the frontier in registers: slot s in lane s % 32, register s / 32 (C registers per lane;
 // cheapest while C is small). Each pop is computed by the whole warp alike (the popped key is uniform); only the
 // two owning lanes store, and only they refresh their best. Returns the number of nodes emitted.
@@ -760,8 +767,9 @@ __device__ int search_regs(const float* lp, int L, int K, int B, uint64_t* nodes
         const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
         if (hi == 0u) break;  // frontier empty (a real key's high word is never 0)
         const float score = key2f(hi);
-        const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
-                  rk = 1023 - (int)(lo & 1023u), t = n + 1;
+        int d, s, rk;
+        key_fields(lo, d, s, rk);
+        const int t = n + 1;
         const float l2 = (rk + 1 < K) ? lp[(d - 1) * K + rk + 1] : NEG_INF;  // next sibling
         const float l3 = (d < L) ? lp[d * K] : NEG_INF;                      // first child
         const float ps = nsc[s];
@@ -809,8 +817,9 @@ __device__ int search_groups(const float* lp, int L, int K, int B, uint64_t* nod
         const uint32_t lo = __reduce_max_sync(FULL, (uint32_t)(v >> 32) == hi ? (uint32_t)v : 0u);
         if (hi == 0u) break;  // frontier empty
         const float score = key2f(hi);
-        const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
-                  rk = 1023 - (int)(lo & 1023u), t = n + 1;
+        int d, s, rk;
+        key_fields(lo, d, s, rk);
+        const int t = n + 1;
         const int js = s >> 5, jt = t >> 5;
         // the popped slot's group without it (slot t, if in the group, is still empty)
         const uint64_t o = (lane == (s & 31)) ? 0ull : fk[32 * js + lane];
@@ -876,8 +885,8 @@ __device__ void tree_build_impl(
         if (i >= 1 && i <= n) {
             const uint64_t k = nodes[i - 1];
             const uint32_t lo = (uint32_t)k;
-            const int d = 63 - (int)((lo >> 21) & 63u), s = 2047 - (int)((lo >> 10) & 2047u),
-                      rk = 1023 - (int)(lo & 1023u);
+            int d, s, rk;
+            key_fields(lo, d, s, rk);
             tokens[o] = tt[(d - 1) * K + rk]; positions[o] = sp + d; parents[o] = s;  // slot s = row s
             depths[o] = d; scores[o] = key2f((uint32_t)(k >> 32)); prow[i] = (int16_t)s;
         } else {
