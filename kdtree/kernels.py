@@ -28,7 +28,9 @@ MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
 MAX_CANDIDATES = 16384      # n_chunks * K candidates per row held in topk_merge's registers (1024 x 16)
 MAX_CHUNK = 16384           # topk_partial holds a chunk in registers: 512 threads x 32 keys
-TOPK_SMALL_K = 256          # topk_*_small up to this K (beyond, one maximum per thread bounds too loosely)
+TOPK_SMALL_MAX_K = 256      # topk_*_small's limit (beyond, one maximum per thread bounds too loosely)
+TOPK_SMALL_K = 16           # topk_logprobs takes topk_*_small up to this K: measured faster at 16 (batch 1, 8, 32:
+                            # 14-23%), slower at 64 (its lists are ranked by counting, quadratic in their length)
 PAGE_SIZE = 64
 D_QK, D_V = 576, 512
 

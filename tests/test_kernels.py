@@ -38,12 +38,14 @@ def test_topk_matches_golden(V, K, dtype):
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "inf_holes", "one_finite"])
-@pytest.mark.parametrize("R,V,K", [(15, 163840, 64), (64, 262144, 64), (15, 163840, 256), (6, 3000, 200)])
-def test_topk_small_paths_match_golden(kind, R, V, K):
-    """topk_*_small (K <= TOPK_SMALL_K): the ranked lists under a real bound (distinct values), the radix
-    fallback (thousands of ties at the bound), small chunks without a bound, in the partial and the merge."""
+@pytest.mark.parametrize("R,V,K", [(15, 163840, 16), (15, 163840, 64), (64, 262144, 64), (15, 163840, 256), (6, 3000, 200)])
+def test_topk_small_paths_match_golden(kind, R, V, K, monkeypatch):
+    """topk_*_small up to their limit (TOPK_SMALL_MAX_K, above the K where topk_logprobs picks them): the ranked
+    lists under a real bound (distinct values), the radix fallback (thousands of ties at the bound), small chunks
+    without a bound, in the partial and the merge."""
     from kdtree import kernels
-    assert K <= kernels.TOPK_SMALL_K
+    assert K <= kernels.TOPK_SMALL_MAX_K
+    monkeypatch.setattr(kernels, "TOPK_SMALL_K", kernels.TOPK_SMALL_MAX_K)
     rng = np.random.default_rng(V + K + R + len(kind))
     if kind == "normal":
         x = rng.standard_normal((R, V)).astype(np.float32) * 3
