@@ -53,22 +53,22 @@ __device__ __forceinline__ float load_logit(const uint16_t* p, size_t i) {
     return __uint_as_float(((uint32_t)p[i]) << 16);  // bf16 -> fp32 exactly
 }
 
-// exp(d) for d <= 0 in double, table-driven: d = (64k + j) ln2/64 + r, |r| <= ln2/128,
-// exp(d) = 2^k * 2^(j/64) * P6(r). Relative error ~2 ulp; 0 below -700 (such terms cannot change a sum
-// that holds the max's term, 1). tab[64] = 2^(j/64), filled by init_exp_table.
-__device__ __forceinline__ double exp_neg(double d, const double* tab) {
-    if (d < -700.0) return 0.0;
-    const double n = rint(d * 92.33248261689366);              // 64 / ln 2
-    double r = fma(-n, 0.01083042469326756, d);                // ln2/64, high part
-    r = fma(-n, 2.9815858269852933e-12, r);                      // ln2/64, low part
-    const int ni = (int)n, j = ni & 63, k = (ni - j) / 64;      // ni = 64k + j, 0 <= j < 64
+// exp(d) for d <= 0 in double, table-driven and without a branch: d = (64k + j) ln2/64 + r, |r| <= ln2/128,
+// exp(d) = 2^k * 2^(j/64) * P6(r). Relative error ~2 ulp; d below -700 is taken as -700, whose term (~1e-304)
+// cannot change a sum that holds the max's term, 1. tab[64] = 2^(j/64), filled by init_exp_table.
+__device__ __forceinline__ double exp_neg_nb(double d, const double* tab) {
+    d = fmax(d, -700.0);
+    const double n = rint(d * 92.33248261689366);
+    double r = fma(-n, 0.01083042469326756, d);
+    r = fma(-n, 2.9815858269852933e-12, r);
+    const int ni = (int)n, j = ni & 63, k = (ni - j) / 64;
     double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
     p = fma(r, p, 1.0 / 24.0);
     p = fma(r, p, 1.0 / 6.0);
     p = fma(r, p, 0.5);
     p = fma(r, p, 1.0);
     p = fma(r, p, 1.0);
-    const double t = tab[j] * p;                                // in [0.99, 2.01)
+    const double t = tab[j] * p;
     return __longlong_as_double(__double_as_longlong(t) + ((long long)k << 52));
 }
 
@@ -326,7 +326,7 @@ __device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, in
     if (m != NEG_INF) {
 #pragma unroll
         for (int j = 0; j < PE; ++j)
-            if (j < cnt) s += exp_neg((double)key2f(k[j]) - (double)m, tab);
+            if (j < cnt) s += exp_neg_nb((double)key2f(k[j]) - (double)m, tab);
     }
     s = block_sum(s, dred);
     const size_t pidx = (size_t)r * nch + c;
@@ -480,24 +480,6 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge(
 // general merge's selection.
 #define RANK_CAP 1024
 static_assert(RANK_CAP >= 512, "a list longer than RANK_CAP must hold more than K items (K <= 256, q <= 32)");
-
-// exp(d) for d <= 0 in double, like exp_neg but without a branch: d below -700 is taken as -700, whose term
-// (~1e-304) cannot change a sum that holds a 1.
-__device__ __forceinline__ double exp_neg_nb(double d, const double* tab) {
-    d = fmax(d, -700.0);
-    const double n = rint(d * 92.33248261689366);
-    double r = fma(-n, 0.01083042469326756, d);
-    r = fma(-n, 2.9815858269852933e-12, r);
-    const int ni = (int)n, j = ni & 63, k = (ni - j) / 64;
-    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
-    p = fma(r, p, 1.0 / 24.0);
-    p = fma(r, p, 1.0 / 6.0);
-    p = fma(r, p, 0.5);
-    p = fma(r, p, 1.0);
-    p = fma(r, p, 1.0);
-    const double t = tab[j] * p;
-    return __longlong_as_double(__double_as_longlong(t) + ((long long)k << 52));
-}
 
 // Descending sort of one uint32 per lane over the warp (bitonic, shuffles only); lane 0 ends with the largest.
 __device__ __forceinline__ uint32_t warp_sort_desc(uint32_t v) {
