@@ -245,3 +245,227 @@ extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
     }
     if (threadIdx.x == 0) lse[(size_t)b * NH + qr] = (M + log2f(L)) * 0.6931471805599453f;
 }
+
+// ------------------------------------------------------------------------------------- wgmma path (sm_90a)
+// verify_attn_wg: verify_attn_partial's contract (arguments, ws_o / ws_ml, then verify_attn_combine) on Hopper's
+// warpgroup MMA; compiled where the loader defines KDTREE_WGMMA (an sm_90a build), else absent.
+//   grid (n_splits, ceil(N*H / 64), batch), block 256 (two warpgroups), dynamic smem WG_SMEM
+//   (kernels.VERIFY_WG_SMEM), split over tiles of 64 keys.
+//   Shared memory: Q [64 rows x 576] and two K/V tiles [64 keys x 576], each as nine 128-byte-swizzled K-major
+//   atoms [64 rows x 64 dims] (16-byte chunk c of row r stored at chunk c ^ (r & 7)), filled by cp.async; P
+//   [64 x 64] bf16 in one such atom.
+//   Per tile: warpgroup g computes S [64 x 32] for keys 32g..32g+31 (wgmma m64n32k16, 36 k-steps, Q and K read
+//   from shared memory); masked, scaled row maxima meet in shared memory; P goes to shared memory as bf16; then
+//   warpgroup g accumulates O [64 rows x 256 columns 256g..] += P V (wgmma m64n256k16, 4 k-steps, V = the tile's
+//   first 512 dims read MN-major). fp32 accumulation, online softmax in base 2; each thread keeps its own part of
+//   the row sums until the end.
+#ifdef KDTREE_WGMMA
+#define WG_KEYS 64
+#define ATOM 8192
+constexpr int WG_TILE = 9 * ATOM;
+constexpr int WG_SMEM = 1024 + 3 * WG_TILE + ATOM + 3 * 64 * 4;  // alignment slack, Q, 2 K/V tiles, P, red
+static_assert(WG_SMEM <= 232448, "verify_attn_wg: over the 227 KB of shared memory a block may have on sm_90");
+
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {  // 128-byte swizzle
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
+__device__ __forceinline__ void wg_m64n32(float (&d)[16], uint64_t da, uint64_t db, int accum) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]), "+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15])
+                 : "l"(da), "l"(db), "r"(accum));
+}
+
+// d [64 x 256] += A B, A K-major, B MN-major (transposed) in shared memory
+__device__ __forceinline__ void wg_m64n256_tb(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+                 : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31]),"+f"(d[32]),"+f"(d[33]),"+f"(d[34]),"+f"(d[35]),"+f"(d[36]),"+f"(d[37]),"+f"(d[38]),"+f"(d[39]),"+f"(d[40]),"+f"(d[41]),"+f"(d[42]),"+f"(d[43]),"+f"(d[44]),"+f"(d[45]),"+f"(d[46]),"+f"(d[47]),"+f"(d[48]),"+f"(d[49]),"+f"(d[50]),"+f"(d[51]),"+f"(d[52]),"+f"(d[53]),"+f"(d[54]),"+f"(d[55]),"+f"(d[56]),"+f"(d[57]),"+f"(d[58]),"+f"(d[59]),"+f"(d[60]),"+f"(d[61]),"+f"(d[62]),"+f"(d[63]),"+f"(d[64]),"+f"(d[65]),"+f"(d[66]),"+f"(d[67]),"+f"(d[68]),"+f"(d[69]),"+f"(d[70]),"+f"(d[71]),"+f"(d[72]),"+f"(d[73]),"+f"(d[74]),"+f"(d[75]),"+f"(d[76]),"+f"(d[77]),"+f"(d[78]),"+f"(d[79]),"+f"(d[80]),"+f"(d[81]),"+f"(d[82]),"+f"(d[83]),"+f"(d[84]),"+f"(d[85]),"+f"(d[86]),"+f"(d[87]),"+f"(d[88]),"+f"(d[89]),"+f"(d[90]),"+f"(d[91]),"+f"(d[92]),"+f"(d[93]),"+f"(d[94]),"+f"(d[95]),"+f"(d[96]),"+f"(d[97]),"+f"(d[98]),"+f"(d[99]),"+f"(d[100]),"+f"(d[101]),"+f"(d[102]),"+f"(d[103]),"+f"(d[104]),"+f"(d[105]),"+f"(d[106]),"+f"(d[107]),"+f"(d[108]),"+f"(d[109]),"+f"(d[110]),"+f"(d[111]),"+f"(d[112]),"+f"(d[113]),"+f"(d[114]),"+f"(d[115]),"+f"(d[116]),"+f"(d[117]),"+f"(d[118]),"+f"(d[119]),"+f"(d[120]),"+f"(d[121]),"+f"(d[122]),"+f"(d[123]),"+f"(d[124]),"+f"(d[125]),"+f"(d[126]),"+f"(d[127])
+                 : "l"(da), "l"(db));
+}
+
+// cp.async a [64 x 576] tile into swizzled atoms: thread t copies 16-byte chunk t % 8 of each 64-dim atom of
+// rows t / 8 and t / 8 + 32 (src of row r from row(r), 16 bytes or 0 = zero-fill)
+template <typename Row>
+__device__ __forceinline__ void wg_load_tile(unsigned char* dst, Row row) {
+    const int qc = threadIdx.x & 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = (threadIdx.x >> 3) + 32 * h;
+        int bytes;
+        const __nv_bfloat16* src = row(r, bytes) + qc * 8;
+        const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
+#pragma unroll
+        for (int a = 0; a < 9; ++a)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d0 + a * ATOM), "l"(src + a * 64),
+                         "r"(bytes));
+    }
+}
+
+__device__ __forceinline__ void wg_load_kv(unsigned char* dst, const __nv_bfloat16* cache, const int32_t* pt,
+                                           int page_size, int key0, int S) {
+    wg_load_tile(dst, [&](int r, int& bytes) {
+        const int key = key0 + r;
+        bytes = key < S ? 16 : 0;
+        return cache_row(cache, pt, page_size, key < S ? key : 0);
+    });
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
+    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
+    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sm = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1 KB aligned
+    unsigned char* Qs = sm;
+    unsigned char* KV = sm + WG_TILE;
+    unsigned char* Ps = sm + 3 * WG_TILE;
+    float* red = (float*)(Ps + ATOM);  // [2][64] row maxima of the two key halves, then [64] row sums
+
+    const int split = blockIdx.x, n_splits = gridDim.x, qt = blockIdx.y, b = blockIdx.z;
+    const int NH = N * H, W = (N + 31) >> 5;
+    const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, c = lane & 3;
+    const int S = seq_len[b], prefix = S - N;
+    const int32_t* pt = page_table + (size_t)b * max_pages;
+    const int n_tiles = (S + WG_KEYS - 1) / WG_KEYS;
+    const int tps = (n_tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
+    const int q0 = qt * 64;
+    const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+
+    const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
+    wg_load_tile(Qs, [&](int r, int& bytes) {
+        const int qr = q0 + r;
+        bytes = qr < NH ? 16 : 0;
+        return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
+    });
+    if (t_begin < t_end) wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
+    cp_commit();
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+    const uint32_t q_addr = smem_addr(Qs), p_addr = smem_addr(Ps);
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const unsigned char* Ks = KV + ((t - t_begin) & 1) * WG_TILE;
+        cp_wait<0>();
+        fence_async_smem();  // the cp.async writes, before the async proxy (wgmma) reads them
+        __syncthreads();     // tile t is in; every warpgroup is done with tile t - 1 (its buffer is refilled next)
+        if (t + 1 < t_end) wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
+        cp_commit();
+        const uint32_t k_addr = smem_addr(Ks);
+
+        // S = Q K^T for this warpgroup's 32 keys
+        float s[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 36; ++ks) {
+            const uint32_t off = (ks >> 2) * ATOM + (ks & 3) * 32;
+            wg_m64n32(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off + wg * 4096, 16, 1024), ks > 0);
+        }
+        wg_commit();
+        wg_wait0();
+
+        // mask, scale, row maxima (fragment: s[4j + e] = row r0 + 8 * (e >> 1), key 8j + 2c + (e & 1))
+        const int key_base = t * WG_KEYS + wg * 32;
+        const bool plain = key_base + 32 <= prefix;  // all 32 keys are prefix rows, visible to every node
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bool vis = true;
+                if (!plain) {
+                    const int key = key_base + 8 * j + 2 * c + (e & 1);
+                    vis = key < S;
+                    if (vis && key >= prefix) {
+                        const int qr = min(q0 + r0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
+                        vis = (mask[((size_t)b * N + node) * W + (jj >> 5)] >> (jj & 31)) & 1u;
+                    }
+                }
+                const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
+                s[4 * j + e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        }
+        if (c == 0) { red[wg * 64 + r0] = mx[0]; red[wg * 64 + r0 + 8] = mx[1]; }
+        __syncthreads();
+        float mn[2], al[2], ps[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = r0 + 8 * i;
+            mn[i] = fmaxf(m_run[i], fmaxf(red[row], red[64 + row]));
+            al[i] = (mn[i] == NEG_INF) ? 1.f : exp2f(m_run[i] - mn[i]);
+        }
+        // P = 2^(s - m) as bf16 into the swizzled P atom (row r, keys 32 wg + 8j + 2c, +1)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float mm = mn[e >> 1];
+                p[e] = (mm == NEG_INF) ? 0.f : exp2f(s[4 * j + e] - mm);
+                ps[e >> 1] += p[e];
+            }
+            const int off = (((wg * 4 + j) ^ (r0 & 7)) << 4) + c * 4;  // rows r0 and r0 + 8 share r & 7
+            *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
+            *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            l_run[i] = l_run[i] * al[i] + ps[i];
+            m_run[i] = mn[i];
+        }
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            o[4 * j] *= al[0]; o[4 * j + 1] *= al[0];
+            o[4 * j + 2] *= al[1]; o[4 * j + 3] *= al[1];
+        }
+        fence_async_smem();  // P's generic-proxy stores, before wgmma reads them
+        __syncthreads();
+
+        // O [64 x 256] += P [64 x 64] V [64 keys x this warpgroup's 256 columns]
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+            wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + 4 * wg * ATOM + ks * 2048, 8192, 1024));
+        wg_commit();
+        wg_wait0();
+    }
+    cp_wait<0>();
+
+    // row sums: the quad's lanes, then the two warpgroups (same maxima: both saw the same red rows)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+    }
+    if (wg == 1 && c == 0) { red[128 + r0] = l_run[0]; red[128 + r0 + 8] = l_run[1]; }
+    __syncthreads();
+    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int qr = q0 + r0 + 8 * i;
+        if (qr >= NH) continue;
+        float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+        if (wg == 0 && c == 0) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i] + red[128 + r0 + 8 * i]);
+    }
+}
+#endif  // KDTREE_WGMMA

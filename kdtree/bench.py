@@ -29,12 +29,14 @@ L2_BYTES = 60 * 2**20
 
 
 QUEUE_CYCLES = 200_000  # ~0.1 ms of GPU spin queued before a timed graph replay
+ATTN_QUEUE_CYCLES = 2_000_000  # ~1 ms before a timed verify_attn call (its host side, two CuPy launches, ~0.14 ms)
 
 
-def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False) -> float:
+def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False, queue_cycles: int = QUEUE_CYCLES) -> float:
     """Median seconds of fn() over repeats, each timed with CUDA events. queued: each repeat's work is enqueued
-    behind a short GPU spin (torch.cuda._sleep) that starts before the first event, so the time is the GPU's
-    alone, not the host's launch latency (as in a decode loop, where a step's graph is queued behind the last)."""
+    behind a short GPU spin (torch.cuda._sleep, queue_cycles) that starts before the first event, so the time is
+    the GPU's alone, not the host's launch latency (as in a decode loop, where a step's graph is queued behind
+    the last)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -42,7 +44,7 @@ def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False) -> f
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if queued:
-            torch.cuda._sleep(QUEUE_CYCLES)
+            torch.cuda._sleep(queue_cycles)
         a.record()
         fn()
         b.record()
@@ -217,14 +219,19 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
         scale = 0.1447
         k = [0]
 
-        def run():
-            kernels.verify_attn(q, caches[k[0] % n_sets], pt, seq, words, scale, check_values=False)
+        def run(impl=None):
+            kernels.verify_attn(q, caches[k[0] % n_sets], pt, seq, words, scale, check_values=False, impl=impl)
             k[0] += 1
-        t_k = _events_median(run, repeats)
+        impl = "wgmma" if kernels._sm90() else "mma"
+        t_k = _events_median(run, repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
         flops = 2.0 * b * N * H * S * (576 + 512)
         bytes_ = b * S * 576 * 2 + q.numel() * 2 + b * N * H * 512 * 2
-        row = {"context": ctx, "nodes": N, "batch": b, "heads": H, "kernel_s": t_k, "flops": flops, "bytes": bytes_,
-               "n_splits": kernels.default_splits(b, N * H, pages * 64)}
+        row = {"context": ctx, "nodes": N, "batch": b, "heads": H, "impl": impl, "kernel_s": t_k, "flops": flops,
+               "bytes": bytes_, "n_splits": kernels.default_splits(b, N * H, pages * 64, kernels._sm_count(q.device),
+                                                                   64 if impl == "wgmma" else 32)}
+        if impl == "wgmma":  # the mma.sync kernel, same inputs, same run
+            row["mma_s"] = _events_median(lambda: run("mma"), repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
+            row["speedup_vs_mma"] = row["mma_s"] / t_k
         naive_bytes = b * N * H * S * (2 + 4 + 4 + 2)
         if naive_bytes < 40e9:
             kvs = [c.view(b, pages * 64, 576)[:, :S] for c in caches]
@@ -237,7 +244,7 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
             def nv():
                 naive_verify(qq, kvs[k2[0] % n_sets], full, scale)
                 k2[0] += 1
-            row["naive_s"] = _events_median(nv, max(5, repeats // 3))
+            row["naive_s"] = _events_median(nv, max(5, repeats // 3), queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
             row["speedup_vs_naive"] = row["naive_s"] / t_k
             del full
         rows.append(row)
@@ -576,11 +583,15 @@ def summary(rec: dict) -> str:
                      f"{r['gpu_tree_stage_s'] * 1e6:6.1f}) {r['gpu_eager_wall_s'] * 1e6:9.1f} "
                      f"{r['torch_topk_lse_s'] * 1e6:12.1f} {r['reference_s'] * 1e6:9.0f} {r['speedup_vs_reference']:6.0f} "
                      f"{r['floor_s'] * 1e6:8.1f}")
-    lines.append("verify_attn (H=64):  ctx  nodes batch   us    TFLOP/s  GB/s  %mm  %bw  naive_us  x_naive")
+    lines.append("verify_attn (H=64):  ctx  nodes batch impl     us    TFLOP/s  GB/s  %mm  %bw  naive_us  x_naive  "
+                 "mma_us  x_mma")
+    nan = float("nan")
     for r in rec["verify_attn"]:
-        lines.append(f"  {r['context']:6d} {r['nodes']:5d} {r['batch']:4d} {r['kernel_s'] * 1e6:8.1f} {r['tflops']:7.1f} "
+        lines.append(f"  {r['context']:6d} {r['nodes']:5d} {r['batch']:4d} {r.get('impl', 'mma'):5s} "
+                     f"{r['kernel_s'] * 1e6:8.1f} {r['tflops']:7.1f} "
                      f"{r['GBps']:6.0f} {100 * r['frac_matmul_rate']:4.0f} {100 * r['frac_bandwidth']:4.0f} "
-                     f"{r.get('naive_s', float('nan')) * 1e6:9.1f} {r.get('speedup_vs_naive', float('nan')):7.2f}")
+                     f"{r.get('naive_s', nan) * 1e6:9.1f} {r.get('speedup_vs_naive', nan):7.2f} "
+                     f"{r.get('mma_s', nan) * 1e6:8.1f} {r.get('speedup_vs_mma', nan):5.2f}")
     for t in rec["targets"]:
         lines.append(f"target {'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3g} (goal {t['goal']})")
     return "\n".join(lines)

@@ -59,7 +59,18 @@ def _module(name: str):
     options = ("-std=c++17", f"-I{cuda_source_dir()}")
     if os.environ.get("KDTREE_LINEINFO"):  # source lines for profilers (ncu's source page)
         options += ("-lineinfo",)
+    if name in _SM90A_MODULES and _sm90():  # warpgroup MMA needs the arch-specific target
+        options += ("-arch=sm_90a", "-DKDTREE_WGMMA=1")
     return cupy.RawModule(code=code, options=options)
+
+
+_SM90A_MODULES = {"verify_attn"}
+
+
+@functools.cache
+def _sm90() -> bool:
+    """The current GPU is a Hopper (compute capability 9.0): sm_90a builds and the wgmma kernels."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @functools.cache
@@ -370,6 +381,8 @@ def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch
 
 # ----------------------------------------------------------------------------- verify attention
 VERIFY_SMEM = 64 * 584 * 2 + 2 * 32 * 584 * 2 + 64 * 40 * 2 + 4 * 64 * 4
+VERIFY_WG_SMEM = 1024 + 3 * 9 * 8192 + 8192 + 3 * 64 * 4  # verify_attn_wg: slack, Q, 2 K/V tiles, P, row stats
+VERIFY_IMPLS = ("wgmma", "mma")  # verify_attn_wg (Hopper) / verify_attn_partial (mma.sync, any sm_80+)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -383,21 +396,40 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-def default_splits(b: int, NH: int, max_keys: int, sms: int = 132) -> int:
+MAX_SPLITS = 128  # context splits per (request, 64-row block); verify_attn_combine reads them all
+
+
+def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 32) -> int:
+    """Context splits per (request, 64-row block) minimising the time in units of one tile's load (~72 KB a
+    block): rounds of blocks (one per SM at a time; a partial last round costs a whole one) x (tiles per split
+    + 1 for the Q load and start), plus the combine's reading of the splits' fp32 partials (2 KB per split and
+    query row, spread over the SMs); at least 4 tiles a split; fewer splits on a tie. E.g. 64 row blocks on
+    132 SMs: 2 splits (128 blocks, one round), not 3 (192 blocks, two rounds)."""
     blocks = b * math.ceil(NH / 64)
-    tiles = math.ceil(max_keys / 32)
-    return max(1, min(64, math.ceil(sms / blocks), max(1, tiles // 4)))
+    tiles = math.ceil(max_keys / tile)
+    best = None
+    for s in range(1, max(1, min(MAX_SPLITS, tiles // 4)) + 1):
+        cost = math.ceil(blocks * s / sms) * (math.ceil(tiles / s) + 1)
+        if s > 1:
+            cost += s * b * NH * 2048 / (sms * 73728)
+        if best is None or cost < best[0]:
+            best = (cost, s)
+    return best[1]
 
 
 def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
                 mask: torch.Tensor, scale: float, page_size: int = PAGE_SIZE, n_splits: int | None = None,
-                check_values: bool = True):
+                check_values: bool = True, impl: str | None = None):
     """MLA-absorb tree-verify attention (golden.mla_tree_attention).
 
     q bf16 [b, N, H, 576]; cache bf16 [rows, 576] (one layer, paged); page_table int32 [b, max_pages];
     seq_len int32 [b] (cached rows including the N appended ones); mask: bool [b, N, N] or packed int32
     words [b, N, ceil(N/32)] over the appended block; scale: softmax scale (YaRN mscale included).
+    impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys) or "mma" (mma.sync, tiles of 32); None takes
+    "wgmma" on a compute capability 9.0 GPU, else "mma".
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
+    if impl is not None and impl not in VERIFY_IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {VERIFY_IMPLS} or None")
     _need("q", q, (torch.bfloat16,), ndim=4)
     b, N, H, Dq = q.shape
     if Dq != D_QK:
@@ -430,18 +462,24 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         if lo < N or hi > max_keys:
             raise ValueError(f"seq_len: expected values in [N={N}, {max_keys}] (pages x page_size), got [{lo}, {hi}]")
     NH = N * H
+    if impl is None:
+        impl = "wgmma" if _sm90() else "mma"
+    elif impl == "wgmma" and not _sm90():
+        raise ValueError('impl="wgmma": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
+    tile = 64 if impl == "wgmma" else 32
     if n_splits is None:
-        n_splits = default_splits(b, NH, max_keys)
-    if not 1 <= n_splits <= 64:
-        raise ValueError(f"n_splits={n_splits}: expected in [1, 64]")
+        n_splits = default_splits(b, NH, max_keys, _sm_count(q.device), tile)
+    if isinstance(n_splits, bool) or not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= MAX_SPLITS:
+        raise ValueError(f"n_splits={n_splits!r}: expected an int in [1, {MAX_SPLITS}]")
     dev = q.device
     ws_o = _empty(n_splits, b, NH, D_V, dtype=torch.float32, device=dev)
     ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)
     out = _empty(b, N, H, D_V, dtype=torch.bfloat16, device=dev)
     lse = _empty(b, N, H, dtype=torch.float32, device=dev)
-    _launch("verify_attn", "verify_attn_partial", (n_splits, math.ceil(NH / 64), b), (256,),
+    name, smem = ("verify_attn_wg", VERIFY_WG_SMEM) if impl == "wgmma" else ("verify_attn_partial", VERIFY_SMEM)
+    _launch("verify_attn", name, (n_splits, math.ceil(NH / 64), b), (256,),
             (_p(q), _p(cache), _p(page_table), _i(page_table.shape[1]), _i(page_size), _p(seq_len), _p(mask),
-             _i(N), _i(H), np.float32(scale * math.log2(math.e)), _p(ws_o), _p(ws_ml)), smem=VERIFY_SMEM)
+             _i(N), _i(H), np.float32(scale * math.log2(math.e)), _p(ws_o), _p(ws_ml)), smem=smem)
     _launch("verify_attn", "verify_attn_combine", (NH, b), (128,),
             (_p(ws_o), _p(ws_ml), _i(n_splits), _i(NH), _p(out), _p(lse)))
     return out, lse

@@ -69,6 +69,8 @@ def test_verify_attn_rejects():
         K.verify_attn(q, cache[:100], pt, sl, m, 0.1)
     with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
         K.verify_attn(q, cache, pt, sl, m, 0.1)
+    with pytest.raises(ValueError, match="impl='flash': expected one of"):
+        K.verify_attn(q, cache, pt, sl, m, 0.1, impl="flash")
 
 
 def test_pack_mask_matches_golden():

@@ -168,9 +168,18 @@ def test_kv_compact_matches_golden():
             np.testing.assert_array_equal(_rows(cache[l], pt[i], 300).float().cpu().numpy(), want)
 
 
-@pytest.mark.parametrize("b,N,H,prefix,tree", [(1, 1, 64, 4096, False), (2, 17, 16, 300, True), (1, 64, 8, 1000, True),
-                                              (3, 5, 4, 0, True), (2, 33, 2, 129, False)])
-def test_verify_attn_matches_golden(b, N, H, prefix, tree):
+IMPLS = [pytest.param("wgmma", marks=pytest.mark.skipif(
+             not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+             reason="the wgmma kernel needs a compute capability 9.0 GPU")), "mma"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("b,N,H,prefix,tree,splits", [
+    (1, 1, 64, 4096, False, None), (2, 17, 16, 300, True, None), (1, 64, 8, 1000, True, 3), (3, 5, 4, 0, True, 4),
+    (2, 33, 2, 129, False, 2), (1, 256, 1, 70, True, None), (2, 1, 128, 2000, False, 7), (1, 40, 3, 64, True, 1)])
+def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
+    """Both kernels against the float64 golden: trees and chains, head counts whose N*H is not a multiple of
+    the 64-row block, prefixes on and off page boundaries, explicit context splits (some of them empty)."""
     from kdtree import kernels
     rng = np.random.default_rng(b * N * H + prefix)
     S = prefix + N
@@ -188,7 +197,7 @@ def test_verify_attn_matches_golden(b, N, H, prefix, tree):
     mask = torch.from_numpy(np.stack(masks)).cuda()
     seq = torch.full((b,), S, dtype=torch.int32).cuda()
     scale = 0.0721
-    out, lse = kernels.verify_attn(q, cache, pt, seq, mask, scale)
+    out, lse = kernels.verify_attn(q, cache, pt, seq, mask, scale, n_splits=splits, impl=impl)
     for i in range(b):
         kv = _rows(cache, pt[i], S).double().cpu().numpy()
         qi = q[i].double().cpu().numpy()
