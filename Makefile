@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 EXTRAS ?= lab,test
 LAB_ARGS ?=
 PYTEST_ARGS ?=
-CUDA_ARCH ?= sm_90a
+CUDA_ARCH ?= 90a
 
 .PHONY: setup lab test test-fast cuda-check clean
 
@@ -32,7 +32,8 @@ test-fast: setup
 # Every CUDA source must compile for Hopper (also run by tests/test_build.py when nvcc is present).
 cuda-check:
 	@for f in cuda/*.cu; do [ -e "$$f" ] || continue; echo "nvcc $$f"; \
-	  nvcc -std=c++17 -arch=$(CUDA_ARCH) -c "$$f" -o /dev/null || exit 1; done
+	  nvcc -std=c++17 -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH) -DKDTREE_WGMMA=1 -c "$$f" -o /dev/null \
+	  || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

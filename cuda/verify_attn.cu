@@ -15,7 +15,8 @@
 //   fp32 accumulate); online softmax in base 2. Keys of a step are split between two warp halves
 //   for S; each half then owns 256 of the 512 output columns.
 //   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum).
-// verify_attn_combine   grid (N*H, batch), block 128
+// verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below).
+// verify_attn_combine   grid (N*H, batch), block 128, n_splits <= MAX_SPLITS
 //   out bf16 [batch, N, H, 512] = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M); lse float [batch, N, H]
 //   (natural log of the softmax denominator, in units of scaled scores).
 #include <cuda_bf16.h>
@@ -28,6 +29,7 @@
 #define STRIDE 584          // smem row stride (bf16): 1168 bytes, rows shift 4 banks
 #define P_STRIDE 40         // P tile row stride (bf16)
 #define NEG_INF __int_as_float(0xff800000)
+#define MAX_SPLITS 128      // context splits verify_attn_combine reads (kernels.MAX_SPLITS)
 
 constexpr int SMEM_Q = ROWS * STRIDE * 2;
 constexpr int SMEM_KV = KEYS * STRIDE * 2;
@@ -221,29 +223,40 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
 extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
     const float* __restrict__ ws_o, const float2* __restrict__ ws_ml, int n_splits, int NH,
     __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-    const int qr = blockIdx.x, b = blockIdx.y, B = gridDim.y;
-    float M = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ws_ml[((size_t)s * B + b) * NH + qr].x);
-    float L = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-        float2 ml = ws_ml[((size_t)s * B + b) * NH + qr];
-        if (ml.x != NEG_INF) L += ml.y * exp2f(ml.x - M);
+    __shared__ float wts[MAX_SPLITS];  // 2^(m_s - M), 0 for a split that saw no key
+    __shared__ float s_inv;
+    const int qr = blockIdx.x, b = blockIdx.y, B = gridDim.y, lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+        float M = NEG_INF;
+        for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ws_ml[((size_t)s * B + b) * NH + qr].x);
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float L = 0.f;
+        for (int s = lane; s < n_splits; s += 32) {
+            const float2 ml = ws_ml[((size_t)s * B + b) * NH + qr];
+            const float w = (ml.x == NEG_INF) ? 0.f : exp2f(ml.x - M);
+            wts[s] = w;
+            L += ml.y * w;
+        }
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+        if (lane == 0) {
+            s_inv = 1.f / L;
+            lse[(size_t)b * NH + qr] = (M + log2f(L)) * 0.6931471805599453f;
+        }
     }
-    const float inv = 1.f / L;
-    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {
+    __syncthreads();
+    const float inv = s_inv;
+    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {  // every split wrote its O (zeros when empty)
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
         for (int s = 0; s < n_splits; ++s) {
-            float2 ml = ws_ml[((size_t)s * B + b) * NH + qr];
-            if (ml.x == NEG_INF) continue;
-            const float w = exp2f(ml.x - M);
-            float4 v = *(const float4*)(ws_o + (((size_t)s * B + b) * NH + qr) * D_V + c);
+            const float w = wts[s];
+            const float4 v = *(const float4*)(ws_o + (((size_t)s * B + b) * NH + qr) * D_V + c);
             acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
         }
         __nv_bfloat16* dst = out + ((size_t)b * NH + qr) * D_V + c;
         *(__nv_bfloat162*)dst = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
         *(__nv_bfloat162*)(dst + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
     }
-    if (threadIdx.x == 0) lse[(size_t)b * NH + qr] = (M + log2f(L)) * 0.6931471805599453f;
 }
 
 // ------------------------------------------------------------------------------------- wgmma path (sm_90a)
@@ -258,7 +271,10 @@ extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
 //   from shared memory); masked, scaled row maxima meet in shared memory; P goes to shared memory as bf16; then
 //   warpgroup g accumulates O [64 rows x 256 columns 256g..] += P V (wgmma m64n256k16, 4 k-steps, V = the tile's
 //   first 512 dims read MN-major). fp32 accumulation, online softmax in base 2; each thread keeps its own part of
-//   the row sums until the end.
+//   the row sums until the end. The next tile's cp.async loads are issued behind S's wgmmas (2% faster than
+//   before them). Measured on the H200 and not kept: O(t) left running while S(t + 1) is issued (12% slower at
+//   32K x 64 nodes: its extra barrier and later loads cost more than the overlap); skipping O's rescale where no
+//   row maximum moved (neutral); page-table entries read a tile ahead (neutral).
 #ifdef KDTREE_WGMMA
 #define WG_KEYS 64
 #define ATOM 8192
@@ -272,7 +288,9 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
@@ -292,7 +310,7 @@ __device__ __forceinline__ void wg_m64n256_tb(float (&d)[128], uint64_t da, uint
 }
 
 // cp.async a [64 x 576] tile into swizzled atoms: thread t copies 16-byte chunk t % 8 of each 64-dim atom of
-// rows t / 8 and t / 8 + 32 (src of row r from row(r), 16 bytes or 0 = zero-fill)
+// rows t / 8 (h = 0) and t / 8 + 32 (h = 1); row(h, r, bytes) gives row r's source (bytes = 16, or 0: zero-fill)
 template <typename Row>
 __device__ __forceinline__ void wg_load_tile(unsigned char* dst, Row row) {
     const int qc = threadIdx.x & 7;
@@ -300,7 +318,7 @@ __device__ __forceinline__ void wg_load_tile(unsigned char* dst, Row row) {
     for (int h = 0; h < 2; ++h) {
         const int r = (threadIdx.x >> 3) + 32 * h;
         int bytes;
-        const __nv_bfloat16* src = row(r, bytes) + qc * 8;
+        const __nv_bfloat16* src = row(h, r, bytes) + qc * 8;
         const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
 #pragma unroll
         for (int a = 0; a < 9; ++a)
@@ -311,7 +329,7 @@ __device__ __forceinline__ void wg_load_tile(unsigned char* dst, Row row) {
 
 __device__ __forceinline__ void wg_load_kv(unsigned char* dst, const __nv_bfloat16* cache, const int32_t* pt,
                                            int page_size, int key0, int S) {
-    wg_load_tile(dst, [&](int r, int& bytes) {
+    wg_load_tile(dst, [&](int, int r, int& bytes) {
         const int key = key0 + r;
         bytes = key < S ? 16 : 0;
         return cache_row(cache, pt, page_size, key < S ? key : 0);
@@ -341,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
 
     const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
-    wg_load_tile(Qs, [&](int r, int& bytes) {
+    wg_load_tile(Qs, [&](int, int r, int& bytes) {
         const int qr = q0 + r;
         bytes = qr < NH ? 16 : 0;
         return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
@@ -359,9 +377,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         const unsigned char* Ks = KV + ((t - t_begin) & 1) * WG_TILE;
         cp_wait<0>();
         fence_async_smem();  // the cp.async writes, before the async proxy (wgmma) reads them
-        __syncthreads();     // tile t is in; every warpgroup is done with tile t - 1 (its buffer is refilled next)
-        if (t + 1 < t_end) wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
-        cp_commit();
+        __syncthreads();     // tile t is in; every warpgroup is done with tile t - 1
         const uint32_t k_addr = smem_addr(Ks);
 
         // S = Q K^T for this warpgroup's 32 keys
@@ -375,7 +391,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
             wg_m64n32(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off + wg * 4096, 16, 1024), ks > 0);
         }
         wg_commit();
-        wg_wait0();
+        if (t + 1 < t_end)  // issued behind S, into the buffer tile t - 1 used (every warpgroup is past it)
+            wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
+        cp_commit();
+        wg_wait<0>();
 
         // mask, scale, row maxima (fragment: s[4j + e] = row r0 + 8 * (e >> 1), key 8j + 2c + (e & 1))
         const int key_base = t * WG_KEYS + wg * 32;
@@ -445,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         for (int ks = 0; ks < 4; ++ks)
             wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + 4 * wg * ATOM + ks * 2048, 8192, 1024));
         wg_commit();
-        wg_wait0();
+        wg_wait<0>();
     }
     cp_wait<0>();
 

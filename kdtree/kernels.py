@@ -396,7 +396,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-MAX_SPLITS = 128  # context splits per (request, 64-row block); verify_attn_combine reads them all
+MAX_SPLITS = 128  # context splits per (request, 64-row block): verify_attn.cu's MAX_SPLITS (combine's weights)
 
 
 def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 32) -> int:
@@ -430,6 +430,9 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
     if impl is not None and impl not in VERIFY_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {VERIFY_IMPLS} or None")
+    if n_splits is not None and (isinstance(n_splits, bool) or not isinstance(n_splits, (int, np.integer))
+                                 or not 1 <= n_splits <= MAX_SPLITS):
+        raise ValueError(f"n_splits={n_splits!r}: expected None or an int in [1, {MAX_SPLITS}]")
     _need("q", q, (torch.bfloat16,), ndim=4)
     b, N, H, Dq = q.shape
     if Dq != D_QK:
@@ -469,8 +472,6 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     tile = 64 if impl == "wgmma" else 32
     if n_splits is None:
         n_splits = default_splits(b, NH, max_keys, _sm_count(q.device), tile)
-    if isinstance(n_splits, bool) or not isinstance(n_splits, (int, np.integer)) or not 1 <= n_splits <= MAX_SPLITS:
-        raise ValueError(f"n_splits={n_splits!r}: expected an int in [1, {MAX_SPLITS}]")
     dev = q.device
     ws_o = _empty(n_splits, b, NH, D_V, dtype=torch.float32, device=dev)
     ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)

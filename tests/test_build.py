@@ -27,3 +27,12 @@ def test_compiles_for_sm90a(src, nvcc, tmp_path):
     import re
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
     assert spills and max(spills) == 0, r.stderr[-2000:]
+
+
+def test_split_limit_matches_the_kernel():
+    """verify_attn_combine sizes its shared weights by verify_attn.cu's MAX_SPLITS; the wrapper's limit is it."""
+    import re
+
+    from kdtree import kernels
+    src = next(p for p in SOURCES if p.name == "verify_attn.cu").read_text()
+    assert int(re.search(r"#define MAX_SPLITS (\d+)", src).group(1)) == kernels.MAX_SPLITS

@@ -16,15 +16,16 @@ def model():
 
 
 def test_kernel_attention_matches_absorb(model):
-    """Whole-model logits, bf16 kernel attention vs float32 absorb: within 5% (bf16 rounding of the queries and
-    the cache, measured 3.5% on the H200 for the tree case; the kernel alone is within 1e-2 of float64 on the
-    same inputs, test_kernel_attention_in_decoding_matches_float64)."""
+    """Whole-model logits, bf16 kernel attention vs float32 absorb: within 10% after a 300-token prefill, 5% for
+    the tree block (bf16 rounding of the queries and the cache through the layers: measured 2.3-6.2% over random
+    prompts on the H200 for the prefill, the same to three digits with either kernel, 0.06% for the tree; the
+    kernel alone is within 1e-2 of float64 on the same inputs, test_kernel_attention_in_decoding_matches_float64)."""
     x = torch.randint(0, model.args.vocab_size, (1, 300), device="cuda")
     ref_model = kernel_model(seed=3)
     ref_model.attn_impl = "absorb"
     a = ref_model(x).logits
     b = model(x).logits
-    assert rel_err(b, a) < 5e-2
+    assert rel_err(b, a) < 1e-1
     # tree verify through the cache as well
     from kdtree import golden
     rng = np.random.default_rng(0)

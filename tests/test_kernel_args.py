@@ -71,6 +71,9 @@ def test_verify_attn_rejects():
         K.verify_attn(q, cache, pt, sl, m, 0.1)
     with pytest.raises(ValueError, match="impl='flash': expected one of"):
         K.verify_attn(q, cache, pt, sl, m, 0.1, impl="flash")
+    for bad in (0, K.MAX_SPLITS + 1, 2.0, True):
+        with pytest.raises(ValueError, match="n_splits=.*expected None or an int in"):
+            K.verify_attn(q, cache, pt, sl, m, 0.1, n_splits=bad)
 
 
 def test_pack_mask_matches_golden():
