@@ -5,7 +5,7 @@ import torch
 
 from kdtree.decode import generate_ar, generate_ddtree, generate_dflash
 from kdtree.drafter import OracleDrafter
-from kdtree.validate import divergence, kernel_checks, kernel_model, random_prompts, rel_err
+from kdtree.validate import divergence, kernel_checks, kernel_model, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -15,17 +15,24 @@ def model():
     return kernel_model(seed=3)
 
 
+def _position_errors(b, a):
+    """Relative error of each position's logits vector (b against a), as a numpy array."""
+    return ((b.float() - a.float()).norm(dim=-1) / a.float().norm(dim=-1)).flatten().cpu().numpy()
+
+
 def test_kernel_attention_matches_absorb(model):
-    """Whole-model logits, bf16 kernel attention vs float32 absorb: within 10% after a 300-token prefill, 5% for
-    the tree block (bf16 rounding of the queries and the cache through the layers: measured 2.3-6.2% over random
-    prompts on the H200 for the prefill, the same to three digits with either kernel, 0.06% for the tree; the
-    kernel alone is within 1e-2 of float64 on the same inputs, test_kernel_attention_in_decoding_matches_float64)."""
+    """Whole-model logits, bf16 kernel attention vs float32 absorb, per position: the median within 1e-2 and at
+    most 5% of positions past 5e-2. bf16 rounding of the queries and the cache flips an MoE routing choice at
+    isolated positions of some prompts (measured on the H200 over 8 prompts: medians 0.0006-0.0027, 90th
+    percentiles <= 0.007, flipped positions 0-2.4% with errors up to 0.84, with either kernel), so a whole-tensor
+    bound cannot be both tight and stable; a wiring fault (mask, scale, pages) moves every position."""
     x = torch.randint(0, model.args.vocab_size, (1, 300), device="cuda")
     ref_model = kernel_model(seed=3)
     ref_model.attn_impl = "absorb"
-    a = ref_model(x).logits
-    b = model(x).logits
-    assert rel_err(b, a) < 1e-1
+
+    def check(e):
+        assert np.median(e) < 1e-2 and np.mean(e > 5e-2) <= 0.05, (np.median(e), np.mean(e > 5e-2), e.max())
+    check(_position_errors(model(x).logits, ref_model(x).logits))
     # tree verify through the cache as well
     from kdtree import golden
     rng = np.random.default_rng(0)
@@ -37,7 +44,7 @@ def test_kernel_attention_matches_absorb(model):
         m(x, c)
         outs.append(m(torch.from_numpy(vb.tokens)[None].cuda(), c, position_ids=torch.from_numpy(vb.positions).cuda(),
                       mask=torch.from_numpy(vb.mask).cuda()).logits)
-    assert rel_err(outs[1], outs[0]) < 5e-2
+    check(_position_errors(outs[1], outs[0]))
 
 
 @pytest.fixture(scope="module")
