@@ -29,7 +29,7 @@ L2_BYTES = 60 * 2**20
 
 
 QUEUE_CYCLES = 200_000  # ~0.1 ms of GPU spin queued before a timed graph replay
-ATTN_QUEUE_CYCLES = 2_000_000  # ~1 ms before a timed verify_attn call (its host side, two CuPy launches, ~0.14 ms)
+ATTN_QUEUE_CYCLES = 2_000_000  # ~1 ms before a timed verify_attn call (its host side measured ~0.14 ms)
 
 
 def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False, queue_cycles: int = QUEUE_CYCLES) -> float:

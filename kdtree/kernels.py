@@ -399,6 +399,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 MAX_SPLITS = 128  # context splits per (request, 64-row block): verify_attn.cu's MAX_SPLITS (combine's weights)
 
 
+@functools.lru_cache(maxsize=1024)  # a Python search of up to 128 candidates: ~60 us a call uncached
 def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 32) -> int:
     """Context splits per (request, 64-row block) minimising the time in units of one tile's load (~72 KB a
     block): rounds of blocks (one per SM at a time; a partial last round costs a whole one) x (tiles per split
