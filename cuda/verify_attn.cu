@@ -58,6 +58,15 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Online softmax, base 2: a row's new running maximum from the old one and two key halves' maxima, and the
+// factor alpha = 2^(old - new) that rescales the old sums (1 while the row has seen no visible key).
+__device__ __forceinline__ void running_max(float m_run, float a, float b, float& m_new, float& alpha) {
+    m_new = fmaxf(m_run, fmaxf(a, b));
+    alpha = (m_new == NEG_INF) ? 1.f : exp2f(m_run - m_new);
+}
+// 2^(s - m) for a masked-or-visible score s under the row's running maximum m (0 while m is -inf).
+__device__ __forceinline__ float exp2_below(float s, float m) { return (m == NEG_INF) ? 0.f : exp2f(s - m); }
+
 __device__ __forceinline__ const __nv_bfloat16* cache_row(const __nv_bfloat16* cache, const int32_t* pt, int page_size,
                                                            int r) {
     return cache + ((size_t)pt[r / page_size] * page_size + r % page_size) * D_QK;
@@ -153,18 +162,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
         __syncthreads();
         float m_new[2], alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = row_a + i * 8;
-            m_new[i] = fmaxf(m_run[i], fmaxf(red[row], red[ROWS + row]));
-            alpha[i] = (m_new[i] == NEG_INF) ? 1.f : exp2f(m_run[i] - m_new[i]);
-        }
+        for (int i = 0; i < 2; ++i) running_max(m_run[i], red[row_a + i * 8], red[ROWS + row_a + i * 8], m_new[i], alpha[i]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float mm = m_new[e >> 1];
-                p[e] = (mm == NEG_INF) ? 0.f : exp2f(s[nt][e] - mm);
+                p[e] = exp2_below(s[nt][e], m_new[e >> 1]);
                 sum[e >> 1] += p[e];
             }
             const int col = hf * 16 + nt * 8 + (lane & 3) * 2;
@@ -426,19 +430,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         __syncthreads();
         float mn[2], al[2], ps[2] = {0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = r0 + 8 * i;
-            mn[i] = fmaxf(m_run[i], fmaxf(red[row], red[64 + row]));
-            al[i] = (mn[i] == NEG_INF) ? 1.f : exp2f(m_run[i] - mn[i]);
-        }
+        for (int i = 0; i < 2; ++i) running_max(m_run[i], red[r0 + 8 * i], red[64 + r0 + 8 * i], mn[i], al[i]);
         // P = 2^(s - m) as bf16 into the swizzled P atom (row r, keys 32 wg + 8j + 2c, +1)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float mm = mn[e >> 1];
-                p[e] = (mm == NEG_INF) ? 0.f : exp2f(s[4 * j + e] - mm);
+                p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
                 ps[e >> 1] += p[e];
             }
             const int off = (((wg * 4 + j) ^ (r0 & 7)) << 4) + c * 4;  // rows r0 and r0 + 8 share r & 7
