@@ -140,6 +140,11 @@ def _need(name: str, t, dtypes, ndim=None, shape=None, contiguous=True) -> None:
         raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous())")
 
 
+def _need_page_size(page_size) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}: expected a positive int")
+
+
 def _on_one_gpu(**tensors) -> None:
     """After the static checks: every tensor on the same CUDA device, the current one (kernels launch on the
     current device's current stream)."""
@@ -346,6 +351,7 @@ def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch
     """In place, per request and layer: row block_start + j <- row block_start + accepted[j], j < acc_len
     (golden.compact_kv). cache [layers, rows, D] (rows = pages * page_size; D * itemsize a multiple of 16)."""
     _need("cache", cache, (torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    _need_page_size(page_size)
     n_layers, rows, D = cache.shape
     row_bytes = D * cache.element_size()
     if row_bytes % 16:
@@ -438,6 +444,9 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     b, N, H, Dq = q.shape
     if Dq != D_QK:
         raise ValueError(f"q: expected head dim {D_QK} (512 latent + 64 rope), got {Dq}")
+    if min(b, N, H) == 0:
+        raise ValueError(f"q: expected a non-empty [b, N, H, {D_QK}] tensor, got shape {tuple(q.shape)}")
+    _need_page_size(page_size)
     _need("cache", cache, (torch.bfloat16,), ndim=2)
     if cache.shape[1] != D_QK:
         raise ValueError(f"cache: expected rows of {D_QK}, got shape {tuple(cache.shape)}")

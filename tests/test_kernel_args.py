@@ -51,6 +51,8 @@ def test_walk_and_compact_reject():
         K.tree_walk(t, t[:, :3].contiguous(), t)
     with pytest.raises(ValueError, match="cache: expected dtype"):
         K.kv_compact(torch.zeros(1, 64, 576, dtype=torch.int8), t, t[:, 0], t, t[:, 0])
+    with pytest.raises(ValueError, match="page_size=0: expected a positive int"):
+        K.kv_compact(torch.zeros(1, 64, 576, dtype=torch.bfloat16), t, t[:, 0], t, t[:, 0], page_size=0)
 
 
 def test_verify_attn_rejects():
@@ -74,6 +76,11 @@ def test_verify_attn_rejects():
     for bad in (0, K.MAX_SPLITS + 1, 2.0, True):
         with pytest.raises(ValueError, match="n_splits=.*expected None or an int in"):
             K.verify_attn(q, cache, pt, sl, m, 0.1, n_splits=bad)
+    for bad in (0, -64, 64.0, True):
+        with pytest.raises(ValueError, match="page_size=.*expected a positive int"):
+            K.verify_attn(q, cache, pt, sl, m, 0.1, page_size=bad)
+    with pytest.raises(ValueError, match="q: expected a non-empty"):
+        K.verify_attn(q[:, :0].contiguous(), cache, pt, sl, m, 0.1)
 
 
 def test_pack_mask_matches_golden():
