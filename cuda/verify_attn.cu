@@ -14,7 +14,8 @@
 //   K/V tiles double-buffered with cp.async; S = Q K^T and O += P V on mma.sync m16n8k16 (bf16 in,
 //   fp32 accumulate); online softmax in base 2. Keys of a step are split between two warp halves
 //   for S; each half then owns 256 of the 512 output columns.
-//   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum).
+//   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum); a split with
+//   no key (the context shorter than the splits were sized for) writes only ws_ml = (-inf, 0).
 // verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below).
 // verify_attn_combine   grid (N*H, batch), block 128, n_splits <= MAX_SPLITS
 //   out bf16 [batch, N, H, 512] = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M); lse float [batch, N, H]
@@ -101,6 +102,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
     const int tps = (n_tiles + n_splits - 1) / n_splits;
     const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
     const int q0 = qt * ROWS;
+    if (t_begin >= t_end) {  // an empty split: no O, a statistic that verify_attn_combine weighs 0
+        const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+        if (threadIdx.x < ROWS && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
 
     // Q tile (rows past NH zero-filled)
     const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
@@ -108,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
         int r = t / 72, c = t - r * 72, qr = q0 + r;
         cp_async16(Qs + r * STRIDE + c * 8, qb + (size_t)(qr < NH ? qr : 0) * D_QK + c * 8, qr < NH ? 16 : 0);
     }
-    if (t_begin < t_end) load_kv_tile(KVs, cache, pt, page_size, t_begin * KEYS, S);
+    load_kv_tile(KVs, cache, pt, page_size, t_begin * KEYS, S);
     cp_commit();
 
     float o[32][4];
@@ -249,11 +255,12 @@ extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
     }
     __syncthreads();
     const float inv = s_inv;
-    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {  // every split wrote its O (zeros when empty)
+    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
         for (int s = 0; s < n_splits; ++s) {
             const float w = wts[s];
+            if (w == 0.f) continue;  // an empty split (its O is not written) or one whose terms underflow
             const float4 v = *(const float4*)(ws_o + (((size_t)s * B + b) * NH + qr) * D_V + c);
             acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
         }
@@ -296,6 +303,13 @@ template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins accumulator registers at this point of the program: the compiler may not move their other reads and
+// writes across it (PTX leaves registers that an in-flight wgmma uses undefined to any other instruction, and
+// NVVM otherwise sinks O's rescale and S's zeroing past wgmma.fence, leaving ptxas to insert a warpgroup.arrive).
+template <int N> __device__ __forceinline__ void wg_pin(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 
 // d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
 __device__ __forceinline__ void wg_m64n32(float (&d)[16], uint64_t da, uint64_t db, int accum) {
@@ -361,6 +375,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
     const int q0 = qt * 64;
     const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+    if (t_begin >= t_end) {  // an empty split (a context shorter than the splits were sized for): no O,
+                             // a statistic that verify_attn_combine weighs 0
+        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
 
     const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
     wg_load_tile(Qs, [&](int, int r, int& bytes) {
@@ -368,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         bytes = qr < NH ? 16 : 0;
         return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
     });
-    if (t_begin < t_end) wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
+    wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
     cp_commit();
 
     float o[128];
@@ -388,6 +408,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         float s[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) s[i] = 0.f;
+        wg_pin(s);
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 36; ++ks) {
@@ -399,6 +420,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
             wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
         cp_commit();
         wg_wait<0>();
+        wg_pin(s);
 
         // mask, scale, row maxima (fragment: s[4j + e] = row r0 + 8 * (e >> 1), key 8j + 2c + (e & 1))
         const int key_base = t * WG_KEYS + wg * 32;
@@ -458,12 +480,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         __syncthreads();
 
         // O [64 x 256] += P [64 x 64] V [64 keys x this warpgroup's 256 columns]
+        wg_pin(o);
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
             wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + 4 * wg * ATOM + ks * 2048, 8192, 1024));
         wg_commit();
         wg_wait<0>();
+        wg_pin(o);
     }
     cp_wait<0>();
 
@@ -475,7 +499,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     }
     if (wg == 1 && c == 0) { red[128 + r0] = l_run[0]; red[128 + r0 + 8] = l_run[1]; }
     __syncthreads();
-    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int qr = q0 + r0 + 8 * i;

@@ -426,14 +426,16 @@ def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 3
 
 def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
                 mask: torch.Tensor, scale: float, page_size: int = PAGE_SIZE, n_splits: int | None = None,
-                check_values: bool = True, impl: str | None = None):
+                check_values: bool = True, impl: str | None = None, max_seq_len: int | None = None):
     """MLA-absorb tree-verify attention (golden.mla_tree_attention).
 
     q bf16 [b, N, H, 576]; cache bf16 [rows, 576] (one layer, paged); page_table int32 [b, max_pages];
     seq_len int32 [b] (cached rows including the N appended ones); mask: bool [b, N, N] or packed int32
     words [b, N, ceil(N/32)] over the appended block; scale: softmax scale (YaRN mscale included).
     impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys) or "mma" (mma.sync, tiles of 32); None takes
-    "wgmma" on a compute capability 9.0 GPU, else "mma".
+    "wgmma" on a compute capability 9.0 GPU, else "mma". max_seq_len: a bound on seq_len known on the host
+    (a caller's cache length), which sizes the context splits; without it they are sized for seq_len's maximum
+    when check_values, else for the page table's capacity (splits past a shorter context cost a little each).
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
     if impl is not None and impl not in VERIFY_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {VERIFY_IMPLS} or None")
@@ -461,6 +463,13 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         _need("mask", mask, (torch.bool,), shape=(b, N, N), contiguous=False)
     else:
         _need("mask", mask, (torch.int32,), shape=(b, N, W))
+    max_keys = page_table.shape[1] * page_size
+    keys = max_keys  # what the context splits are sized for
+    if max_seq_len is not None:
+        if (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer))
+                or not N <= max_seq_len <= max_keys):
+            raise ValueError(f"max_seq_len={max_seq_len!r}: expected an int in [N={N}, {max_keys}] (pages x page_size)")
+        keys = int(max_seq_len)
     _on_one_gpu(q=q, cache=cache, page_table=page_table, seq_len=seq_len, mask=mask)
     _check_pages(page_table, cache.shape[0] // page_size, check_values)
     if mask.dtype == torch.bool:
@@ -469,11 +478,12 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         mask = pack_mask(mask)
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r}: expected a positive finite float")
-    max_keys = page_table.shape[1] * page_size
     if check_values:
         lo, hi = int(seq_len.min()), int(seq_len.max())
-        if lo < N or hi > max_keys:
-            raise ValueError(f"seq_len: expected values in [N={N}, {max_keys}] (pages x page_size), got [{lo}, {hi}]")
+        if lo < N or hi > keys:
+            what = "max_seq_len" if max_seq_len is not None else "pages x page_size"
+            raise ValueError(f"seq_len: expected values in [N={N}, {keys}] ({what}), got [{lo}, {hi}]")
+        keys = hi
     NH = N * H
     if impl is None:
         impl = "wgmma" if _sm90() else "mma"
@@ -481,7 +491,7 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         raise ValueError('impl="wgmma": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
     tile = 64 if impl == "wgmma" else 32
     if n_splits is None:
-        n_splits = default_splits(b, NH, max_keys, _sm_count(q.device), tile)
+        n_splits = default_splits(b, NH, keys, _sm_count(q.device), tile)
     dev = q.device
     ws_o = _empty(n_splits, b, NH, D_V, dtype=torch.float32, device=dev)
     ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)
