@@ -16,7 +16,8 @@
 //   for S; each half then owns 256 of the 512 output columns.
 //   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum); a split with
 //   no key (the context shorter than the splits were sized for) writes only ws_ml = (-inf, 0).
-// verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below).
+// verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below), and
+// verify_attn_ws        the same again with warp-specialized warpgroups over a 4-stage ring of 32-key tiles.
 // verify_attn_combine   grid (N*H, batch), block 128, n_splits <= MAX_SPLITS
 //   out bf16 [batch, N, H, 512] = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M); lse float [batch, N, H]
 //   (natural log of the softmax denominator, in units of scaled scores).
@@ -507,6 +508,254 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 #pragma unroll
         for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
         if (wg == 0 && c == 0) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i] + red[128 + r0 + 8 * i]);
+    }
+}
+// ------------------------------------------------------------------------ warp-specialized wgmma path (sm_90a)
+// verify_attn_ws: verify_attn_partial's contract on warpgroup MMA with the two warpgroups in different roles and a
+// 4-stage ring of 32-key K/V tiles, so that the tensor cores run S(t + 1) and P V(t) while the softmax of t runs.
+//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM (kernels.VERIFY_WS_SMEM), split over
+//   tiles of 32 keys.
+//   Shared memory: Q [64 x 576] (nine 128-byte-swizzled K-major atoms [64 rows x 64 dims], as verify_attn_wg), four
+//   stages of K/V [32 keys x 576] (nine atoms [32 rows x 64 dims] each), P [64 x 32] bf16 in one [64 x 64] atom,
+//   alpha [64] (the rows' rescale factors of the last tile), mbarriers.
+//   Warpgroup 0 owns the softmax: per tile it waits for the stage (full), computes S [64 x 32] (wgmma m64n32k16,
+//   36 k-steps), frees the stage's previous use (empty), masks, takes the rows' running maxima, writes P and alpha
+//   once warpgroup 1 is done with the last ones (pempty), signals them (pfull), rescales its O half and issues
+//   O [64 x 256 columns 0..255] += P V (m64n256k16, 2 k-steps) without waiting for it.
+//   Warpgroup 1 loads (cp.async, each stage one commit group, three stages ahead; a stage is signalled full once
+//   its group has landed and been fenced for the async proxy) and, once P and alpha are signalled, rescales its O
+//   half (columns 256..511) and accumulates P V into it, then frees P (pempty).
+//   Row maxima and sums live in warpgroup 0 only; the epilogue needs no exchange.
+#define WS_KEYS 32
+#define WS_STAGES 4
+#define WS_ATOM 4096                       // [32 rows x 128 B]
+constexpr int WS_STAGE = 9 * WS_ATOM;      // one K/V stage
+constexpr int WS_SMEM = 1024 + 9 * ATOM + WS_STAGES * WS_STAGE + ATOM + 64 * 4 + 16 * 8;
+static_assert(WS_SMEM <= 232448, "verify_attn_ws: over the 227 KB of shared memory a block may have on sm_90");
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // release: this thread's earlier writes go with it
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // until the phase of this parity completes
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// cp.async one [32 x 576] stage (warpgroup 1's 128 threads: chunk t % 8 of every atom of rows t / 8 and t / 8 + 16)
+__device__ __forceinline__ void ws_load_stage(unsigned char* dst, const __nv_bfloat16* cache, const int32_t* pt,
+                                              int page_size, int key0, int S, int t128) {
+    const int qc = t128 & 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = (t128 >> 3) + 16 * h, key = key0 + r;
+        const __nv_bfloat16* src = cache_row(cache, pt, page_size, key < S ? key : 0) + qc * 8;
+        const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
+#pragma unroll
+        for (int a = 0; a < 9; ++a)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d0 + a * WS_ATOM), "l"(src + a * 64),
+                         "r"(key < S ? 16 : 0));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
+    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
+    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sm = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1 KB aligned
+    unsigned char* Qs = sm;
+    unsigned char* stages = sm + 9 * ATOM;
+    unsigned char* Ps = stages + WS_STAGES * WS_STAGE;
+    float* alpha_s = (float*)(Ps + ATOM);
+    uint64_t* bars = (uint64_t*)(alpha_s + 64);  // full[4], empty[4], pfull, pempty
+    uint64_t *full = bars, *empty = bars + WS_STAGES, *pfull = bars + 2 * WS_STAGES, *pempty = pfull + 1;
+
+    const int split = blockIdx.x, n_splits = gridDim.x, qt = blockIdx.y, b = blockIdx.z;
+    const int NH = N * H, W = (N + 31) >> 5;
+    const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, c = lane & 3;
+    const int S = seq_len[b], prefix = S - N;
+    const int32_t* pt = page_table + (size_t)b * max_pages;
+    const int n_tiles = (S + WS_KEYS - 1) / WS_KEYS;
+    const int tps = (n_tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps), n = t_end - t_begin;
+    const int q0 = qt * 64;
+    const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+    if (n <= 0) {  // an empty split: no O, a statistic that verify_attn_combine weighs 0
+        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; ++i) { mbar_init(&full[i], 128); mbar_init(&empty[i], 128); }
+        mbar_init(pfull, 128);
+        mbar_init(pempty, 128);
+    }
+    const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
+    wg_load_tile(Qs, [&](int, int r, int& bytes) {
+        const int qr = q0 + r;
+        bytes = qr < NH ? 16 : 0;
+        return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
+    });
+    cp_commit();
+    cp_wait<0>();
+    fence_async_smem();
+    __syncthreads();  // Q in, barriers initialised
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    const uint32_t q_addr = smem_addr(Qs), p_addr = smem_addr(Ps);
+
+    if (wg == 0) {  // ------------------------------------------------------------- S, softmax, O columns 0..255
+        float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+        for (int tt = 0; tt < n; ++tt) {
+            const int t = t_begin + tt, st = tt % WS_STAGES;
+            const uint32_t k_addr = smem_addr(stages + st * WS_STAGE);
+            mbar_wait(&full[st], (tt / WS_STAGES) & 1);
+            float s[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) s[i] = 0.f;
+            wg_pin(s);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 36; ++ks)
+                wg_m64n32(s, wg_desc(q_addr + (ks >> 2) * ATOM + (ks & 3) * 32, 16, 1024),
+                          wg_desc(k_addr + (ks >> 2) * WS_ATOM + (ks & 3) * 32, 16, 1024), ks > 0);
+            wg_commit();
+            wg_wait<0>();  // S(t), and O(t - 1)
+            wg_pin(s);
+            wg_pin(o);
+            if (tt > 0) mbar_arrive(&empty[(tt - 1) % WS_STAGES]);  // done with tile t - 1's stage
+
+            // mask, scale, row maxima over the tile's 32 keys (s[4j + e]: row r0 + 8 (e >> 1), key 8j + 2c + (e & 1))
+            const int key_base = t * WS_KEYS;
+            const bool plain = key_base + WS_KEYS <= prefix;
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    bool vis = true;
+                    if (!plain) {
+                        const int key = key_base + 8 * j + 2 * c + (e & 1);
+                        vis = key < S;
+                        if (vis && key >= prefix) {
+                            const int qr = min(q0 + r0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
+                            vis = (mask[((size_t)b * N + node) * W + (jj >> 5)] >> (jj & 31)) & 1u;
+                        }
+                    }
+                    const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
+                    s[4 * j + e] = v;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
+                }
+            float mn[2], al[2], ps[2] = {0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                running_max(m_run[i], mx[i], NEG_INF, mn[i], al[i]);
+            }
+            if (tt > 0) mbar_wait(pempty, (tt - 1) & 1);  // warpgroup 1 is done with P(t - 1) and alpha
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
+                    ps[e >> 1] += p[e];
+                }
+                const int off = ((j ^ (r0 & 7)) << 4) + c * 4;  // keys 8j + 2c, +1: chunk j of the row
+                *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
+                *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
+            }
+            if (c == 0) { alpha_s[r0] = al[0]; alpha_s[r0 + 8] = al[1]; }
+            fence_async_smem();  // P's generic-proxy stores, before either warpgroup's wgmma reads them
+            mbar_arrive(pfull);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                l_run[i] = l_run[i] * al[i] + ps[i];
+                m_run[i] = mn[i];
+            }
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= al[0]; o[4 * j + 1] *= al[0];
+                o[4 * j + 2] *= al[1]; o[4 * j + 3] *= al[1];
+            }
+            wg_pin(o);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks)
+                wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + ks * 2048, WS_ATOM, 1024));
+            wg_commit();
+        }
+        wg_wait<0>();
+        wg_pin(o);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+            const int qr = q0 + r0 + 8 * i;
+            if (c == 0 && qr < NH) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i]);
+        }
+    } else {  // ------------------------------------------------------------------------- loads, O columns 256..511
+        const int t128 = threadIdx.x - 128;
+        for (int i = 0; i < WS_STAGES - 1; ++i) {  // the first three stages
+            if (i < n) ws_load_stage(stages + i * WS_STAGE, cache, pt, page_size, (t_begin + i) * WS_KEYS, S, t128);
+            cp_commit();
+        }
+        cp_wait<WS_STAGES - 2>();  // stage 0 landed
+        fence_async_smem();
+        mbar_arrive(&full[0]);
+        for (int tt = 0; tt < n; ++tt) {
+            const int st = tt % WS_STAGES;
+            // refill the stage of tile t - 1 with tile t + 3 once warpgroup 0 is done with it (this warpgroup is:
+            // its P V(t - 1) was waited below), then signal tile t + 1's stage
+            const int nt = tt + WS_STAGES - 1;
+            if (nt < n) {
+                if (tt > 0) mbar_wait(&empty[(tt - 1) % WS_STAGES], ((tt - 1) / WS_STAGES) & 1);
+                ws_load_stage(stages + (nt % WS_STAGES) * WS_STAGE, cache, pt, page_size, (t_begin + nt) * WS_KEYS, S,
+                              t128);
+            }
+            cp_commit();
+            cp_wait<WS_STAGES - 2>();  // tile t + 1 landed
+            if (tt + 1 < n) {
+                fence_async_smem();
+                mbar_arrive(&full[(tt + 1) % WS_STAGES]);
+            }
+            mbar_wait(pfull, tt & 1);  // P(t) and alpha(t)
+            const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= a0; o[4 * j + 1] *= a0;
+                o[4 * j + 2] *= a1; o[4 * j + 3] *= a1;
+            }
+            const uint32_t v_addr = smem_addr(stages + st * WS_STAGE) + 4 * WS_ATOM;
+            wg_pin(o);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks)
+                wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(v_addr + ks * 2048, WS_ATOM, 1024));
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(o);
+            mbar_arrive(pempty);
+        }
+        cp_wait<0>();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int qr = q0 + r0 + 8 * i;
+        if (qr >= NH) continue;
+        float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
     }
 }
 #endif  // KDTREE_WGMMA

@@ -228,7 +228,7 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
         bytes_ = b * S * 576 * 2 + q.numel() * 2 + b * N * H * 512 * 2
         row = {"context": ctx, "nodes": N, "batch": b, "heads": H, "impl": impl, "kernel_s": t_k, "flops": flops,
                "bytes": bytes_, "n_splits": kernels.default_splits(b, N * H, pages * 64, kernels._sm_count(q.device),
-                                                                   64 if impl == "wgmma" else 32)}
+                                                                   kernels._VERIFY_KERNELS[impl][2])}
         if impl == "wgmma":  # the mma.sync kernel, same inputs, same run
             row["mma_s"] = _events_median(lambda: run("mma"), repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
             row["speedup_vs_mma"] = row["mma_s"] / t_k

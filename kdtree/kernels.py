@@ -388,7 +388,11 @@ def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch
 # ----------------------------------------------------------------------------- verify attention
 VERIFY_SMEM = 64 * 584 * 2 + 2 * 32 * 584 * 2 + 64 * 40 * 2 + 4 * 64 * 4
 VERIFY_WG_SMEM = 1024 + 3 * 9 * 8192 + 8192 + 3 * 64 * 4  # verify_attn_wg: slack, Q, 2 K/V tiles, P, row stats
-VERIFY_IMPLS = ("wgmma", "mma")  # verify_attn_wg (Hopper) / verify_attn_partial (mma.sync, any sm_80+)
+VERIFY_WS_SMEM = 1024 + 9 * 8192 + 4 * 9 * 4096 + 8192 + 64 * 4 + 16 * 8  # verify_attn_ws: + 4 stages, barriers
+# verify_attn_wg (Hopper), verify_attn_ws (Hopper, warp-specialized), verify_attn_partial (mma.sync, any sm_80+)
+VERIFY_IMPLS = ("wgmma", "ws", "mma")
+_VERIFY_KERNELS = {"wgmma": ("verify_attn_wg", VERIFY_WG_SMEM, 64), "ws": ("verify_attn_ws", VERIFY_WS_SMEM, 32),
+                   "mma": ("verify_attn_partial", VERIFY_SMEM, 32)}  # kernel, dynamic shared memory, keys a tile
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -432,8 +436,9 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     q bf16 [b, N, H, 576]; cache bf16 [rows, 576] (one layer, paged); page_table int32 [b, max_pages];
     seq_len int32 [b] (cached rows including the N appended ones); mask: bool [b, N, N] or packed int32
     words [b, N, ceil(N/32)] over the appended block; scale: softmax scale (YaRN mscale included).
-    impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys) or "mma" (mma.sync, tiles of 32); None takes
-    "wgmma" on a compute capability 9.0 GPU, else "mma". max_seq_len: a bound on seq_len known on the host
+    impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys), "ws" (warpgroup MMA, warp-specialized over a
+    4-stage ring of 32-key tiles) or "mma" (mma.sync, tiles of 32); None takes "wgmma" on a compute capability 9.0
+    GPU, else "mma". max_seq_len: a bound on seq_len known on the host
     (a caller's cache length), which sizes the context splits; without it they are sized for seq_len's maximum
     when check_values, else for the page table's capacity (splits past a shorter context cost a little each).
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
@@ -487,9 +492,9 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     NH = N * H
     if impl is None:
         impl = "wgmma" if _sm90() else "mma"
-    elif impl == "wgmma" and not _sm90():
-        raise ValueError('impl="wgmma": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
-    tile = 64 if impl == "wgmma" else 32
+    elif impl != "mma" and not _sm90():
+        raise ValueError(f'impl="{impl}": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
+    name, smem, tile = _VERIFY_KERNELS[impl]
     if n_splits is None:
         n_splits = default_splits(b, NH, keys, _sm_count(q.device), tile)
     dev = q.device
@@ -497,7 +502,6 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)
     out = _empty(b, N, H, D_V, dtype=torch.bfloat16, device=dev)
     lse = _empty(b, N, H, dtype=torch.float32, device=dev)
-    name, smem = ("verify_attn_wg", VERIFY_WG_SMEM) if impl == "wgmma" else ("verify_attn_partial", VERIFY_SMEM)
     _launch("verify_attn", name, (n_splits, math.ceil(NH / 64), b), (256,),
             (_p(q), _p(cache), _p(page_table), _i(page_table.shape[1]), _i(page_size), _p(seq_len), _p(mask),
              _i(N), _i(H), np.float32(scale * math.log2(math.e)), _p(ws_o), _p(ws_ml)), smem=smem)

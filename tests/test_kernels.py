@@ -168,9 +168,9 @@ def test_kv_compact_matches_golden():
             np.testing.assert_array_equal(_rows(cache[l], pt[i], 300).float().cpu().numpy(), want)
 
 
-IMPLS = [pytest.param("wgmma", marks=pytest.mark.skipif(
-             not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-             reason="the wgmma kernel needs a compute capability 9.0 GPU")), "mma"]
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+IMPLS = [pytest.param(i, marks=pytest.mark.skipif(not _HOPPER, reason=f"the {i} kernel needs a compute capability 9.0 GPU"))
+         for i in ("wgmma", "ws")] + ["mma"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
