@@ -524,7 +524,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 //   O [64 x 256 columns 0..255] += P V (m64n256k16, 2 k-steps) without waiting for it.
 //   Warpgroup 1 loads (cp.async, each stage one commit group, three stages ahead; a stage is signalled full once
 //   its group has landed and been fenced for the async proxy) and, once P and alpha are signalled, rescales its O
-//   half (columns 256..511) and accumulates P V into it, then frees P (pempty).
+//   half (columns 256..511) and accumulates P V into it, then frees P (pempty) and its use of the stage (empty
+//   counts both warpgroups' 256 threads: a wgmma wait covers the calling warp only).
 //   Row maxima and sums live in warpgroup 0 only; the epilogue needs no exchange.
 #define WS_KEYS 32
 #define WS_STAGES 4
@@ -593,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
     }
 
     if (threadIdx.x == 0) {
-        for (int i = 0; i < WS_STAGES; ++i) { mbar_init(&full[i], 128); mbar_init(&empty[i], 128); }
+        for (int i = 0; i < WS_STAGES; ++i) { mbar_init(&full[i], 128); mbar_init(&empty[i], 256); }
         mbar_init(pfull, 128);
         mbar_init(pempty, 128);
     }
@@ -677,6 +678,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             }
             if (c == 0) { alpha_s[r0] = al[0]; alpha_s[r0 + 8] = al[1]; }
             fence_async_smem();  // P's generic-proxy stores, before either warpgroup's wgmma reads them
+            __syncwarp();        // the warp's lanes' rows, before its own wgmma reads them
             mbar_arrive(pfull);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -715,8 +717,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
         mbar_arrive(&full[0]);
         for (int tt = 0; tt < n; ++tt) {
             const int st = tt % WS_STAGES;
-            // refill the stage of tile t - 1 with tile t + 3 once warpgroup 0 is done with it (this warpgroup is:
-            // its P V(t - 1) was waited below), then signal tile t + 1's stage
+            // refill the stage of tile t - 1 with tile t + 3 once every warp of both warpgroups is done with it
+            // (empty: 256 arrivals; a wgmma.wait_group covers the calling warp only), then signal tile t + 1's stage
             const int nt = tt + WS_STAGES - 1;
             if (nt < n) {
                 if (tt > 0) mbar_wait(&empty[(tt - 1) % WS_STAGES], ((tt - 1) / WS_STAGES) & 1);
@@ -746,6 +748,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             wg_wait<0>();
             wg_pin(o);
             mbar_arrive(pempty);
+            mbar_arrive(&empty[st]);  // this warp is done with tile t's stage
         }
         cp_wait<0>();
     }
