@@ -312,6 +312,33 @@ template <int N> __device__ __forceinline__ void wg_pin(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// Masks and scales (base 2) a [64 x 32] S fragment of keys key_base.. : s[4j + e] is row row0 + 8 (e >> 1) of the
+// block (row0 = q0 + this thread's first row), key key_base + 8j + 2c + (e & 1); keys past S are hidden, appended
+// keys (>= prefix) follow the request's mask words (rows past N*H use the last row's). mx: the rows' maxima here.
+__device__ __forceinline__ void mask_scale_32(float (&s)[16], float (&mx)[2], int key_base, int S, int prefix,
+                                              int row0, int c, int NH, int H, int N, int W, const uint32_t* mask_b,
+                                              float scale_log2) {
+    const bool plain = key_base + 32 <= prefix;  // all 32 keys are prefix rows, visible to every node
+    mx[0] = mx[1] = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            bool vis = true;
+            if (!plain) {
+                const int key = key_base + 8 * j + 2 * c + (e & 1);
+                vis = key < S;
+                if (vis && key >= prefix) {
+                    const int qr = min(row0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
+                    vis = (mask_b[(size_t)node * W + (jj >> 5)] >> (jj & 31)) & 1u;
+                }
+            }
+            const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
+            s[4 * j + e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+}
+
 // d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
 __device__ __forceinline__ void wg_m64n32(float (&d)[16], uint64_t da, uint64_t db, int accum) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -423,27 +450,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         wg_wait<0>();
         wg_pin(s);
 
-        // mask, scale, row maxima (fragment: s[4j + e] = row r0 + 8 * (e >> 1), key 8j + 2c + (e & 1))
-        const int key_base = t * WG_KEYS + wg * 32;
-        const bool plain = key_base + 32 <= prefix;  // all 32 keys are prefix rows, visible to every node
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                bool vis = true;
-                if (!plain) {
-                    const int key = key_base + 8 * j + 2 * c + (e & 1);
-                    vis = key < S;
-                    if (vis && key >= prefix) {
-                        const int qr = min(q0 + r0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
-                        vis = (mask[((size_t)b * N + node) * W + (jj >> 5)] >> (jj & 31)) & 1u;
-                    }
-                }
-                const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
-                s[4 * j + e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
+        float mx[2];
+        mask_scale_32(s, mx, t * WG_KEYS + wg * 32, S, prefix, q0 + r0, c, NH, H, N, W, mask + (size_t)b * N * W,
+                      scale_log2);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
@@ -635,27 +644,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             wg_pin(o);
             if (tt > 0) mbar_arrive(&empty[(tt - 1) % WS_STAGES]);  // done with tile t - 1's stage
 
-            // mask, scale, row maxima over the tile's 32 keys (s[4j + e]: row r0 + 8 (e >> 1), key 8j + 2c + (e & 1))
-            const int key_base = t * WS_KEYS;
-            const bool plain = key_base + WS_KEYS <= prefix;
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    bool vis = true;
-                    if (!plain) {
-                        const int key = key_base + 8 * j + 2 * c + (e & 1);
-                        vis = key < S;
-                        if (vis && key >= prefix) {
-                            const int qr = min(q0 + r0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
-                            vis = (mask[((size_t)b * N + node) * W + (jj >> 5)] >> (jj & 31)) & 1u;
-                        }
-                    }
-                    const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
-                    s[4 * j + e] = v;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
-                }
+            float mx[2];  // the tile's 32 keys
+            mask_scale_32(s, mx, t * WS_KEYS, S, prefix, q0 + r0, c, NH, H, N, W, mask + (size_t)b * N * W, scale_log2);
             float mn[2], al[2], ps[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
