@@ -339,6 +339,34 @@ __device__ __forceinline__ void mask_scale_32(float (&s)[16], float (&mx)[2], in
         }
 }
 
+// P = 2^(s - m) of a [64 x 32] S fragment as bf16 into a 128-byte-swizzled [64 x 128 B] atom: keys 8j + 2c, +1 of
+// rows r0 and r0 + 8 go to logical chunk chunk0 + j (stored at chunk (chunk0 + j) ^ (r & 7); the two rows share
+// r & 7); ps gets the rows' sums of the (unrounded) terms.
+__device__ __forceinline__ void store_p(const float (&s)[16], const float (&mn)[2], float (&ps)[2], unsigned char* Ps,
+                                        int r0, int c, int chunk0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
+            ps[e >> 1] += p[e];
+        }
+        const int off = (((chunk0 + j) ^ (r0 & 7)) << 4) + c * 4;
+        *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
+        *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
+    }
+}
+
+// The [64 x 256] O fragment's rows r0 and r0 + 8 times a0 and a1 (o[4j], o[4j + 1]: row r0; o[4j + 2], o[4j + 3]).
+__device__ __forceinline__ void rescale_rows(float (&o)[128], float a0, float a1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= a0; o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1; o[4 * j + 3] *= a1;
+    }
+}
+
 // d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
 __device__ __forceinline__ void wg_m64n32(float (&d)[16], uint64_t da, uint64_t db, int accum) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -464,28 +492,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 #pragma unroll
         for (int i = 0; i < 2; ++i) running_max(m_run[i], red[r0 + 8 * i], red[64 + r0 + 8 * i], mn[i], al[i]);
         // P = 2^(s - m) as bf16 into the swizzled P atom (row r, keys 32 wg + 8j + 2c, +1)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
-                ps[e >> 1] += p[e];
-            }
-            const int off = (((wg * 4 + j) ^ (r0 & 7)) << 4) + c * 4;  // rows r0 and r0 + 8 share r & 7
-            *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
-            *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
-        }
+        store_p(s, mn, ps, Ps, r0, c, wg * 4);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             l_run[i] = l_run[i] * al[i] + ps[i];
             m_run[i] = mn[i];
         }
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            o[4 * j] *= al[0]; o[4 * j + 1] *= al[0];
-            o[4 * j + 2] *= al[1]; o[4 * j + 3] *= al[1];
-        }
+        rescale_rows(o, al[0], al[1]);
         fence_async_smem();  // P's generic-proxy stores, before wgmma reads them
         __syncthreads();
 
@@ -654,18 +667,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
                 running_max(m_run[i], mx[i], NEG_INF, mn[i], al[i]);
             }
             if (tt > 0) mbar_wait(pempty, (tt - 1) & 1);  // warpgroup 1 is done with P(t - 1) and alpha
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float p[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
-                    ps[e >> 1] += p[e];
-                }
-                const int off = ((j ^ (r0 & 7)) << 4) + c * 4;  // keys 8j + 2c, +1: chunk j of the row
-                *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
-                *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
-            }
+            store_p(s, mn, ps, Ps, r0, c, 0);
             if (c == 0) { alpha_s[r0] = al[0]; alpha_s[r0 + 8] = al[1]; }
             fence_async_smem();  // P's generic-proxy stores, before either warpgroup's wgmma reads them
             __syncwarp();        // the warp's lanes' rows, before its own wgmma reads them
@@ -675,11 +677,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
                 l_run[i] = l_run[i] * al[i] + ps[i];
                 m_run[i] = mn[i];
             }
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                o[4 * j] *= al[0]; o[4 * j + 1] *= al[0];
-                o[4 * j + 2] *= al[1]; o[4 * j + 3] *= al[1];
-            }
+            rescale_rows(o, al[0], al[1]);
             wg_pin(o);
             wg_fence();
 #pragma unroll
@@ -723,11 +721,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             }
             mbar_wait(pfull, tt & 1);  // P(t) and alpha(t)
             const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                o[4 * j] *= a0; o[4 * j + 1] *= a0;
-                o[4 * j + 2] *= a1; o[4 * j + 3] *= a1;
-            }
+            rescale_rows(o, a0, a1);
             const uint32_t v_addr = smem_addr(stages + st * WS_STAGE) + 4 * WS_ATOM;
             wg_pin(o);
             wg_fence();
