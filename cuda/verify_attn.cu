@@ -383,6 +383,18 @@ __device__ __forceinline__ void wg_m64n256_tb(float (&d)[128], uint64_t da, uint
                  : "l"(da), "l"(db));
 }
 
+// Issues (commits, does not wait for) O [64 x 256] += P [64 x 16 KS keys] V [16 KS keys x 256 columns]: P K-major
+// from a swizzled [64 x 128 B] atom, V MN-major from four atoms of 64 columns, atom_bytes apart, starting at v_addr.
+template <int KS>
+__device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_addr, uint32_t v_addr, uint32_t atom_bytes) {
+    wg_pin(o);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+        wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(v_addr + ks * 2048, atom_bytes, 1024));
+    wg_commit();
+}
+
 // cp.async a [64 x 576] tile into swizzled atoms: thread t copies 16-byte chunk t % 8 of each 64-dim atom of
 // rows t / 8 (h = 0) and t / 8 + 32 (h = 1); row(h, r, bytes) gives row r's source (bytes = 16, or 0: zero-fill)
 template <typename Row>
@@ -503,12 +515,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         __syncthreads();
 
         // O [64 x 256] += P [64 x 64] V [64 keys x this warpgroup's 256 columns]
-        wg_pin(o);
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-            wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + 4 * wg * ATOM + ks * 2048, 8192, 1024));
-        wg_commit();
+        issue_pv<4>(o, p_addr, k_addr + 4 * wg * ATOM, ATOM);
         wg_wait<0>();
         wg_pin(o);
     }
@@ -678,12 +685,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
                 m_run[i] = mn[i];
             }
             rescale_rows(o, al[0], al[1]);
-            wg_pin(o);
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < 2; ++ks)
-                wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + ks * 2048, WS_ATOM, 1024));
-            wg_commit();
+            issue_pv<2>(o, p_addr, k_addr, WS_ATOM);  // V: the stage's atoms 0..3
         }
         wg_wait<0>();
         wg_pin(o);
@@ -722,13 +724,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             mbar_wait(pfull, tt & 1);  // P(t) and alpha(t)
             const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
             rescale_rows(o, a0, a1);
-            const uint32_t v_addr = smem_addr(stages + st * WS_STAGE) + 4 * WS_ATOM;
-            wg_pin(o);
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < 2; ++ks)
-                wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(v_addr + ks * 2048, WS_ATOM, 1024));
-            wg_commit();
+            issue_pv<2>(o, p_addr, smem_addr(stages + st * WS_STAGE) + 4 * WS_ATOM, WS_ATOM);  // V: atoms 4..7
             wg_wait<0>();
             wg_pin(o);
             mbar_arrive(pempty);
