@@ -20,8 +20,7 @@ def test_sources_ship_with_the_package():
 def test_compiles_for_sm90a(src, nvcc, tmp_path):
     # KDTREE_WGMMA: the loader's sm_90a build, with the warpgroup-MMA kernels
     r = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DKDTREE_WGMMA=1", "-Xptxas", "-v",
-                        "-c", str(src),
-                        "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=600)
+                        "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "spill stores" in r.stderr
     import re
