@@ -428,6 +428,16 @@ def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 3
     return best[1]
 
 
+def available_verify_impls() -> tuple[str, ...]:
+    """The verify_attn kernels this GPU runs: all of VERIFY_IMPLS on compute capability 9.0, else only 'mma'."""
+    return VERIFY_IMPLS if _sm90() else ("mma",)
+
+
+def default_verify_impl() -> str:
+    """verify_attn's kernel when impl is None: the warpgroup-MMA kernel on Hopper, the mma.sync kernel elsewhere."""
+    return "wgmma" if _sm90() else "mma"
+
+
 def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
                 mask: torch.Tensor, scale: float, page_size: int = PAGE_SIZE, n_splits: int | None = None,
                 check_values: bool = True, impl: str | None = None, max_seq_len: int | None = None):
@@ -491,7 +501,7 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         keys = hi
     NH = N * H
     if impl is None:
-        impl = "wgmma" if _sm90() else "mma"
+        impl = default_verify_impl()
     elif impl != "mma" and not _sm90():
         raise ValueError(f'impl="{impl}": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
     name, smem, tile = _VERIFY_KERNELS[impl]
