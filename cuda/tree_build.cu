@@ -251,6 +251,18 @@ __device__ void emit_selected(const uint32_t (&k)[E], const Selection& s, int* r
     }
 }
 
+// The want largest of the block's register items at or above bound (item order among equal keys), written
+// to ok[slot] (key) / ot[slot] (col0 + the item's column offset j), slots 0..want-1.
+template <int E>
+__device__ __forceinline__ void select_registers(const uint32_t (&k)[E], int want, uint32_t bound, int low_bit, uint32_t* hist,
+                                 int* red, int* s_int, uint32_t* ok, int32_t* ot, int col0) {
+    const Selection sel = radix_passes([&](auto f) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) f(k[j]);
+    }, want, bound, low_bit, hist, red, s_int);
+    emit_selected<E>(k, sel, red, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = col0 + j; });
+}
+
 // Load this thread's cnt items (keys; 0 after them), 8 at a time through 16-byte loads where `vec`
 // (the range starts 16-byte aligned), else one by one; *m gets their max.
 template <int E>
@@ -371,11 +383,7 @@ __device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, in
             }
         }
     } else {  // many ties at the bound: select over the registers
-        const Selection sel = radix_passes([&](auto f) {
-#pragma unroll
-            for (int j = 0; j < PE; ++j) f(k[j]);
-        }, Kc, bound, low_bit, hist, ired, s_int);
-        emit_selected<PE>(k, sel, ired, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = lo + t0 + j; });
+        select_registers<PE>(k, Kc, bound, low_bit, hist, ired, s_int, ok, ot, lo + t0);
     }
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
 }
@@ -585,11 +593,7 @@ __device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int
         }
     } else {  // many items at the bound: the general selection over the registers (item order among equals),
               // from the bound's 12-bit bin (radix_passes counts whole first-pass bins)
-        const Selection sel = radix_passes([&](auto f) {
-#pragma unroll
-            for (int j = 0; j < PE; ++j) f(k[j]);
-        }, Kc, bound & 0xfff00000u, low_bit, hist, ired, s_int);
-        emit_selected<PE>(k, sel, ired, [&](int j, int slot) { ok[slot] = k[j]; ot[slot] = lo + t0 + j; });
+        select_registers<PE>(k, Kc, bound & 0xfff00000u, low_bit, hist, ired, s_int, ok, ot, lo + t0);
     }
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
 }

@@ -14,8 +14,10 @@
 //   K/V tiles double-buffered with cp.async; S = Q K^T and O += P V on mma.sync m16n8k16 (bf16 in,
 //   fp32 accumulate); online softmax in base 2. Keys of a step are split between two warp halves
 //   for S; each half then owns 256 of the 512 output columns.
-//   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum).
-// verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below).
+//   ws_o float [n_splits, batch, N*H, 512], ws_ml float2 [n_splits, batch, N*H] (running max, sum); a split with
+//   no key (the context shorter than the splits were sized for) writes only ws_ml = (-inf, 0).
+// verify_attn_wg        the same contract on Hopper's warpgroup MMA (sm_90a builds only; below), and
+// verify_attn_ws        the same again with warp-specialized warpgroups over a 4-stage ring of 32-key tiles.
 // verify_attn_combine   grid (N*H, batch), block 128, n_splits <= MAX_SPLITS
 //   out bf16 [batch, N, H, 512] = sum_s O_s 2^(m_s - M) / sum_s l_s 2^(m_s - M); lse float [batch, N, H]
 //   (natural log of the softmax denominator, in units of scaled scores).
@@ -101,6 +103,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
     const int tps = (n_tiles + n_splits - 1) / n_splits;
     const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
     const int q0 = qt * ROWS;
+    if (t_begin >= t_end) {  // an empty split: no O, a statistic that verify_attn_combine weighs 0
+        const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+        if (threadIdx.x < ROWS && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
 
     // Q tile (rows past NH zero-filled)
     const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
@@ -108,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
         int r = t / 72, c = t - r * 72, qr = q0 + r;
         cp_async16(Qs + r * STRIDE + c * 8, qb + (size_t)(qr < NH ? qr : 0) * D_QK + c * 8, qr < NH ? 16 : 0);
     }
-    if (t_begin < t_end) load_kv_tile(KVs, cache, pt, page_size, t_begin * KEYS, S);
+    load_kv_tile(KVs, cache, pt, page_size, t_begin * KEYS, S);
     cp_commit();
 
     float o[32][4];
@@ -249,11 +256,12 @@ extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
     }
     __syncthreads();
     const float inv = s_inv;
-    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {  // every split wrote its O (zeros when empty)
+    for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
         for (int s = 0; s < n_splits; ++s) {
             const float w = wts[s];
+            if (w == 0.f) continue;  // an empty split (its O is not written) or one whose terms underflow
             const float4 v = *(const float4*)(ws_o + (((size_t)s * B + b) * NH + qr) * D_V + c);
             acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
         }
@@ -296,6 +304,68 @@ template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins accumulator registers at this point of the program: the compiler may not move their other reads and
+// writes across it (PTX leaves registers that an in-flight wgmma uses undefined to any other instruction, and
+// NVVM otherwise sinks O's rescale and S's zeroing past wgmma.fence, leaving ptxas to insert a warpgroup.arrive).
+template <int N> __device__ __forceinline__ void wg_pin(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Masks and scales (base 2) a [64 x 32] S fragment of keys key_base.. : s[4j + e] is row row0 + 8 (e >> 1) of the
+// block (row0 = q0 + this thread's first row), key key_base + 8j + 2c + (e & 1); keys past S are hidden, appended
+// keys (>= prefix) follow the request's mask words (rows past N*H use the last row's). mx: the rows' maxima here.
+__device__ __forceinline__ void mask_scale_32(float (&s)[16], float (&mx)[2], int key_base, int S, int prefix,
+                                              int row0, int c, int NH, int H, int N, int W, const uint32_t* mask_b,
+                                              float scale_log2) {
+    const bool plain = key_base + 32 <= prefix;  // all 32 keys are prefix rows, visible to every node
+    mx[0] = mx[1] = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            bool vis = true;
+            if (!plain) {
+                const int key = key_base + 8 * j + 2 * c + (e & 1);
+                vis = key < S;
+                if (vis && key >= prefix) {
+                    const int qr = min(row0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
+                    vis = (mask_b[(size_t)node * W + (jj >> 5)] >> (jj & 31)) & 1u;
+                }
+            }
+            const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
+            s[4 * j + e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+}
+
+// P = 2^(s - m) of a [64 x 32] S fragment as bf16 into a 128-byte-swizzled [64 x 128 B] atom: keys 8j + 2c, +1 of
+// rows r0 and r0 + 8 go to logical chunk chunk0 + j (stored at chunk (chunk0 + j) ^ (r & 7); the two rows share
+// r & 7); ps gets the rows' sums of the (unrounded) terms.
+__device__ __forceinline__ void store_p(const float (&s)[16], const float (&mn)[2], float (&ps)[2], unsigned char* Ps,
+                                        int r0, int c, int chunk0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
+            ps[e >> 1] += p[e];
+        }
+        const int off = (((chunk0 + j) ^ (r0 & 7)) << 4) + c * 4;
+        *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
+        *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
+    }
+}
+
+// The [64 x 256] O fragment's rows r0 and r0 + 8 times a0 and a1 (o[4j], o[4j + 1]: row r0; o[4j + 2], o[4j + 3]).
+__device__ __forceinline__ void rescale_rows(float (&o)[128], float a0, float a1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= a0; o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1; o[4 * j + 3] *= a1;
+    }
+}
 
 // d [64 x 32] (+)= A B^T, A and B K-major in shared memory (accum = 0: d = A B^T)
 __device__ __forceinline__ void wg_m64n32(float (&d)[16], uint64_t da, uint64_t db, int accum) {
@@ -311,6 +381,18 @@ __device__ __forceinline__ void wg_m64n256_tb(float (&d)[128], uint64_t da, uint
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
                  : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31]),"+f"(d[32]),"+f"(d[33]),"+f"(d[34]),"+f"(d[35]),"+f"(d[36]),"+f"(d[37]),"+f"(d[38]),"+f"(d[39]),"+f"(d[40]),"+f"(d[41]),"+f"(d[42]),"+f"(d[43]),"+f"(d[44]),"+f"(d[45]),"+f"(d[46]),"+f"(d[47]),"+f"(d[48]),"+f"(d[49]),"+f"(d[50]),"+f"(d[51]),"+f"(d[52]),"+f"(d[53]),"+f"(d[54]),"+f"(d[55]),"+f"(d[56]),"+f"(d[57]),"+f"(d[58]),"+f"(d[59]),"+f"(d[60]),"+f"(d[61]),"+f"(d[62]),"+f"(d[63]),"+f"(d[64]),"+f"(d[65]),"+f"(d[66]),"+f"(d[67]),"+f"(d[68]),"+f"(d[69]),"+f"(d[70]),"+f"(d[71]),"+f"(d[72]),"+f"(d[73]),"+f"(d[74]),"+f"(d[75]),"+f"(d[76]),"+f"(d[77]),"+f"(d[78]),"+f"(d[79]),"+f"(d[80]),"+f"(d[81]),"+f"(d[82]),"+f"(d[83]),"+f"(d[84]),"+f"(d[85]),"+f"(d[86]),"+f"(d[87]),"+f"(d[88]),"+f"(d[89]),"+f"(d[90]),"+f"(d[91]),"+f"(d[92]),"+f"(d[93]),"+f"(d[94]),"+f"(d[95]),"+f"(d[96]),"+f"(d[97]),"+f"(d[98]),"+f"(d[99]),"+f"(d[100]),"+f"(d[101]),"+f"(d[102]),"+f"(d[103]),"+f"(d[104]),"+f"(d[105]),"+f"(d[106]),"+f"(d[107]),"+f"(d[108]),"+f"(d[109]),"+f"(d[110]),"+f"(d[111]),"+f"(d[112]),"+f"(d[113]),"+f"(d[114]),"+f"(d[115]),"+f"(d[116]),"+f"(d[117]),"+f"(d[118]),"+f"(d[119]),"+f"(d[120]),"+f"(d[121]),"+f"(d[122]),"+f"(d[123]),"+f"(d[124]),"+f"(d[125]),"+f"(d[126]),"+f"(d[127])
                  : "l"(da), "l"(db));
+}
+
+// Issues (commits, does not wait for) O [64 x 256] += P [64 x 16 KS keys] V [16 KS keys x 256 columns]: P K-major
+// from a swizzled [64 x 128 B] atom, V MN-major from four atoms of 64 columns, atom_bytes apart, starting at v_addr.
+template <int KS>
+__device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_addr, uint32_t v_addr, uint32_t atom_bytes) {
+    wg_pin(o);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+        wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(v_addr + ks * 2048, atom_bytes, 1024));
+    wg_commit();
 }
 
 // cp.async a [64 x 576] tile into swizzled atoms: thread t copies 16-byte chunk t % 8 of each 64-dim atom of
@@ -361,6 +443,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
     const int q0 = qt * 64;
     const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+    if (t_begin >= t_end) {  // an empty split (a context shorter than the splits were sized for): no O,
+                             // a statistic that verify_attn_combine weighs 0
+        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
 
     const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
     wg_load_tile(Qs, [&](int, int r, int& bytes) {
@@ -368,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         bytes = qr < NH ? 16 : 0;
         return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
     });
-    if (t_begin < t_end) wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
+    wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
     cp_commit();
 
     float o[128];
@@ -388,6 +476,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
         float s[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) s[i] = 0.f;
+        wg_pin(s);
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < 36; ++ks) {
@@ -399,28 +488,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
             wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
         cp_commit();
         wg_wait<0>();
+        wg_pin(s);
 
-        // mask, scale, row maxima (fragment: s[4j + e] = row r0 + 8 * (e >> 1), key 8j + 2c + (e & 1))
-        const int key_base = t * WG_KEYS + wg * 32;
-        const bool plain = key_base + 32 <= prefix;  // all 32 keys are prefix rows, visible to every node
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                bool vis = true;
-                if (!plain) {
-                    const int key = key_base + 8 * j + 2 * c + (e & 1);
-                    vis = key < S;
-                    if (vis && key >= prefix) {
-                        const int qr = min(q0 + r0 + (e >> 1) * 8, NH - 1), node = qr / H, jj = key - prefix;
-                        vis = (mask[((size_t)b * N + node) * W + (jj >> 5)] >> (jj & 31)) & 1u;
-                    }
-                }
-                const float v = vis ? s[4 * j + e] * scale_log2 : NEG_INF;
-                s[4 * j + e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
+        float mx[2];
+        mask_scale_32(s, mx, t * WG_KEYS + wg * 32, S, prefix, q0 + r0, c, NH, H, N, W, mask + (size_t)b * N * W,
+                      scale_log2);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
@@ -432,38 +504,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 #pragma unroll
         for (int i = 0; i < 2; ++i) running_max(m_run[i], red[r0 + 8 * i], red[64 + r0 + 8 * i], mn[i], al[i]);
         // P = 2^(s - m) as bf16 into the swizzled P atom (row r, keys 32 wg + 8j + 2c, +1)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[e] = exp2_below(s[4 * j + e], mn[e >> 1]);
-                ps[e >> 1] += p[e];
-            }
-            const int off = (((wg * 4 + j) ^ (r0 & 7)) << 4) + c * 4;  // rows r0 and r0 + 8 share r & 7
-            *(__nv_bfloat162*)(Ps + r0 * 128 + off) = __floats2bfloat162_rn(p[0], p[1]);
-            *(__nv_bfloat162*)(Ps + (r0 + 8) * 128 + off) = __floats2bfloat162_rn(p[2], p[3]);
-        }
+        store_p(s, mn, ps, Ps, r0, c, wg * 4);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             l_run[i] = l_run[i] * al[i] + ps[i];
             m_run[i] = mn[i];
         }
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            o[4 * j] *= al[0]; o[4 * j + 1] *= al[0];
-            o[4 * j + 2] *= al[1]; o[4 * j + 3] *= al[1];
-        }
+        rescale_rows(o, al[0], al[1]);
         fence_async_smem();  // P's generic-proxy stores, before wgmma reads them
         __syncthreads();
 
         // O [64 x 256] += P [64 x 64] V [64 keys x this warpgroup's 256 columns]
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-            wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(k_addr + 4 * wg * ATOM + ks * 2048, 8192, 1024));
-        wg_commit();
+        issue_pv<4>(o, p_addr, k_addr + 4 * wg * ATOM, ATOM);
         wg_wait<0>();
+        wg_pin(o);
     }
     cp_wait<0>();
 
@@ -475,7 +529,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     }
     if (wg == 1 && c == 0) { red[128 + r0] = l_run[0]; red[128 + r0 + 8] = l_run[1]; }
     __syncthreads();
-    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int qr = q0 + r0 + 8 * i;
@@ -484,6 +537,208 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 #pragma unroll
         for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
         if (wg == 0 && c == 0) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i] + red[128 + r0 + 8 * i]);
+    }
+}
+// ------------------------------------------------------------------------ warp-specialized wgmma path (sm_90a)
+// verify_attn_ws: verify_attn_partial's contract on warpgroup MMA with the two warpgroups in different roles and a
+// 4-stage ring of 32-key K/V tiles, so that the tensor cores run S(t + 1) and P V(t) while the softmax of t runs.
+//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM (kernels.VERIFY_WS_SMEM), split over
+//   tiles of 32 keys.
+//   Shared memory: Q [64 x 576] (nine 128-byte-swizzled K-major atoms [64 rows x 64 dims], as verify_attn_wg), four
+//   stages of K/V [32 keys x 576] (nine atoms [32 rows x 64 dims] each), P [64 x 32] bf16 in one [64 x 64] atom,
+//   alpha [64] (the rows' rescale factors of the last tile), mbarriers.
+//   Warpgroup 0 owns the softmax: per tile it waits for the stage (full), computes S [64 x 32] (wgmma m64n32k16,
+//   36 k-steps), frees the stage's previous use (empty), masks, takes the rows' running maxima, writes P and alpha
+//   once warpgroup 1 is done with the last ones (pempty), signals them (pfull), rescales its O half and issues
+//   O [64 x 256 columns 0..255] += P V (m64n256k16, 2 k-steps) without waiting for it.
+//   Warpgroup 1 loads (cp.async, each stage one commit group, three stages ahead; a stage is signalled full once
+//   its group has landed and been fenced for the async proxy) and, once P and alpha are signalled, rescales its O
+//   half (columns 256..511) and accumulates P V into it, then frees P (pempty) and its use of the stage (empty
+//   counts both warpgroups' 256 threads: a wgmma wait covers the calling warp only).
+//   Row maxima and sums live in warpgroup 0 only; the epilogue needs no exchange.
+#define WS_KEYS 32
+#define WS_STAGES 4
+#define WS_ATOM 4096                       // [32 rows x 128 B]
+constexpr int WS_STAGE = 9 * WS_ATOM;      // one K/V stage
+constexpr int WS_SMEM = 1024 + 9 * ATOM + WS_STAGES * WS_STAGE + ATOM + 64 * 4 + 16 * 8;
+static_assert(WS_SMEM <= 232448, "verify_attn_ws: over the 227 KB of shared memory a block may have on sm_90");
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {  // release: this thread's earlier writes go with it
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {  // until the phase of this parity completes
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// cp.async one [32 x 576] stage (warpgroup 1's 128 threads: chunk t % 8 of every atom of rows t / 8 and t / 8 + 16)
+__device__ __forceinline__ void ws_load_stage(unsigned char* dst, const __nv_bfloat16* cache, const int32_t* pt,
+                                              int page_size, int key0, int S, int t128) {
+    const int qc = t128 & 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = (t128 >> 3) + 16 * h, key = key0 + r;
+        const __nv_bfloat16* src = cache_row(cache, pt, page_size, key < S ? key : 0) + qc * 8;
+        const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
+#pragma unroll
+        for (int a = 0; a < 9; ++a)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d0 + a * WS_ATOM), "l"(src + a * 64),
+                         "r"(key < S ? 16 : 0));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
+    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
+    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sm = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1 KB aligned
+    unsigned char* Qs = sm;
+    unsigned char* stages = sm + 9 * ATOM;
+    unsigned char* Ps = stages + WS_STAGES * WS_STAGE;
+    float* alpha_s = (float*)(Ps + ATOM);
+    uint64_t* bars = (uint64_t*)(alpha_s + 64);  // full[4], empty[4], pfull, pempty
+    uint64_t *full = bars, *empty = bars + WS_STAGES, *pfull = bars + 2 * WS_STAGES, *pempty = pfull + 1;
+
+    const int split = blockIdx.x, n_splits = gridDim.x, qt = blockIdx.y, b = blockIdx.z;
+    const int NH = N * H, W = (N + 31) >> 5;
+    const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, c = lane & 3;
+    const int S = seq_len[b], prefix = S - N;
+    const int32_t* pt = page_table + (size_t)b * max_pages;
+    const int n_tiles = (S + WS_KEYS - 1) / WS_KEYS;
+    const int tps = (n_tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps), n = t_end - t_begin;
+    const int q0 = qt * 64;
+    const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
+    if (n <= 0) {  // an empty split: no O, a statistic that verify_attn_combine weighs 0
+        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return;
+    }
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; ++i) { mbar_init(&full[i], 128); mbar_init(&empty[i], 256); }
+        mbar_init(pfull, 128);
+        mbar_init(pempty, 128);
+    }
+    const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
+    wg_load_tile(Qs, [&](int, int r, int& bytes) {
+        const int qr = q0 + r;
+        bytes = qr < NH ? 16 : 0;
+        return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
+    });
+    cp_commit();
+    cp_wait<0>();
+    fence_async_smem();
+    __syncthreads();  // Q in, barriers initialised
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    const uint32_t q_addr = smem_addr(Qs), p_addr = smem_addr(Ps);
+
+    if (wg == 0) {  // ------------------------------------------------------------- S, softmax, O columns 0..255
+        float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+        for (int tt = 0; tt < n; ++tt) {
+            const int t = t_begin + tt, st = tt % WS_STAGES;
+            const uint32_t k_addr = smem_addr(stages + st * WS_STAGE);
+            mbar_wait(&full[st], (tt / WS_STAGES) & 1);
+            float s[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) s[i] = 0.f;
+            wg_pin(s);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 36; ++ks)
+                wg_m64n32(s, wg_desc(q_addr + (ks >> 2) * ATOM + (ks & 3) * 32, 16, 1024),
+                          wg_desc(k_addr + (ks >> 2) * WS_ATOM + (ks & 3) * 32, 16, 1024), ks > 0);
+            wg_commit();
+            wg_wait<0>();  // S(t), and O(t - 1)
+            wg_pin(s);
+            wg_pin(o);
+            if (tt > 0) mbar_arrive(&empty[(tt - 1) % WS_STAGES]);  // done with tile t - 1's stage
+
+            float mx[2];  // the tile's 32 keys
+            mask_scale_32(s, mx, t * WS_KEYS, S, prefix, q0 + r0, c, NH, H, N, W, mask + (size_t)b * N * W, scale_log2);
+            float mn[2], al[2], ps[2] = {0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+                running_max(m_run[i], mx[i], NEG_INF, mn[i], al[i]);
+            }
+            if (tt > 0) mbar_wait(pempty, (tt - 1) & 1);  // warpgroup 1 is done with P(t - 1) and alpha
+            store_p(s, mn, ps, Ps, r0, c, 0);
+            if (c == 0) { alpha_s[r0] = al[0]; alpha_s[r0 + 8] = al[1]; }
+            fence_async_smem();  // P's generic-proxy stores, before either warpgroup's wgmma reads them
+            __syncwarp();        // the warp's lanes' rows, before its own wgmma reads them
+            mbar_arrive(pfull);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                l_run[i] = l_run[i] * al[i] + ps[i];
+                m_run[i] = mn[i];
+            }
+            rescale_rows(o, al[0], al[1]);
+            issue_pv<2>(o, p_addr, k_addr, WS_ATOM);  // V: the stage's atoms 0..3
+        }
+        wg_wait<0>();
+        wg_pin(o);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+            l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+            const int qr = q0 + r0 + 8 * i;
+            if (c == 0 && qr < NH) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i]);
+        }
+    } else {  // ------------------------------------------------------------------------- loads, O columns 256..511
+        const int t128 = threadIdx.x - 128;
+        for (int i = 0; i < WS_STAGES - 1; ++i) {  // the first three stages
+            if (i < n) ws_load_stage(stages + i * WS_STAGE, cache, pt, page_size, (t_begin + i) * WS_KEYS, S, t128);
+            cp_commit();
+        }
+        cp_wait<WS_STAGES - 2>();  // stage 0 landed
+        fence_async_smem();
+        mbar_arrive(&full[0]);
+        for (int tt = 0; tt < n; ++tt) {
+            const int st = tt % WS_STAGES;
+            // refill the stage of tile t - 1 with tile t + 3 once every warp of both warpgroups is done with it
+            // (empty: 256 arrivals; a wgmma.wait_group covers the calling warp only), then signal tile t + 1's stage
+            const int nt = tt + WS_STAGES - 1;
+            if (nt < n) {
+                if (tt > 0) mbar_wait(&empty[(tt - 1) % WS_STAGES], ((tt - 1) / WS_STAGES) & 1);
+                ws_load_stage(stages + (nt % WS_STAGES) * WS_STAGE, cache, pt, page_size, (t_begin + nt) * WS_KEYS, S,
+                              t128);
+            }
+            cp_commit();
+            cp_wait<WS_STAGES - 2>();  // tile t + 1 landed
+            if (tt + 1 < n) {
+                fence_async_smem();
+                mbar_arrive(&full[(tt + 1) % WS_STAGES]);
+            }
+            mbar_wait(pfull, tt & 1);  // P(t) and alpha(t)
+            const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
+            rescale_rows(o, a0, a1);
+            issue_pv<2>(o, p_addr, smem_addr(stages + st * WS_STAGE) + 4 * WS_ATOM, WS_ATOM);  // V: atoms 4..7
+            wg_wait<0>();
+            wg_pin(o);
+            mbar_arrive(pempty);
+            mbar_arrive(&empty[st]);  // this warp is done with tile t's stage
+        }
+        cp_wait<0>();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int qr = q0 + r0 + 8 * i;
+        if (qr >= NH) continue;
+        float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
     }
 }
 #endif  // KDTREE_WGMMA

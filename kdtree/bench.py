@@ -219,19 +219,21 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
         scale = 0.1447
         k = [0]
 
-        def run(impl=None):
+        def run(impl):
             kernels.verify_attn(q, caches[k[0] % n_sets], pt, seq, words, scale, check_values=False, impl=impl)
             k[0] += 1
-        impl = "wgmma" if kernels._sm90() else "mma"
-        t_k = _events_median(run, repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
+        impl = kernels.default_verify_impl()
+        t_k = _events_median(lambda: run(impl), repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
         flops = 2.0 * b * N * H * S * (576 + 512)
         bytes_ = b * S * 576 * 2 + q.numel() * 2 + b * N * H * 512 * 2
         row = {"context": ctx, "nodes": N, "batch": b, "heads": H, "impl": impl, "kernel_s": t_k, "flops": flops,
                "bytes": bytes_, "n_splits": kernels.default_splits(b, N * H, pages * 64, kernels._sm_count(q.device),
-                                                                   64 if impl == "wgmma" else 32)}
-        if impl == "wgmma":  # the mma.sync kernel, same inputs, same run
-            row["mma_s"] = _events_median(lambda: run("mma"), repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
-            row["speedup_vs_mma"] = row["mma_s"] / t_k
+                                                                   kernels._VERIFY_KERNELS[impl][2])}
+        for other in kernels.available_verify_impls():  # the other kernels, same inputs, same run
+            if other != impl:
+                row[f"{other}_s"] = _events_median(lambda: run(other), repeats, queued=True,
+                                                   queue_cycles=ATTN_QUEUE_CYCLES)
+                row[f"speedup_vs_{other}"] = row[f"{other}_s"] / t_k
         naive_bytes = b * N * H * S * (2 + 4 + 4 + 2)
         if naive_bytes < 40e9:
             kvs = [c.view(b, pages * 64, 576)[:, :S] for c in caches]
@@ -584,14 +586,15 @@ def summary(rec: dict) -> str:
                      f"{r['torch_topk_lse_s'] * 1e6:12.1f} {r['reference_s'] * 1e6:9.0f} {r['speedup_vs_reference']:6.0f} "
                      f"{r['floor_s'] * 1e6:8.1f}")
     lines.append("verify_attn (H=64):  ctx  nodes batch impl     us    TFLOP/s  GB/s  %mm  %bw  naive_us  x_naive  "
-                 "mma_us  x_mma")
+                 "mma_us  x_mma   ws_us   x_ws")
     nan = float("nan")
     for r in rec["verify_attn"]:
         lines.append(f"  {r['context']:6d} {r['nodes']:5d} {r['batch']:4d} {r.get('impl', 'mma'):5s} "
                      f"{r['kernel_s'] * 1e6:8.1f} {r['tflops']:7.1f} "
                      f"{r['GBps']:6.0f} {100 * r['frac_matmul_rate']:4.0f} {100 * r['frac_bandwidth']:4.0f} "
                      f"{r.get('naive_s', nan) * 1e6:9.1f} {r.get('speedup_vs_naive', nan):7.2f} "
-                     f"{r.get('mma_s', nan) * 1e6:8.1f} {r.get('speedup_vs_mma', nan):5.2f}")
+                     f"{r.get('mma_s', nan) * 1e6:8.1f} {r.get('speedup_vs_mma', nan):5.2f} "
+                     f"{r.get('ws_s', nan) * 1e6:8.1f} {r.get('speedup_vs_ws', nan):5.2f}")
     for t in rec["targets"]:
         lines.append(f"target {'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3g} (goal {t['goal']})")
     return "\n".join(lines)

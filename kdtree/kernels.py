@@ -388,7 +388,11 @@ def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch
 # ----------------------------------------------------------------------------- verify attention
 VERIFY_SMEM = 64 * 584 * 2 + 2 * 32 * 584 * 2 + 64 * 40 * 2 + 4 * 64 * 4
 VERIFY_WG_SMEM = 1024 + 3 * 9 * 8192 + 8192 + 3 * 64 * 4  # verify_attn_wg: slack, Q, 2 K/V tiles, P, row stats
-VERIFY_IMPLS = ("wgmma", "mma")  # verify_attn_wg (Hopper) / verify_attn_partial (mma.sync, any sm_80+)
+VERIFY_WS_SMEM = 1024 + 9 * 8192 + 4 * 9 * 4096 + 8192 + 64 * 4 + 16 * 8  # verify_attn_ws: + 4 stages, barriers
+# verify_attn_wg (Hopper), verify_attn_ws (Hopper, warp-specialized), verify_attn_partial (mma.sync, any sm_80+)
+VERIFY_IMPLS = ("wgmma", "ws", "mma")
+_VERIFY_KERNELS = {"wgmma": ("verify_attn_wg", VERIFY_WG_SMEM, 64), "ws": ("verify_attn_ws", VERIFY_WS_SMEM, 32),
+                   "mma": ("verify_attn_partial", VERIFY_SMEM, 32)}  # kernel, dynamic shared memory, keys a tile
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -424,16 +428,29 @@ def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 3
     return best[1]
 
 
+def available_verify_impls() -> tuple[str, ...]:
+    """The verify_attn kernels this GPU runs: all of VERIFY_IMPLS on compute capability 9.0, else only 'mma'."""
+    return VERIFY_IMPLS if _sm90() else ("mma",)
+
+
+def default_verify_impl() -> str:
+    """verify_attn's kernel when impl is None: the warpgroup-MMA kernel on Hopper, the mma.sync kernel elsewhere."""
+    return "wgmma" if _sm90() else "mma"
+
+
 def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
                 mask: torch.Tensor, scale: float, page_size: int = PAGE_SIZE, n_splits: int | None = None,
-                check_values: bool = True, impl: str | None = None):
+                check_values: bool = True, impl: str | None = None, max_seq_len: int | None = None):
     """MLA-absorb tree-verify attention (golden.mla_tree_attention).
 
     q bf16 [b, N, H, 576]; cache bf16 [rows, 576] (one layer, paged); page_table int32 [b, max_pages];
     seq_len int32 [b] (cached rows including the N appended ones); mask: bool [b, N, N] or packed int32
     words [b, N, ceil(N/32)] over the appended block; scale: softmax scale (YaRN mscale included).
-    impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys) or "mma" (mma.sync, tiles of 32); None takes
-    "wgmma" on a compute capability 9.0 GPU, else "mma".
+    impl: "wgmma" (Hopper's warpgroup MMA, tiles of 64 keys), "ws" (warpgroup MMA, warp-specialized over a
+    4-stage ring of 32-key tiles) or "mma" (mma.sync, tiles of 32); None takes "wgmma" on a compute capability 9.0
+    GPU, else "mma". max_seq_len: a bound on seq_len known on the host
+    (a caller's cache length), which sizes the context splits; without it they are sized for seq_len's maximum
+    when check_values, else for the page table's capacity (splits past a shorter context cost a little each).
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
     if impl is not None and impl not in VERIFY_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {VERIFY_IMPLS} or None")
@@ -461,6 +478,13 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         _need("mask", mask, (torch.bool,), shape=(b, N, N), contiguous=False)
     else:
         _need("mask", mask, (torch.int32,), shape=(b, N, W))
+    max_keys = page_table.shape[1] * page_size
+    keys = max_keys  # what the context splits are sized for
+    if max_seq_len is not None:
+        if (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer))
+                or not N <= max_seq_len <= max_keys):
+            raise ValueError(f"max_seq_len={max_seq_len!r}: expected an int in [N={N}, {max_keys}] (pages x page_size)")
+        keys = int(max_seq_len)
     _on_one_gpu(q=q, cache=cache, page_table=page_table, seq_len=seq_len, mask=mask)
     _check_pages(page_table, cache.shape[0] // page_size, check_values)
     if mask.dtype == torch.bool:
@@ -469,25 +493,25 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         mask = pack_mask(mask)
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r}: expected a positive finite float")
-    max_keys = page_table.shape[1] * page_size
     if check_values:
         lo, hi = int(seq_len.min()), int(seq_len.max())
-        if lo < N or hi > max_keys:
-            raise ValueError(f"seq_len: expected values in [N={N}, {max_keys}] (pages x page_size), got [{lo}, {hi}]")
+        if lo < N or hi > keys:
+            what = "max_seq_len" if max_seq_len is not None else "pages x page_size"
+            raise ValueError(f"seq_len: expected values in [N={N}, {keys}] ({what}), got [{lo}, {hi}]")
+        keys = hi
     NH = N * H
     if impl is None:
-        impl = "wgmma" if _sm90() else "mma"
-    elif impl == "wgmma" and not _sm90():
-        raise ValueError('impl="wgmma": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
-    tile = 64 if impl == "wgmma" else 32
+        impl = default_verify_impl()
+    elif impl != "mma" and not _sm90():
+        raise ValueError(f'impl="{impl}": needs a compute capability 9.0 GPU (Hopper); use impl="mma"')
+    name, smem, tile = _VERIFY_KERNELS[impl]
     if n_splits is None:
-        n_splits = default_splits(b, NH, max_keys, _sm_count(q.device), tile)
+        n_splits = default_splits(b, NH, keys, _sm_count(q.device), tile)
     dev = q.device
     ws_o = _empty(n_splits, b, NH, D_V, dtype=torch.float32, device=dev)
     ws_ml = _empty(n_splits, b, NH, 2, dtype=torch.float32, device=dev)
     out = _empty(b, N, H, D_V, dtype=torch.bfloat16, device=dev)
     lse = _empty(b, N, H, dtype=torch.float32, device=dev)
-    name, smem = ("verify_attn_wg", VERIFY_WG_SMEM) if impl == "wgmma" else ("verify_attn_partial", VERIFY_SMEM)
     _launch("verify_attn", name, (n_splits, math.ceil(NH / 64), b), (256,),
             (_p(q), _p(cache), _p(page_table), _i(page_table.shape[1]), _i(page_size), _p(seq_len), _p(mask),
              _i(N), _i(H), np.float32(scale * math.log2(math.e)), _p(ws_o), _p(ws_ml)), smem=smem)

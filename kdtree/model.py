@@ -399,7 +399,7 @@ class MLA(nn.Module):
             qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
             page_table, seq_len, words = kern
             o_lat, _ = kernels.verify_attn(qk, latent.reshape(-1, latent.shape[-1]), page_table, seq_len, words, scale,
-                                           page_size=KVCache.PAGE_SIZE, check_values=False)
+                                           page_size=KVCache.PAGE_SIZE, check_values=False, max_seq_len=S)
             o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
         elif attn_impl == "naive":
             kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)

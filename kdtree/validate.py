@@ -360,7 +360,7 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
     qn = q[0].double().numpy()
     want, _ = golden.mla_tree_attention(qn[..., :512], qn[..., 512:], kv[:, :512], kv[:, 512:], mask, 0.07)
     errs = []
-    for impl in (("wgmma", "mma") if kernels._sm90() else ("mma",)):  # each kernel the GPU has
+    for impl in kernels.available_verify_impls():  # each kernel the GPU has
         got, _ = kernels.verify_attn(q.cuda(), cache.cuda(), torch.arange(pages, dtype=torch.int32).cuda()[None],
                                      torch.tensor([S], dtype=torch.int32).cuda(), torch.from_numpy(mask).cuda()[None],
                                      0.07, impl=impl)

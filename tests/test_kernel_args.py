@@ -81,6 +81,9 @@ def test_verify_attn_rejects():
             K.verify_attn(q, cache, pt, sl, m, 0.1, page_size=bad)
     with pytest.raises(ValueError, match="q: expected a non-empty"):
         K.verify_attn(q[:, :0].contiguous(), cache, pt, sl, m, 0.1)
+    for bad in (1, 129, 64.0):  # N = 2, two pages of 64 rows
+        with pytest.raises(ValueError, match="max_seq_len=.*expected an int in \\[N=2, 128\\]"):
+            K.verify_attn(q, cache, pt, sl, m, 0.1, max_seq_len=bad)
 
 
 def test_pack_mask_matches_golden():

@@ -168,15 +168,16 @@ def test_kv_compact_matches_golden():
             np.testing.assert_array_equal(_rows(cache[l], pt[i], 300).float().cpu().numpy(), want)
 
 
-IMPLS = [pytest.param("wgmma", marks=pytest.mark.skipif(
-             not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-             reason="the wgmma kernel needs a compute capability 9.0 GPU")), "mma"]
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+IMPLS = [pytest.param(i, marks=pytest.mark.skipif(not _HOPPER, reason=f"the {i} kernel needs a compute capability 9.0 GPU"))
+         for i in ("wgmma", "ws")] + ["mma"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("b,N,H,prefix,tree,splits", [
     (1, 1, 64, 4096, False, None), (2, 17, 16, 300, True, None), (1, 64, 8, 1000, True, 3), (3, 5, 4, 0, True, 4),
-    (2, 33, 2, 129, False, 2), (1, 256, 1, 70, True, None), (2, 1, 128, 2000, False, 7), (1, 40, 3, 64, True, 1)])
+    (2, 33, 2, 129, False, 2), (1, 256, 1, 70, True, None), (2, 1, 128, 2000, False, 7), (1, 40, 3, 64, True, 1),
+    (1, 1, 128, 8000, False, 100)])
 def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
     """Both kernels against the float64 golden: trees and chains, head counts whose N*H is not a multiple of
     the 64-row block, prefixes on and off page boundaries, explicit context splits (some of them empty)."""
@@ -207,6 +208,53 @@ def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err <= 1e-2, err
         np.testing.assert_allclose(lse[i].cpu().numpy(), wl, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("page", [16, 128])
+def test_verify_attn_other_page_sizes(page, impl):
+    """Pages of 16 and 128 rows (a 64-key tile spans several pages, or part of one), shuffled page tables."""
+    from kdtree import kernels
+    rng = np.random.default_rng(page)
+    b, N, H, prefix = 2, 9, 8, 300
+    S = prefix + N
+    cache, pt = _paged(rng, b, 1, S, page=page)
+    cache = cache[0]
+    q = (torch.randn(b, N, H, 576) * 0.5).to(torch.bfloat16).cuda()
+    m = np.tril(np.ones((N, N), bool))
+    out, _ = kernels.verify_attn(q, cache, pt, torch.full((b,), S, dtype=torch.int32).cuda(),
+                                 torch.from_numpy(np.stack([m] * b)).cuda(), 0.0721, page_size=page, impl=impl)
+    for i in range(b):
+        kv = _rows(cache, pt[i], S, page=page).double().cpu().numpy()
+        qi = q[i].double().cpu().numpy()
+        want, _ = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], m, 0.0721)
+        err = np.linalg.norm(out[i].double().cpu().numpy() - want) / np.linalg.norm(want)
+        assert err <= 1e-2, err
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_verify_attn_capacity_past_the_context(impl):
+    """A page table 8x longer than the context (as a model's cache): splits sized for the capacity (unchecked
+    values), for seq_len's maximum (checked) and for a host bound (max_seq_len) all match golden; the splits past
+    the context are empty."""
+    from kdtree import kernels
+    rng = np.random.default_rng(7)
+    b, N, H, S = 2, 4, 16, 700
+    cache, pt = _paged(rng, b, 1, 8 * S)
+    cache = cache[0]
+    q = (torch.randn(b, N, H, 576) * 0.5).to(torch.bfloat16).cuda()
+    m = np.tril(np.ones((N, N), bool))
+    seq = torch.tensor([S, S - 100], dtype=torch.int32).cuda()
+    mask = torch.from_numpy(np.stack([m] * b)).cuda()
+    for kw in ({"check_values": False}, {}, {"max_seq_len": S, "check_values": False}):
+        out, _ = kernels.verify_attn(q, cache, pt, seq, mask, 0.0721, impl=impl, **kw)
+        for i in range(b):
+            Si = int(seq[i])
+            kv = _rows(cache, pt[i], Si).double().cpu().numpy()
+            qi = q[i].double().cpu().numpy()
+            want, _ = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], m, 0.0721)
+            err = np.linalg.norm(out[i].double().cpu().numpy() - want) / np.linalg.norm(want)
+            assert err <= 1e-2, (kw, i, err)
 
 
 def test_gpu_bad_values_rejected_before_launch():
