@@ -192,6 +192,27 @@ def naive_verify(q, kv, mask_full, scale):
     return torch.bmm(p, kv[:, :, :512])
 
 
+def _attn_inputs(ctx: int, N: int, b: int, H: int):
+    """verify_attn inputs of a context ctx plus N appended DDTree nodes per request: cache sets rotated past L2,
+    an identity page table (page size 64), queries, seq_len, the tree's mask (bool and packed)."""
+    S = ctx + N
+    pages = math.ceil(S / 64)
+    cache_bytes = b * pages * 64 * 576 * 2
+    n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / cache_bytes)))
+    caches = [(torch.randn(b * pages * 64, 576, device="cuda") * 0.5).to(torch.bfloat16) for _ in range(n_sets)]
+    pt = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
+    q = (torch.randn(b, N, H, 576, device="cuda") * 0.5).to(torch.bfloat16)
+    seq = torch.full((b,), S, device="cuda", dtype=torch.int32)
+    rng = np.random.default_rng(N)
+    if N > 1:
+        t = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1)
+        m = golden.compile_tree(t, 0, 0).mask
+    else:
+        m = np.ones((1, 1), bool)
+    mask = torch.from_numpy(m).cuda()[None].expand(b, N, N).contiguous()
+    return caches, pt, q, seq, mask, kernels.pack_mask(mask)
+
+
 def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H=64, repeats=30,
                progress=True) -> list[dict]:
     rows = []
@@ -202,20 +223,8 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
     for ctx, N, b in it:
         S = ctx + N
         pages = math.ceil(S / 64)
-        cache_bytes = b * pages * 64 * 576 * 2
-        n_sets = max(1, min(8, math.ceil(3 * L2_BYTES / cache_bytes)))
-        caches = [(torch.randn(b * pages * 64, 576, device="cuda") * 0.5).to(torch.bfloat16) for _ in range(n_sets)]
-        pt = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
-        q = (torch.randn(b, N, H, 576, device="cuda") * 0.5).to(torch.bfloat16)
-        seq = torch.full((b,), S, device="cuda", dtype=torch.int32)
-        rng = np.random.default_rng(N)
-        if N > 1:
-            t = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1)
-            m = golden.compile_tree(t, 0, 0).mask
-        else:
-            m = np.ones((1, 1), bool)
-        mask = torch.from_numpy(m).cuda()[None].expand(b, N, N).contiguous()
-        words = kernels.pack_mask(mask)
+        caches, pt, q, seq, mask, words = _attn_inputs(ctx, N, b, H)
+        n_sets = len(caches)
         scale = 0.1447
         k = [0]
 
@@ -253,6 +262,68 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
         del caches
         torch.cuda.empty_cache()
     return rows
+
+
+# Timing-only edits of cuda/verify_attn.cu (kernels.source_edits), each removing one part of a tile's work from
+# the wgmma kernels (verify_attn_wg, verify_attn_ws): where the time goes. Outputs are wrong by design.
+_S_LOOP, _PV_LOOP = ("ks < 36", "ks < 4"), ("ks < KS; ++ks)", "ks < 0; ++ks)")
+_NO_EXP = ("(m == NEG_INF) ? 0.f : exp2f(s - m)", "(m == NEG_INF) ? 0.f : (s - m)")
+_NO_LOADS = ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"', 'asm volatile(""')
+VERIFY_ABLATIONS = {
+    "full": (),
+    "S: 4 of 36 k-steps": (_S_LOOP,),
+    "no P V": (_PV_LOOP,),
+    "no exp2 (P = s - m)": (_NO_EXP,),
+    "no cp.async (K/V, Q)": (_NO_LOADS,),
+    "no S, no P V": (("ks < 36", "ks < 0"), _PV_LOOP),
+    "no S, P V, cp.async": (("ks < 36", "ks < 0"), _PV_LOOP, _NO_LOADS),
+}
+
+
+def bench_verify_ablation(shapes=((32768, 64, 1), (32768, 1, 8)), impls=("wgmma", "ws"), H=64, repeats=20,
+                          progress=True) -> list[dict]:
+    """verify_attn's wgmma kernels with parts of their work removed (VERIFY_ABLATIONS, compiled through
+    kernels.source_edits): one row per (ablation, impl, shape) with the GPU time of the call (partial + combine).
+    Hopper only. The difference to 'full' is what that part costs on the critical path."""
+    if not kernels._sm90():
+        raise RuntimeError("bench_verify_ablation: the wgmma kernels need a compute capability 9.0 GPU")
+    inputs = {sh: _attn_inputs(*sh, H) for sh in shapes}
+    rows = []
+    it = [(name, edits, impl) for name, edits in VERIFY_ABLATIONS.items() for impl in impls]
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="verify ablation")
+    for name, edits, impl in it:
+        with kernels.source_edits("verify_attn", edits):
+            for (ctx, N, b), (caches, pt, q, seq, _, words) in inputs.items():
+                k = [0]
+
+                def run():
+                    kernels.verify_attn(q, caches[k[0] % len(caches)], pt, seq, words, 0.1447, check_values=False,
+                                        impl=impl)
+                    k[0] += 1
+                t = _events_median(run, repeats, queued=True, queue_cycles=ATTN_QUEUE_CYCLES)
+                S = ctx + N
+                rows.append({"ablation": name, "impl": impl, "context": ctx, "nodes": N, "batch": b, "heads": H,
+                             "kernel_s": t, "flops": 2.0 * b * N * H * S * (576 + 512),
+                             "bytes": b * S * 576 * 2 + q.numel() * 2 + b * N * H * 512 * 2})
+    del inputs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def verify_smem_model() -> dict:
+    """Shared-memory traffic of one 64-key tile of verify_attn_wg against its tensor work (64 query rows, head
+    dims 576 / 512, bf16): S = Q K^T on m64n32k16 re-reads the [64 x 576] Q tile for each warpgroup's 32 keys."""
+    q_tile, kv_tile = 64 * 576 * 2, 64 * 576 * 2
+    s_reads = 2 * 36 * (64 * 16 * 2 + 32 * 16 * 2)          # 2 warpgroups x 36 k-steps x (A + B) per wgmma
+    pv_reads = 2 * 4 * (64 * 16 * 2 + 16 * 256 * 2)         # 2 warpgroups x 4 k-steps x (P + V half)
+    writes = kv_tile + 64 * 64 * 2                           # cp.async of K/V, P's stores
+    total = s_reads + pv_reads + writes
+    macs = 64 * 64 * (576 + 512)
+    return {"q_tile_bytes": q_tile, "s_read_bytes": s_reads, "pv_read_bytes": pv_reads, "write_bytes": writes,
+            "total_bytes": total, "smem_clocks_at_128B": total / 128, "macs": macs,
+            "tensor_clocks_at_2048_mac": macs / 2048}
 
 
 def bench_tree_reference(V=163840, L=15, budgets=(16, 64), batches=(1, 4), repeats=3, seed=0) -> list[dict]:
@@ -538,7 +609,11 @@ def run(out_dir: str | Path, quick: bool = False, progress: bool = True) -> dict
     else:
         tree = bench_tree(progress=progress)
         attn = bench_attn(progress=progress)
+    ablation = bench_verify_ablation(progress=progress) if kernels._sm90() and not quick else []
     bw, peak = ceil["copy_bandwidth_Bps"], ceil["bf16_matmul_flops"]
+    for r in ablation:
+        r["frac_matmul_rate"] = r["flops"] / r["kernel_s"] / peak
+        r["frac_bandwidth"] = r["bytes"] / r["kernel_s"] / bw
     for r in tree:
         r["floor_s"] = r["logit_bytes"] / bw
     for r in attn:
@@ -570,7 +645,8 @@ def run(out_dir: str | Path, quick: bool = False, progress: bool = True) -> dict
     rec = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "cupy": cupy.__version__, "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
            "python": platform.python_version(), "quick": quick, "ceilings": ceil, "tree_round": tree,
-           "verify_attn": attn, "targets": targets}
+           "verify_attn": attn, "verify_ablation": ablation, "verify_smem_model": verify_smem_model(),
+           "targets": targets}
     (out_dir / "bench_kernels.json").write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 
@@ -595,6 +671,16 @@ def summary(rec: dict) -> str:
                      f"{r.get('naive_s', nan) * 1e6:9.1f} {r.get('speedup_vs_naive', nan):7.2f} "
                      f"{r.get('mma_s', nan) * 1e6:8.1f} {r.get('speedup_vs_mma', nan):5.2f} "
                      f"{r.get('ws_s', nan) * 1e6:8.1f} {r.get('speedup_vs_ws', nan):5.2f}")
+    if rec.get("verify_ablation"):
+        lines.append("verify_attn ablations (timing-only source edits):  impl  ctx  nodes batch      us   %mm   %bw")
+        for r in rec["verify_ablation"]:
+            lines.append(f"  {r['ablation']:22s} {r['impl']:5s} {r['context']:6d} {r['nodes']:5d} {r['batch']:4d} "
+                         f"{r['kernel_s'] * 1e6:8.1f} {100 * r['frac_matmul_rate']:4.0f} {100 * r['frac_bandwidth']:4.0f}")
+    if "verify_smem_model" in rec:
+        m = rec["verify_smem_model"]
+        lines.append(f"verify_attn_wg, one 64-key tile: {m['total_bytes'] / 1024:.0f} KB of shared-memory traffic "
+                     f"({m['smem_clocks_at_128B']:.0f} clocks at 128 B/clock) vs {m['tensor_clocks_at_2048_mac']:.0f} "
+                     f"clocks of tensor work at 2048 MAC/clock")
     for t in rec["targets"]:
         lines.append(f"target {'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3g} (goal {t['goal']})")
     return "\n".join(lines)

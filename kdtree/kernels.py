@@ -14,6 +14,7 @@ naming it. Kernel contracts are in each .cu file's header; golden twins in kdtre
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -55,7 +56,7 @@ def _module(name: str):
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError("the kernel backend needs CuPy (pip install -e '.[gpu]') and a CUDA GPU") from e
     path = cuda_source_dir() / f"{name}.cu"
-    code = f'#line 1 "{path}"\n' + path.read_text()
+    code = f'#line 1 "{path}"\n' + _edited(name, path.read_text())
     options = ("-std=c++17", f"-I{cuda_source_dir()}")
     if os.environ.get("KDTREE_LINEINFO"):  # source lines for profilers (ncu's source page)
         options += ("-lineinfo",)
@@ -65,6 +66,41 @@ def _module(name: str):
 
 
 _SM90A_MODULES = {"verify_attn"}
+_SOURCE_EDITS: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
+def _edited(name: str, code: str, edits=None) -> str:
+    for old, new in (_SOURCE_EDITS.get(name, ()) if edits is None else edits):
+        if old not in code:
+            raise ValueError(f"source_edits: {old!r} does not occur in cuda/{name}.cu")
+        code = code.replace(old, new)
+    return code
+
+
+@contextlib.contextmanager
+def source_edits(name: str, edits):
+    """Timing experiments only: while the block runs, cuda/<name>.cu is compiled with the textual edits
+    [(old, new), ...] applied (every occurrence; each old must occur, else ValueError). Outputs of an edited
+    kernel are not meant to be right (bench.bench_verify_ablation removes parts of a tile's work this way)."""
+    edits = tuple((str(a), str(b)) for a, b in edits)
+    _edited(name, (cuda_source_dir() / f"{name}.cu").read_text(), edits)  # fail before any compile
+    prev = _SOURCE_EDITS.get(name)
+    _SOURCE_EDITS[name] = edits
+    _clear_compiled()
+    try:
+        yield
+    finally:
+        if prev is None:
+            _SOURCE_EDITS.pop(name, None)
+        else:
+            _SOURCE_EDITS[name] = prev
+        _clear_compiled()
+
+
+def _clear_compiled() -> None:
+    _module.cache_clear()
+    _kernel.cache_clear()
+    _SMEM_OPTIN.clear()
 
 
 @functools.cache

@@ -35,3 +35,34 @@ def test_split_limit_matches_the_kernel():
     from kdtree import kernels
     src = next(p for p in SOURCES if p.name == "verify_attn.cu").read_text()
     assert int(re.search(r"#define MAX_SPLITS (\d+)", src).group(1)) == kernels.MAX_SPLITS
+
+
+def test_verify_ablations_apply_and_compile(nvcc, tmp_path):
+    """bench.VERIFY_ABLATIONS edit verify_attn.cu's text: each edit must still find its text in both wgmma kernels
+    (an edit that no longer matches would time the full kernel under an ablation's name), and the edited source
+    must compile."""
+    from kdtree import bench, kernels
+    src = next(p for p in SOURCES if p.name == "verify_attn.cu").read_text()
+    for name, edits in bench.VERIFY_ABLATIONS.items():
+        for old, new in edits:
+            assert src.count(old) >= (2 if old == "ks < 36" else 1), (name, old)  # S: a loop in each kernel
+        edited = kernels._edited("verify_attn", src, edits)
+        assert (edited != src) == bool(edits), name
+    (tmp_path / "abl.cu").write_text(edited)  # the last: no S, no P V, no cp.async
+    r = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DKDTREE_WGMMA=1",
+                        f"-I{kernels.cuda_source_dir()}", "-c", str(tmp_path / "abl.cu"), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_source_edits_reject_missing_text_and_restore():
+    from kdtree import kernels
+    with pytest.raises(ValueError, match="does not occur in cuda/verify_attn.cu"):
+        with kernels.source_edits("verify_attn", [("no such text in the kernel", "")]):
+            pass
+    assert "verify_attn" not in kernels._SOURCE_EDITS
+    with pytest.raises(RuntimeError, match="inside"):
+        with kernels.source_edits("verify_attn", [("ks < 36", "ks < 4")]):
+            assert kernels._SOURCE_EDITS["verify_attn"] == (("ks < 36", "ks < 4"),)
+            raise RuntimeError("inside")
+    assert "verify_attn" not in kernels._SOURCE_EDITS
