@@ -84,10 +84,15 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* dst, const __nv_bflo
     }
 }
 
+// The parameters of the three partial kernels (verify_attn_partial, verify_attn_wg, verify_attn_ws), in
+// kernels.verify_attn's order.
+#define VERIFY_PARTIAL_PARAMS                                                                                       \
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table, \
+    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H, \
+    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml
+
 extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
-    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
-    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    VERIFY_PARTIAL_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16* Qs = (__nv_bfloat16*)smem;
     __nv_bfloat16* KVs = (__nv_bfloat16*)(smem + SMEM_Q);
@@ -383,6 +388,20 @@ __device__ __forceinline__ void wg_m64n256_tb(float (&d)[128], uint64_t da, uint
                  : "l"(da), "l"(db));
 }
 
+// Issues (commits, does not wait for) S [64 x 32] = Q K^T over the 576 dims: Q's nine [64 x 64-dim] atoms
+// (ATOM apart) at q_addr, K's 32 keys in nine atoms k_atom apart at k_addr, both K-major and 128-byte swizzled.
+__device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_addr, uint32_t k_addr, uint32_t k_atom) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    wg_pin(s);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks)
+        wg_m64n32(s, wg_desc(q_addr + (ks >> 2) * ATOM + (ks & 3) * 32, 16, 1024),
+                  wg_desc(k_addr + (ks >> 2) * k_atom + (ks & 3) * 32, 16, 1024), ks > 0);
+    wg_commit();
+}
+
 // Issues (commits, does not wait for) O [64 x 256] += P [64 x 16 KS keys] V [16 KS keys x 256 columns]: P K-major
 // from a swizzled [64 x 128 B] atom, V MN-major from four atoms of 64 columns, atom_bytes apart, starting at v_addr.
 template <int KS>
@@ -422,40 +441,74 @@ __device__ __forceinline__ void wg_load_kv(unsigned char* dst, const __nv_bfloat
     });
 }
 
+__device__ __forceinline__ unsigned char* align_1k(unsigned char* p) {
+    return p + ((1024u - (smem_addr(p) & 1023u)) & 1023u);
+}
+
+// A verify_attn block's place in the work (grid (n_splits, ceil(N*H / 64), batch), 256 threads), shared by the
+// two wgmma kernels: its request, its 64 query rows, its range of key tiles of `keys` keys, this thread's rows.
+struct WgBlock {
+    int split, b, NH, W, wg, w, lane, c, S, prefix, t_begin, t_end, q0, r0;
+    const int32_t* pt;
+    size_t row_base;  // row of (split, b, 0) in ws_o / ws_ml
+    __device__ WgBlock(int keys, const int32_t* seq_len, const int32_t* page_table, int max_pages, int N, int H) {
+        split = blockIdx.x; b = blockIdx.z;
+        NH = N * H; W = (N + 31) >> 5;
+        wg = threadIdx.x >> 7; w = (threadIdx.x >> 5) & 3; lane = threadIdx.x & 31; c = lane & 3;
+        S = seq_len[b]; prefix = S - N;
+        pt = page_table + (size_t)b * max_pages;
+        const int n_tiles = (S + keys - 1) / keys, tps = (n_tiles + gridDim.x - 1) / gridDim.x;
+        t_begin = split * tps; t_end = min(n_tiles, t_begin + tps);
+        q0 = blockIdx.y * 64;
+        r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
+        row_base = ((size_t)split * gridDim.z + b) * NH;
+    }
+    // An empty split (a context shorter than the splits were sized for) writes only its statistic, which
+    // verify_attn_combine weighs 0; true: the block is done.
+    __device__ bool empty(float2* ws_ml) const {
+        if (t_begin < t_end) return false;
+        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+        return true;
+    }
+    // this warpgroup's [64 x 256] O fragment (columns 256 wg..) to the split's rows of ws_o (rows < N*H)
+    __device__ void store_o(const float (&o)[128], float* ws_o) const {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int qr = q0 + r0 + 8 * i;
+            if (qr >= NH) continue;
+            float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+        }
+    }
+    // cp.async of the block's [64 x 576] queries into swizzled atoms (rows past N*H zero-filled); not committed
+    __device__ void load_q(unsigned char* Qs, const __nv_bfloat16* q) const {
+        const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
+        const int n = NH, base = q0;
+        wg_load_tile(Qs, [&](int, int r, int& bytes) {
+            const int qr = base + r;
+            bytes = qr < n ? 16 : 0;
+            return qb + (size_t)(qr < n ? qr : 0) * D_QK;
+        });
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
-    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
-    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    VERIFY_PARTIAL_PARAMS) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* sm = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1 KB aligned
-    unsigned char* Qs = sm;
-    unsigned char* KV = sm + WG_TILE;
-    unsigned char* Ps = sm + 3 * WG_TILE;
+    unsigned char* Qs = align_1k(smem_raw);  // swizzle atoms: 1 KB aligned
+    unsigned char* KV = Qs + WG_TILE;
+    unsigned char* Ps = Qs + 3 * WG_TILE;
     float* red = (float*)(Ps + ATOM);  // [2][64] row maxima of the two key halves, then [64] row sums
 
-    const int split = blockIdx.x, n_splits = gridDim.x, qt = blockIdx.y, b = blockIdx.z;
-    const int NH = N * H, W = (N + 31) >> 5;
-    const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, c = lane & 3;
-    const int S = seq_len[b], prefix = S - N;
-    const int32_t* pt = page_table + (size_t)b * max_pages;
-    const int n_tiles = (S + WG_KEYS - 1) / WG_KEYS;
-    const int tps = (n_tiles + n_splits - 1) / n_splits;
-    const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps);
-    const int q0 = qt * 64;
-    const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
-    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
-    if (t_begin >= t_end) {  // an empty split (a context shorter than the splits were sized for): no O,
-                             // a statistic that verify_attn_combine weighs 0
-        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
-        return;
-    }
+    const WgBlock blk(WG_KEYS, seq_len, page_table, max_pages, N, H);
+    if (blk.empty(ws_ml)) return;
+    const int b = blk.b, NH = blk.NH, W = blk.W, wg = blk.wg, c = blk.c, S = blk.S, prefix = blk.prefix;
+    const int t_begin = blk.t_begin, t_end = blk.t_end, q0 = blk.q0, r0 = blk.r0;
+    const int32_t* pt = blk.pt;
+    const size_t row_base = blk.row_base;
 
-    const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
-    wg_load_tile(Qs, [&](int, int r, int& bytes) {
-        const int qr = q0 + r;
-        bytes = qr < NH ? 16 : 0;
-        return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
-    });
+    blk.load_q(Qs, q);
     wg_load_kv(KV, cache, pt, page_size, t_begin * WG_KEYS, S);
     cp_commit();
 
@@ -474,16 +527,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 
         // S = Q K^T for this warpgroup's 32 keys
         float s[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = 0.f;
-        wg_pin(s);
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < 36; ++ks) {
-            const uint32_t off = (ks >> 2) * ATOM + (ks & 3) * 32;
-            wg_m64n32(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off + wg * 4096, 16, 1024), ks > 0);
-        }
-        wg_commit();
+        issue_s(s, q_addr, k_addr + wg * 4096, ATOM);
         if (t + 1 < t_end)  // issued behind S, into the buffer tile t - 1 used (every warpgroup is past it)
             wg_load_kv(KV + ((t + 1 - t_begin) & 1) * WG_TILE, cache, pt, page_size, (t + 1) * WG_KEYS, S);
         cp_commit();
@@ -529,14 +573,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
     }
     if (wg == 1 && c == 0) { red[128 + r0] = l_run[0]; red[128 + r0 + 8] = l_run[1]; }
     __syncthreads();
+    blk.store_o(o, ws_o);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int qr = q0 + r0 + 8 * i;
-        if (qr >= NH) continue;
-        float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
-        if (wg == 0 && c == 0) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i] + red[128 + r0 + 8 * i]);
+        if (wg == 0 && c == 0 && qr < NH) ws_ml[row_base + qr] = make_float2(m_run[i], l_run[i] + red[128 + r0 + 8 * i]);
     }
 }
 // ------------------------------------------------------------------------ warp-specialized wgmma path (sm_90a)
@@ -594,31 +635,22 @@ __device__ __forceinline__ void ws_load_stage(unsigned char* dst, const __nv_bfl
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table,
-    int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H,
-    float scale_log2, float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+    VERIFY_PARTIAL_PARAMS) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* sm = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms: 1 KB aligned
-    unsigned char* Qs = sm;
-    unsigned char* stages = sm + 9 * ATOM;
+    unsigned char* Qs = align_1k(smem_raw);  // swizzle atoms: 1 KB aligned
+    unsigned char* stages = Qs + 9 * ATOM;
     unsigned char* Ps = stages + WS_STAGES * WS_STAGE;
     float* alpha_s = (float*)(Ps + ATOM);
     uint64_t* bars = (uint64_t*)(alpha_s + 64);  // full[4], empty[4], pfull, pempty
     uint64_t *full = bars, *empty = bars + WS_STAGES, *pfull = bars + 2 * WS_STAGES, *pempty = pfull + 1;
 
-    const int split = blockIdx.x, n_splits = gridDim.x, qt = blockIdx.y, b = blockIdx.z;
-    const int NH = N * H, W = (N + 31) >> 5;
-    const int wg = threadIdx.x >> 7, w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, c = lane & 3;
-    const int S = seq_len[b], prefix = S - N;
-    const int32_t* pt = page_table + (size_t)b * max_pages;
-    const int n_tiles = (S + WS_KEYS - 1) / WS_KEYS;
-    const int tps = (n_tiles + n_splits - 1) / n_splits;
-    const int t_begin = split * tps, t_end = min(n_tiles, t_begin + tps), n = t_end - t_begin;
-    const int q0 = qt * 64;
-    const int r0 = 16 * w + (lane >> 2);  // this thread's rows: r0, r0 + 8
-    const size_t row_base = ((size_t)split * gridDim.z + b) * NH;
-    if (n <= 0) {  // an empty split: no O, a statistic that verify_attn_combine weighs 0
-        if (threadIdx.x < 64 && q0 + (int)threadIdx.x < NH) ws_ml[row_base + q0 + threadIdx.x] = make_float2(NEG_INF, 0.f);
+    const WgBlock blk(WS_KEYS, seq_len, page_table, max_pages, N, H);
+    const int b = blk.b, NH = blk.NH, W = blk.W, wg = blk.wg, c = blk.c, S = blk.S, prefix = blk.prefix;
+    const int t_begin = blk.t_begin, n = blk.t_end - blk.t_begin, q0 = blk.q0, r0 = blk.r0;
+    const int32_t* pt = blk.pt;
+    const size_t row_base = blk.row_base;
+    if (n <= 0) {  // (blk.empty's work; tested on n here, ptxas keeps the wgmma pipeline: C7515 otherwise)
+        blk.empty(ws_ml);
         return;
     }
 
@@ -627,12 +659,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
         mbar_init(pfull, 128);
         mbar_init(pempty, 128);
     }
-    const __nv_bfloat16* qb = q + (size_t)b * NH * D_QK;
-    wg_load_tile(Qs, [&](int, int r, int& bytes) {
-        const int qr = q0 + r;
-        bytes = qr < NH ? 16 : 0;
-        return qb + (size_t)(qr < NH ? qr : 0) * D_QK;
-    });
+    blk.load_q(Qs, q);
     cp_commit();
     cp_wait<0>();
     fence_async_smem();
@@ -650,15 +677,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
             const uint32_t k_addr = smem_addr(stages + st * WS_STAGE);
             mbar_wait(&full[st], (tt / WS_STAGES) & 1);
             float s[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) s[i] = 0.f;
-            wg_pin(s);
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < 36; ++ks)
-                wg_m64n32(s, wg_desc(q_addr + (ks >> 2) * ATOM + (ks & 3) * 32, 16, 1024),
-                          wg_desc(k_addr + (ks >> 2) * WS_ATOM + (ks & 3) * 32, 16, 1024), ks > 0);
-            wg_commit();
+            issue_s(s, q_addr, k_addr, WS_ATOM);
             wg_wait<0>();  // S(t), and O(t - 1)
             wg_pin(s);
             wg_pin(o);
@@ -732,13 +751,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_ws(
         }
         cp_wait<0>();
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int qr = q0 + r0 + 8 * i;
-        if (qr >= NH) continue;
-        float* dst = ws_o + (row_base + qr) * D_V + wg * 256 + c * 2;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
-    }
+    blk.store_o(o, ws_o);
 }
 #endif  // KDTREE_WGMMA

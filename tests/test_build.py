@@ -26,6 +26,8 @@ def test_compiles_for_sm90a(src, nvcc, tmp_path):
     import re
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
     assert spills and max(spills) == 0, r.stderr[-2000:]
+    # ptxas serialises a kernel's wgmma pipeline when other instructions may touch in-flight accumulators
+    assert "C7515" not in r.stderr, r.stderr[-2000:]
 
 
 def test_split_limit_matches_the_kernel():
@@ -38,14 +40,13 @@ def test_split_limit_matches_the_kernel():
 
 
 def test_verify_ablations_apply_and_compile(nvcc, tmp_path):
-    """bench.VERIFY_ABLATIONS edit verify_attn.cu's text: each edit must still find its text in both wgmma kernels
-    (an edit that no longer matches would time the full kernel under an ablation's name), and the edited source
-    must compile."""
+    """bench.VERIFY_ABLATIONS edit verify_attn.cu's text: each edit must still find its text (an edit that no
+    longer matches would time the full kernel under an ablation's name), and the edited source must compile."""
     from kdtree import bench, kernels
     src = next(p for p in SOURCES if p.name == "verify_attn.cu").read_text()
     for name, edits in bench.VERIFY_ABLATIONS.items():
         for old, new in edits:
-            assert src.count(old) >= (2 if old == "ks < 36" else 1), (name, old)  # S: a loop in each kernel
+            assert src.count(old) >= 1, (name, old)
         edited = kernels._edited("verify_attn", src, edits)
         assert (edited != src) == bool(edits), name
     (tmp_path / "abl.cu").write_text(edited)  # the last: no S, no P V, no cp.async
