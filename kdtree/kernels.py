@@ -559,6 +559,7 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
 # ----------------------------------------------------------------------------- INT4 MoE experts
 MOE_TILE_TOKENS = (8, 16)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 / moe_*_t16)
 FUSED_MAX_PAIRS = 64       # moe_fused_t8_*: the whole call in one launch up to this many token-expert pairs
+FUSED_BLOCKS_PER_SM = 4    # moe_fused_t8_*'s persistent grid (moe_int4.cu's MOE_FUSED_MINB: its register budget)
 _FUSED_SYNC: dict = {}     # (device, stream) -> int32 [4 + FUSED_MAX_PAIRS] counters, zero between calls
 
 
@@ -750,7 +751,7 @@ def _moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     out = _empty(T, D, dtype=torch.float32, device=dev)  # the kernel zeroes it before accumulating
     n_sm = _sm_count(dev)
     name = "moe_fused_t8_i32" if ids.dtype == torch.int32 else "moe_fused_t8_i64"
-    _launch("moe_int4", name, (3 * n_sm,), (256,),
+    _launch("moe_int4", name, (FUSED_BLOCKS_PER_SM * n_sm,), (256,),
             (_p(x), _p(ids), _p(w), _i(T * k), _i(k), _i(E), _p(weights.w13), _p(weights.s13), _p(weights.w2),
              _p(weights.s2), _i(D), _i(I), _i(T), _p(h), _p(out), _p(_fused_sync(dev))))
     return out

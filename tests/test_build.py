@@ -39,6 +39,16 @@ def test_split_limit_matches_the_kernel():
     assert int(re.search(r"#define MAX_SPLITS (\d+)", src).group(1)) == kernels.MAX_SPLITS
 
 
+def test_fused_moe_grid_matches_the_kernel():
+    """moe_fused_t8's persistent grid is FUSED_BLOCKS_PER_SM blocks per SM; the kernel's launch bounds promise
+    that many resident blocks (MOE_FUSED_MINB), so that every block of the grid runs at once."""
+    import re
+
+    from kdtree import kernels
+    src = next(p for p in SOURCES if p.name == "moe_int4.cu").read_text()
+    assert int(re.search(r"#define MOE_FUSED_MINB (\d+)", src).group(1)) == kernels.FUSED_BLOCKS_PER_SM
+
+
 def test_verify_ablations_apply_and_compile(nvcc, tmp_path):
     """bench.VERIFY_ABLATIONS edit verify_attn.cu's text: each edit must still find its text (an edit that no
     longer matches would time the full kernel under an ablation's name), and the edited source must compile."""
