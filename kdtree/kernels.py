@@ -694,8 +694,9 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     per pass of one expert; default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else 16 (H200, K2.6
     shapes: 8 is 1.2x faster at 1-256 tokens, 16 is 1.2x faster at 1024). fused: the whole call in one launch
     (moe_fused_t8_*: grouping, zeroing, gate+up and down in a persistent grid) for at most FUSED_MAX_PAIRS pairs;
-    default: for one token (T == 1) unless tile_tokens is 16 (H200, K2.6 shapes: 0.073 vs 0.080 ms at one token,
-    not faster than the three launches from two tokens on)."""
+    default: for one token (T == 1) unless tile_tokens is 16 (H200, K2.6 shapes: 0.073 vs 0.080 ms at one token
+    with three fused blocks per SM, 0.067 at FUSED_BLOCKS_PER_SM = 4; not faster than the three launches from two
+    tokens on)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
     if fused and tile_tokens == 16:
