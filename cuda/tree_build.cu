@@ -310,6 +310,38 @@ __device__ void load_keys(const uint16_t* p, int cnt, bool vec, uint32_t (&k)[E]
 // Partial: thread t holds columns [t * w, t * w + w) of the chunk, w = a multiple of 8 <= PE.
 #define PE 32
 #define LIST_CAP 4096
+// This thread's slice of chunk blockIdx.x of row blockIdx.y: columns [lo + t0, lo + t0 + cnt) of the chunk
+// [lo, lo + n); every thread holds w columns, w = a multiple of 8 <= PE. load_chunk also starts the exp table.
+struct ChunkSlice { int lo, n, w, t0, cnt; };
+template <typename T>
+__device__ __forceinline__ ChunkSlice load_chunk(const T* __restrict__ logits, int V, int chunk, double* tab,
+                                                 uint32_t (&k)[PE], float& m) {
+    ChunkSlice sl;
+    const int r = blockIdx.y, c = blockIdx.x;
+    sl.lo = c * chunk;
+    sl.n = min(V, sl.lo + chunk) - sl.lo;
+    sl.w = (((sl.n + blockDim.x - 1) / blockDim.x) + 7) & ~7;
+    sl.t0 = threadIdx.x * sl.w;
+    sl.cnt = max(0, min(sl.w, sl.n - sl.t0));
+    const size_t base = (size_t)r * V + sl.lo + sl.t0;
+    const bool vec = (V % 8) == 0 && (chunk % 8) == 0;  // then every thread's range is 16-byte aligned
+    init_exp_table(tab);
+    m = NEG_INF;
+    load_keys<PE>(logits + base, sl.cnt, vec, k, &m);
+    return sl;
+}
+
+// sum over this thread's cnt keys of exp(x - m) in double (0 when m is -inf); tab: the exp table, published
+__device__ __forceinline__ double sum_exp(const uint32_t (&k)[PE], int cnt, float m, const double* tab) {
+    double s = 0.0;
+    if (m != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < PE; ++j)
+            if (j < cnt) s += exp_neg_nb((double)key2f(k[j]) - (double)m, tab);
+    }
+    return s;
+}
+
 template <typename T>
 __device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, int chunk, int low_bit,
                                   uint32_t* __restrict__ cand_key, int32_t* __restrict__ cand_tok,
@@ -323,23 +355,12 @@ __device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, in
     __shared__ uint32_t lkey[LIST_CAP];
     __shared__ uint16_t lcol[LIST_CAP];
     const int r = blockIdx.y, c = blockIdx.x, nch = gridDim.x;
-    const int lo = c * chunk, n = min(V, lo + chunk) - lo;
-    const int w = (((n + blockDim.x - 1) / blockDim.x) + 7) & ~7;
-    const int t0 = threadIdx.x * w, cnt = max(0, min(w, n - t0));
-    const size_t base = (size_t)r * V + lo + t0;
-    const bool vec = (V % 8) == 0 && (chunk % 8) == 0;  // then every thread's range is 16-byte aligned
-    init_exp_table(tab);
-
     uint32_t k[PE];
-    float m = NEG_INF;
-    load_keys<PE>(logits + base, cnt, vec, k, &m);
+    float m;
+    const ChunkSlice sl = load_chunk(logits, V, chunk, tab, k, m);
+    const int lo = sl.lo, n = sl.n, t0 = sl.t0, cnt = sl.cnt;
     m = block_max(m, fred);  // its barriers also publish tab
-    double s = 0.0;
-    if (m != NEG_INF) {
-#pragma unroll
-        for (int j = 0; j < PE; ++j)
-            if (j < cnt) s += exp_neg_nb((double)key2f(k[j]) - (double)m, tab);
-    }
+    double s = sum_exp(k, cnt, m, tab);
     s = block_sum(s, dred);
     const size_t pidx = (size_t)r * nch + c;
     if (threadIdx.x == 0) { part_max[pidx] = m; part_sum[pidx] = s; }
@@ -388,17 +409,19 @@ __device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, in
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_f32(
-    const float* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
-    float* part_max, double* part_sum) {
-    topk_partial_impl(logits, V, K, chunk, 0, cand_key, cand_tok, part_max, part_sum);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_bf16(
-    const uint16_t* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
-    float* part_max, double* part_sum) {
-    topk_partial_impl(logits, V, K, chunk, 16, cand_key, cand_tok, part_max, part_sum);
-}
+// The f32 and bf16 (uint16, low_bit 16) entry points of a partial top-K implementation
+#define TOPK_PARTIAL_ENTRIES(NAME, IMPL)                                                                          \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_f32(                                              \
+        const float* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,         \
+        float* part_max, double* part_sum) {                                                                      \
+        IMPL(logits, V, K, chunk, 0, cand_key, cand_tok, part_max, part_sum);                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_bf16(                                             \
+        const uint16_t* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,      \
+        float* part_max, double* part_sum) {                                                                      \
+        IMPL(logits, V, K, chunk, 16, cand_key, cand_tok, part_max, part_sum);                                    \
+    }
+TOPK_PARTIAL_ENTRIES(topk_partial, topk_partial_impl)
 
 // Bitonic sort, descending, of one uint64 per thread over threads [0, n), n a power of two <= blockDim.x:
 // strides below 32 through warp shuffles, larger ones through shared memory buf[n].
@@ -535,12 +558,7 @@ __device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int
 #pragma unroll
     for (int j = 0; j < PE; ++j) top = max(top, k[j]);
     __syncthreads();  // tab
-    double s = 0.0;
-    if (m != NEG_INF) {
-#pragma unroll
-        for (int j = 0; j < PE; ++j)
-            if (j < cnt) s += exp_neg_nb((double)key2f(k[j]) - (double)m, tab);
-    }
+    double s = sum_exp(k, cnt, m, tab);
     // warp: max, sum relative to it, and the bound's share
     float mw = m;
     for (int o = 16; o > 0; o >>= 1) mw = fmaxf(mw, __shfl_xor_sync(FULL, mw, o));
@@ -598,17 +616,7 @@ __device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int
     for (int j = Kc + threadIdx.x; j < K; j += blockDim.x) { ok[j] = 0u; ot[j] = -1; }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_small_f32(
-    const float* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
-    float* part_max, double* part_sum) {
-    topk_partial_small_impl(logits, V, K, chunk, 0, cand_key, cand_tok, part_max, part_sum);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 1) topk_partial_small_bf16(
-    const uint16_t* __restrict__ logits, int V, int K, int chunk, uint32_t* cand_key, int32_t* cand_tok,
-    float* part_max, double* part_sum) {
-    topk_partial_small_impl(logits, V, K, chunk, 16, cand_key, cand_tok, part_max, part_sum);
-}
+TOPK_PARTIAL_ENTRIES(topk_partial_small, topk_partial_small_impl)
 
 #define MAX_MERGE_CHUNKS 1024
 extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
