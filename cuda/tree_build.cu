@@ -342,10 +342,29 @@ __device__ __forceinline__ double sum_exp(const uint32_t (&k)[PE], int cnt, floa
     return s;
 }
 
+// Warp 0: row r's log-sum-exp from its chunks' maxima and sums (lse = m + log(sum of sum_c exp(max_c - m))), in
+// double, into *lse
+__device__ __forceinline__ void row_lse(const float* __restrict__ part_max, const double* __restrict__ part_sum,
+                                        int r, int nch, double* lse) {
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < nch; c += 32) m = fmaxf(m, part_max[(size_t)r * nch + c]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    double s = 0.0;
+    for (int c = threadIdx.x; c < nch; c += 32) {
+        const float pm = part_max[(size_t)r * nch + c];
+        if (pm != NEG_INF) s += part_sum[(size_t)r * nch + c] * exp((double)pm - (double)m);
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+    if (threadIdx.x == 0) *lse = (double)m + log(s);
+}
+
+// The parameters of both partial top-K implementations (logits of type T; the entry points' order)
+#define TOPK_PARTIAL_PARAMS                                                                                       \
+    const T* __restrict__ logits, int V, int K, int chunk, int low_bit, uint32_t* __restrict__ cand_key,          \
+        int32_t* __restrict__ cand_tok, float* __restrict__ part_max, double* __restrict__ part_sum
+
 template <typename T>
-__device__ void topk_partial_impl(const T* __restrict__ logits, int V, int K, int chunk, int low_bit,
-                                  uint32_t* __restrict__ cand_key, int32_t* __restrict__ cand_tok,
-                                  float* __restrict__ part_max, double* __restrict__ part_sum) {
+__device__ void topk_partial_impl(TOPK_PARTIAL_PARAMS) {
     __shared__ uint32_t hist[4096];
     __shared__ double tab[64];
     __shared__ float fred[32];
@@ -445,6 +464,29 @@ __device__ uint64_t bitonic_desc(uint64_t v, int n, uint64_t* buf) {
     return v;
 }
 
+// The merge's general selection of a row's top K from every thread's E candidate keys k (tokens at ct), sorted
+// (key descending, token ascending) and written out with log-probabilities x - *lse (read after the sort's
+// barriers, so a value warp 0 stored before the call is visible)
+template <int E>
+__device__ __forceinline__ void merge_select_write(const uint32_t (&k)[E], int K, int Kp, const int32_t* ct, int r,
+                                                   const double* lse_p, uint32_t* hist, int* ired, int* s_int,
+                                                   uint64_t* buf, int32_t* __restrict__ out_tok,
+                                                   float* __restrict__ out_lp) {
+    const Selection sel = select_kth<E>(k, K, 0, hist, ired, s_int);
+    emit_selected<E>(k, sel, ired, [&](int j, int slot) {
+        buf[slot] = ((uint64_t)k[j] << 32) | (uint64_t)(~(uint32_t)ct[j]); });
+    __syncthreads();
+    uint64_t v = (threadIdx.x < K) ? buf[threadIdx.x] : 0ull;
+    __syncthreads();
+    v = bitonic_desc(v, Kp, buf);
+    const double lse = *lse_p;
+    if (threadIdx.x < K) {
+        const float x = key2f((uint32_t)(v >> 32));
+        out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
+        out_lp[(size_t)r * K + threadIdx.x] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
+    }
+}
+
 // Merge: the row's candidates in chunk order; a chunk lists, for any one key value, its columns in
 // ascending order, so item order among equal keys is token order and emit_selected keeps the tie-break.
 #define ME 16
@@ -465,31 +507,8 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge(
     uint32_t k[ME];
 #pragma unroll
     for (int j = 0; j < ME; ++j) k[j] = (j < cnt) ? ck[j] : 0u;  // padding candidates have key 0
-    if (threadIdx.x < 32) {
-        float m = NEG_INF;
-        for (int c = threadIdx.x; c < nch; c += 32) m = fmaxf(m, part_max[(size_t)r * nch + c]);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-        double s = 0.0;
-        for (int c = threadIdx.x; c < nch; c += 32) {
-            const float pm = part_max[(size_t)r * nch + c];
-            if (pm != NEG_INF) s += part_sum[(size_t)r * nch + c] * exp((double)pm - (double)m);
-        }
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
-        if (threadIdx.x == 0) s_lse = (double)m + log(s);
-    }
-    const Selection sel = select_kth<ME>(k, K, 0, hist, ired, s_int);
-    emit_selected<ME>(k, sel, ired, [&](int j, int slot) {
-        buf[slot] = ((uint64_t)k[j] << 32) | (uint64_t)(~(uint32_t)ct[j]); });
-    __syncthreads();
-    uint64_t v = (threadIdx.x < K) ? buf[threadIdx.x] : 0ull;
-    __syncthreads();
-    v = bitonic_desc(v, Kp, buf);
-    const double lse = s_lse;
-    if (threadIdx.x < K) {
-        const float x = key2f((uint32_t)(v >> 32));
-        out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
-        out_lp[(size_t)r * K + threadIdx.x] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
-    }
+    if (threadIdx.x < 32) row_lse(part_max, part_sum, r, nch, &s_lse);
+    merge_select_write<ME>(k, K, Kp, ct, r, &s_lse, hist, ired, s_int, buf, out_tok, out_lp);
 }
 
 // ------------------------------------------------------------------------------ top-K for K <= 256
@@ -527,9 +546,7 @@ __device__ __forceinline__ uint32_t warp_sort_desc(uint32_t v) {
 }
 
 template <typename T>
-__device__ void topk_partial_small_impl(const T* __restrict__ logits, int V, int K, int chunk, int low_bit,
-                                        uint32_t* __restrict__ cand_key, int32_t* __restrict__ cand_tok,
-                                        float* __restrict__ part_max, double* __restrict__ part_sum) {
+__device__ void topk_partial_small_impl(TOPK_PARTIAL_PARAMS) {
     __shared__ uint32_t hist[4096];
     __shared__ double tab[64];
     __shared__ float wmax[32];
@@ -643,18 +660,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
     uint32_t k[ME];
 #pragma unroll
     for (int j = 0; j < ME; ++j) k[j] = (j < cnt) ? ck[j] : 0u;
-    if (threadIdx.x < 32) {
-        float m = NEG_INF;
-        for (int c = threadIdx.x; c < nch; c += 32) m = fmaxf(m, part_max[(size_t)r * nch + c]);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-        double s = 0.0;
-        for (int c = threadIdx.x; c < nch; c += 32) {
-            const float pm = part_max[(size_t)r * nch + c];
-            if (pm != NEG_INF) s += part_sum[(size_t)r * nch + c] * exp((double)pm - (double)m);
-        }
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
-        if (threadIdx.x == 0) s_lse = (double)m + log(s);
-    }
+    if (threadIdx.x < 32) row_lse(part_max, part_sum, r, nch, &s_lse);
     __syncthreads();  // cmin, s_cnt
     {  // each chunk's smallest listed key (every chunk lists K keys, padding 0), and the smallest of the first
        // q = ceil(K / nch) keys of every chunk
@@ -714,18 +720,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_merge_small(
         return;
     }
     // many survivors (ties at the bound): the general merge's selection
-    const Selection sel = select_kth<ME>(k, K, 0, hist, ired, s_int);
-    emit_selected<ME>(k, sel, ired, [&](int j, int slot) {
-        buf[slot] = ((uint64_t)k[j] << 32) | (uint64_t)(~(uint32_t)ct[j]); });
-    __syncthreads();
-    uint64_t v = (threadIdx.x < K) ? buf[threadIdx.x] : 0ull;
-    __syncthreads();
-    v = bitonic_desc(v, Kp, buf);
-    if (threadIdx.x < K) {
-        const float x = key2f((uint32_t)(v >> 32));
-        out_tok[(size_t)r * K + threadIdx.x] = (int32_t)(~(uint32_t)(v & 0xffffffffu));
-        out_lp[(size_t)r * K + threadIdx.x] = (x == NEG_INF) ? NEG_INF : (float)((double)x - lse);
-    }
+    merge_select_write<ME>(k, K, Kp, ct, r, &lse, hist, ired, s_int, buf, out_tok, out_lp);
 }
 
 // ---------------------------------------------------------------------------------------- tree build
