@@ -22,7 +22,7 @@ class MoeParam:
 
 CASES = [MoeParam(1, 64, 32, 4, 1), MoeParam(5, 256, 64, 8, 2), MoeParam(64, 512, 128, 16, 8),
          MoeParam(300, 256, 96, 16, 4), MoeParam(200, 128, 64, 8, 2, skew=True), MoeParam(2, 7168, 256, 4, 2),
-         MoeParam(3, 512, 2048, 3, 1)]
+         MoeParam(3, 512, 2048, 3, 1), MoeParam(32, 256, 64, 8, 2, skew=True), MoeParam(3, 768, 96, 6, 2)]
 
 
 def _case(p: MoeParam, seed: int):
