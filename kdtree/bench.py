@@ -53,6 +53,83 @@ def _events_median(fn, repeats: int, warmup: int = 3, queued: bool = False, queu
     return statistics.median(times)
 
 
+# ----------------------------------------------------------------------------- the GPU's clock state
+# Latency-bound kernels run at the SM clock: the one-token MoE call took 66.5 us at 1,980 MHz and 79.9 us at
+# 1,530 MHz right after 20 s of matmuls had pushed the H200 against its power cap (same weights, same run).
+# Records therefore carry the clock next to such times, and timings can wait for a power or thermal cap to lift.
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
+CLOCK_REASONS = {0x1: "idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                 0x100: "display_clocks"}
+CAP_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80  # caps that lower the clock under load
+
+
+def parse_gpu_state(line: str) -> dict:
+    """One nvidia-smi CSV line (SMI_FIELDS, then the active clock-event reasons as hex; noheader, nounits) ->
+    {sm_clock_mhz, max_sm_clock_mhz, mem_clock_mhz, temperature_c, power_w, reasons (names), reasons_mask}.
+    A field nvidia-smi reports as unsupported ("[N/A]", "[Not Supported]") becomes None."""
+    parts = [p.strip() for p in line.strip().split(",")]
+    if len(parts) != len(SMI_FIELDS) + 1:
+        raise ValueError(f"line: expected {len(SMI_FIELDS) + 1} comma-separated nvidia-smi fields, got {line!r}")
+
+    def num(v):
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    sm, sm_max, mem, temp, power = (num(v) for v in parts[:-1])
+    try:
+        mask = int(parts[-1], 16)
+    except ValueError:
+        mask = None
+    return {"sm_clock_mhz": sm, "max_sm_clock_mhz": sm_max, "mem_clock_mhz": mem, "temperature_c": temp,
+            "power_w": power, "reasons_mask": mask,
+            "reasons": None if mask is None else [n for b, n in CLOCK_REASONS.items() if mask & b]}
+
+
+def gpu_state(device="cuda") -> dict | None:
+    """The GPU's clocks, temperature, power draw and active clock-event reasons now (parse_gpu_state), from
+    nvidia-smi; None on a CPU device, without a CUDA device or without a working nvidia-smi."""
+    import shutil
+    import subprocess
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return None
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    cmd = ["nvidia-smi", "--format=csv,noheader,nounits"]
+    uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+    if uuid:  # the same GPU whatever CUDA_VISIBLE_DEVICES does to indices
+        cmd.append("--id=" + (uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid))
+    elif torch.cuda.device_count() > 1:
+        return None
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):  # newer, older drivers
+        try:
+            r = subprocess.run(cmd + ["--query-gpu=" + ",".join(SMI_FIELDS + (reasons,))], capture_output=True,
+                               text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if r.returncode == 0 and r.stdout.strip():
+            try:
+                return parse_gpu_state(r.stdout.strip().splitlines()[0])
+            except ValueError:
+                return None
+    return None
+
+
+def settle_gpu(device="cuda", max_wait_s: float = 10.0, poll_s: float = 0.25) -> float:
+    """Wait (idle) while a power or thermal cap holds the GPU's clock down (CAP_REASONS), at most max_wait_s;
+    returns the seconds waited (0 at once without a GPU state to read)."""
+    if max_wait_s < 0 or poll_s <= 0:
+        raise ValueError(f"max_wait_s={max_wait_s!r}, poll_s={poll_s!r}: expected max_wait_s >= 0, poll_s > 0")
+    t0 = time.perf_counter()
+    while True:
+        st = gpu_state(device)
+        waited = time.perf_counter() - t0
+        if st is None or st["reasons_mask"] is None or not st["reasons_mask"] & CAP_REASONS or waited >= max_wait_s:
+            return waited
+        time.sleep(poll_s)
+
+
 def _wall_median(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(_wall_times(fn, repeats, warmup))
 
@@ -454,7 +531,8 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
               repeats: int = 20, bandwidth: float | None = None, progress: bool = True, seed: int = 0) -> list[dict]:
     """Routed INT4 experts at the config's shape (hidden, moe_intermediate, experts, top-k), routing from a
     random router (the model's Gate): the moe_int4 kernel on a GPU, pair grouping included, timed as CUDA-graph
-    replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the
+    replays after any power or thermal cap has lifted (settle_gpu; the row keeps the seconds waited and
+    gpu_state read right after the timing) (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the
     lab's goal defines it (dequantize, then grouped matmul) and with the experts already held in bf16, and the floor
     (bytes of the distinct experts touched over `bandwidth`)."""
     from .config import load_config
@@ -493,16 +571,19 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
         def base():
             moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[c[0] % n_sets])
             c[0] += 1
+        state, settled = None, 0.0
         with torch.no_grad():
             if str(device).startswith("cuda"):  # GPU time of the whole call (one fused launch at 1 token, else grouping + 2): graph replays
+                settled = settle_gpu(device)
                 t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats)
+                state = gpu_state(device)  # the clock the kernel ran at (read right after its timing)
             else:
                 t_k = timer(kern, repeats)
             t_b = timer(base, max(3, repeats // 4))  # torch.unique syncs: eager, CUDA events
             t_bf = timer(lambda: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[0], bf16), max(3, repeats // 4))
         row = {"tokens": T, "experts_touched": touched, "kernel_s": t_k, "baseline_s": t_b,
                "speedup_vs_baseline": t_b / t_k, "bf16_experts_s": t_bf, "speedup_vs_bf16_experts": t_bf / t_k,
-               "bytes": touched * expert_bytes, "device": str(device)}
+               "bytes": touched * expert_bytes, "device": str(device), "gpu_state": state, "settle_s": settled}
         if bandwidth:
             row["floor_s"] = row["bytes"] / bandwidth
             row["frac_bandwidth"] = row["floor_s"] / t_k
