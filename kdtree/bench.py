@@ -148,10 +148,10 @@ def _wall_times(fn, repeats: int, warmup: int = 1) -> list[float]:
     return times
 
 
-def _graph_median(fns, repeats: int, warm_s: float = 0.0) -> float:
+def _graph_median(fns, repeats: int, warm_s: float = 0.0, before=None) -> float:
     """Capture each fn (one per rotated input set) in a CUDA graph; median event time of replays, each queued
     behind a GPU spin (the GPU's time, launch latency hidden as in a graph-launched decode loop). warm_s: replay
-    the graphs for that many seconds first (a steady state)."""
+    the graphs for that many seconds first; before: called after that, right before the timed replays."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -174,6 +174,8 @@ def _graph_median(fns, repeats: int, warm_s: float = 0.0) -> float:
         for _ in range(8):
             replay()
         torch.cuda.synchronize()
+    if before is not None:
+        before()
     t = _events_median(replay, repeats, warmup=len(graphs), queued=True)
     del graphs
     return t
@@ -533,10 +535,10 @@ def moe_bf16_baseline(x, ids, w, experts, dequantized=None) -> torch.Tensor:
     return out
 
 
-# bench_moe replays its first call this long before timing it: in H200 runs the one-token call timed right after
-# the process had allocated or freed tens of GB took 72 us against 66.5 in steady state (same kernel, weights,
-# clock), and it took seconds of calls to come back.
-MOE_WARM_S = 5.0
+# bench_moe replays each call this long before timing it, then waits out any power cap (settle_gpu). Measured on
+# the H200 (one token): the first timing after the process freed 38 GB took 72.5 us, 0.4 s later 67, busy or idle;
+# 5 s of back-to-back one-token replays drew 684 W and capped the clock at 1,740 MHz (71.2 us).
+MOE_WARM_S = 0.5
 
 
 def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 1024), device: str = "cuda",
@@ -545,9 +547,9 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
     random router (the model's Gate): the moe_int4 kernel on a GPU, pair grouping included, timed as CUDA-graph
     replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the lab's
     goal defines it (dequantize, then grouped matmul) and with the experts already held in bf16, and the floor
-    (bytes of the distinct experts touched over `bandwidth`). On a GPU each kernel timing starts once any power or
-    thermal cap has lifted (settle_gpu; the row keeps the seconds waited, and gpu_state read right after the
-    timing: the clock it ran at), the first after MOE_WARM_S of untimed replays."""
+    (bytes of the distinct experts touched over `bandwidth`). On a GPU each kernel timing follows MOE_WARM_S of
+    untimed replays and starts once any power or thermal cap has lifted (settle_gpu; the row keeps the seconds
+    waited, and gpu_state read right after the timing: the clock it ran at)."""
     from .config import load_config
     from .model import Gate, Int4Experts
     args = load_config(config)
@@ -587,9 +589,10 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
         state, settled = None, 0.0
         with torch.no_grad():
             if str(device).startswith("cuda"):  # GPU time of the whole call (one fused launch at 1 token, else grouping + 2): graph replays
-                settled = settle_gpu(device)
-                t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats,
-                                    warm_s=MOE_WARM_S if T == tokens[0] else 0.0)
+                waits = []
+                t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats, warm_s=MOE_WARM_S,
+                                    before=lambda: waits.append(settle_gpu(device)))
+                settled = waits[0]
                 state = gpu_state(device)  # the clock the kernel ran at (read right after its timing)
             else:
                 t_k = timer(kern, repeats)
