@@ -700,6 +700,7 @@ def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 12
 def run(out_dir: str | Path, quick: bool = False, progress: bool = True) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    state0 = gpu_state()
     ceil = measure_ceilings()
     if quick:
         tree = bench_tree(budgets=(64, 1024), batches=(1, 32), repeats=20, ref_repeats=3, progress=progress)
@@ -742,7 +743,8 @@ def run(out_dir: str | Path, quick: bool = False, progress: bool = True) -> dict
     import cupy
     rec = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "cupy": cupy.__version__, "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
-           "python": platform.python_version(), "quick": quick, "ceilings": ceil, "tree_round": tree,
+           "python": platform.python_version(), "quick": quick, "ceilings": ceil,
+           "gpu_state": {"start": state0, "end": gpu_state()}, "tree_round": tree,
            "verify_attn": attn, "verify_ablation": ablation, "verify_smem_model": verify_smem_model(),
            "targets": targets}
     (out_dir / "bench_kernels.json").write_text(json.dumps(rec, indent=2) + "\n")
