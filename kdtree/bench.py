@@ -87,9 +87,14 @@ def parse_gpu_state(line: str) -> dict:
             "reasons": None if mask is None else [n for b, n in CLOCK_REASONS.items() if mask & b]}
 
 
+_SMI_REASON_FIELD = []  # the clock-reason field name this driver answered to, once known
+
+
 def gpu_state(device="cuda") -> dict | None:
     """The GPU's clocks, temperature, power draw and active clock-event reasons now (parse_gpu_state), from
-    nvidia-smi; None on a CPU device, without a CUDA device or without a working nvidia-smi."""
+    nvidia-smi, addressed by the device's UUID; None on a CPU device, without a CUDA device, without a working
+    nvidia-smi, or where the GPU cannot be told apart (no UUID and several GPUs listed; a MIG slice's UUID, which
+    nvidia-smi's GPU queries do not take)."""
     import shutil
     import subprocess
     dev = torch.device(device)
@@ -98,36 +103,48 @@ def gpu_state(device="cuda") -> dict | None:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     cmd = ["nvidia-smi", "--format=csv,noheader,nounits"]
     uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
-    if uuid:  # the same GPU whatever CUDA_VISIBLE_DEVICES does to indices
+    if uuid:  # the same GPU whatever CUDA_VISIBLE_DEVICES does to indices (nvidia-smi ignores it)
         cmd.append("--id=" + (uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid))
-    elif torch.cuda.device_count() > 1:
-        return None
-    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):  # newer, older drivers
+    fields = _SMI_REASON_FIELD or ["clocks_event_reasons.active", "clocks_throttle_reasons.active"]  # newer, older
+    for reasons in fields:
         try:
             r = subprocess.run(cmd + ["--query-gpu=" + ",".join(SMI_FIELDS + (reasons,))], capture_output=True,
                                text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        if r.returncode == 0 and r.stdout.strip():
-            try:
-                return parse_gpu_state(r.stdout.strip().splitlines()[0])
-            except ValueError:
-                return None
+        lines = r.stdout.strip().splitlines() if r.returncode == 0 else []
+        if len(lines) != 1:  # an error, or several GPUs listed (no UUID to pick one by)
+            continue
+        try:
+            st = parse_gpu_state(lines[0])
+        except ValueError:
+            continue
+        _SMI_REASON_FIELD[:] = [reasons]
+        return st
     return None
 
 
+def _capped(st: dict | None) -> bool:
+    """A power or thermal cap is active and the SM clock is below its maximum (when both are reported)."""
+    if st is None or st["reasons_mask"] is None or not st["reasons_mask"] & CAP_REASONS:
+        return False
+    sm, top = st["sm_clock_mhz"], st["max_sm_clock_mhz"]
+    return sm is None or top is None or sm < 0.98 * top
+
+
 def settle_gpu(device="cuda", max_wait_s: float = 10.0, poll_s: float = 0.25) -> float:
-    """Wait (idle) while a power or thermal cap holds the GPU's clock down (CAP_REASONS), at most max_wait_s;
-    returns the seconds waited (0 at once without a GPU state to read)."""
+    """Wait (idle) while a power or thermal cap holds the GPU's SM clock below its maximum, at most max_wait_s;
+    returns the seconds waited (0.0 when no cap holds it, or without a GPU state to read)."""
     if max_wait_s < 0 or poll_s <= 0:
         raise ValueError(f"max_wait_s={max_wait_s!r}, poll_s={poll_s!r}: expected max_wait_s >= 0, poll_s > 0")
+    if not _capped(gpu_state(device)):
+        return 0.0
     t0 = time.perf_counter()
-    while True:
-        st = gpu_state(device)
-        waited = time.perf_counter() - t0
-        if st is None or st["reasons_mask"] is None or not st["reasons_mask"] & CAP_REASONS or waited >= max_wait_s:
-            return waited
+    while time.perf_counter() - t0 < max_wait_s:
         time.sleep(poll_s)
+        if not _capped(gpu_state(device)):
+            break
+    return time.perf_counter() - t0
 
 
 def _wall_median(fn, repeats: int, warmup: int = 1) -> float:
@@ -548,8 +565,8 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
     replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both as the lab's
     goal defines it (dequantize, then grouped matmul) and with the experts already held in bf16, and the floor
     (bytes of the distinct experts touched over `bandwidth`). On a GPU each kernel timing follows MOE_WARM_S of
-    untimed replays and starts once any power or thermal cap has lifted (settle_gpu; the row keeps the seconds
-    waited, and gpu_state read right after the timing: the clock it ran at)."""
+    untimed replays, and it and both baselines start once any power or thermal cap has lifted (settle_gpu; the
+    row keeps the seconds waited, settle_s, and gpu_state read right after the kernel's timing)."""
     from .config import load_config
     from .model import Gate, Int4Experts
     args = load_config(config)
@@ -593,10 +610,12 @@ def bench_moe(config: str = "kimi-k2.6", tokens=(1, 8, 16, 64, 128, 256, 512, 10
                 t_k = _graph_median([lambda s=s: s(x, w, ids) for s in sets], repeats, warm_s=MOE_WARM_S,
                                     before=lambda: waits.append(settle_gpu(device)))
                 settled = waits[0]
-                state = gpu_state(device)  # the clock the kernel ran at (read right after its timing)
+                state = gpu_state(device)  # read right after the timing (the clock, any cap then active)
             else:
                 t_k = timer(kern, repeats)
+            settled += settle_gpu(device)  # the baselines start from the same state (no-op on a CPU)
             t_b = timer(base, max(3, repeats // 4))  # torch.unique syncs: eager, CUDA events
+            settled += settle_gpu(device)
             t_bf = timer(lambda: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[0], bf16), max(3, repeats // 4))
         row = {"tokens": T, "experts_touched": touched, "kernel_s": t_k, "baseline_s": t_b,
                "speedup_vs_baseline": t_b / t_k, "bf16_experts_s": t_bf, "speedup_vs_bf16_experts": t_bf / t_k,

@@ -42,6 +42,8 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
     assert {(r["batch"], r["budget"]) for r in rec["tree_round"]} == {(1, 16), (1, 64), (4, 16), (4, 64)}
     assert all(r["reference_s"] > 0 for r in rec["tree_round"])
     assert [r["tokens"] for r in rec["moe_int4"]] == [1, 8, 64]
+    assert rec["gpu_state"] == {"start": None, "end": None}  # no GPU clock state on a CPU, and no waiting for one
+    assert all(r["gpu_state"] is None and r["settle_s"] == 0.0 for r in rec["moe_int4"])
     assert {r["kind"] for r in rec["layer_verify"]} == {"dense", "moe"}
     assert rec["builder_share"] and all(0 < s["reference_share"] < 1 for s in rec["builder_share"])
     for png in ("microbench_tree.png", "microbench_moe.png", "microbench_layer.png"):
