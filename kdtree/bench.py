@@ -553,8 +553,8 @@ def moe_bf16_baseline(x, ids, w, experts, dequantized=None) -> torch.Tensor:
 
 
 # bench_moe replays each call this long before timing it, then waits while a cap holds the clock (settle_gpu).
-# Measured on the H200 (one token): the first timing after the process freed 38 GB took 72.5 us, 0.4 s later 67, busy or idle;
-# 5 s of back-to-back one-token replays drew 684 W and capped the clock at 1,740 MHz (71.2 us).
+# Measured on the H200 (one token): the first timing after the process freed 38 GB took 72.5 us, 0.4 s later
+# 67, busy or idle; 5 s of back-to-back one-token replays drew 684 W and capped the clock at 1,740 MHz (71.2 us).
 MOE_WARM_S = 0.5
 
 
