@@ -139,6 +139,23 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
+    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
+        """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block states;
+        kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T) this
+        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)."""
+        a = self.a
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, a.num_attention_heads, a.head_dim))
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
+        k, v = self.kv(x, cos, sin)
+        kbuf[:, :, C:C + T] = k
+        vbuf[:, :, C:C + T] = v
+        col = torch.arange(C + T, device=x.device)
+        seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
+        o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=seen[:, None, None, :], enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, a: DrafterArgs):
         super().__init__()
@@ -235,8 +252,65 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, ck, cv, mask)
         return self.target.lm_head(self.norm(x).to(self.target.dtype)).float().view(B, m, bs, -1)
 
+    # ------------------------------------------------------------- the engine's batched, preallocated path
+    def new_context(self, batch: int, max_len: int) -> "DraftContext":
+        return DraftContext(self, batch, max_len)
+
+    @torch.no_grad()
+    def draft(self, ctx: "DraftContext", root: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, L, V] float32 below roots [B] at positions ctx_len [B] (the context holds positions
+        [0, ctx_len)); B <= ctx.batch (slots 0..B-1). No host reads."""
+        a = self.args
+        B, bs = root.shape[0], a.block_size
+        block = torch.full((B, bs), a.mask_token_id, dtype=torch.long, device=root.device)
+        block[:, 0] = root
+        pos = ctx_len.long()[:, None] + torch.arange(bs, device=root.device)
+        x = self.target.model.embed_tokens(block).to(self.fc.weight.dtype)
+        cos, sin = self.rope(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len, ctx.max_len)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.target.lm_head(self.norm(x).to(self.target.dtype)).float()[:, 1:]
+
+    @torch.no_grad()
+    def extend(self, ctx: "DraftContext", features: torch.Tensor, ctx_len: torch.Tensor, count: torch.Tensor,
+               slot: int = 0) -> None:
+        """Append features [B, A, F] of slots slot..slot+B-1 at context positions ctx_len + j for j < count[b]
+        (rows j >= count go to the block columns, overwritten by the next draft). No host reads."""
+        B, A, _ = features.shape
+        dev = features.device
+        x = self.project_context(features.to(self.fc.weight.dtype))                       # [B, A, D]
+        j = torch.arange(A, device=dev)[None]
+        cos, sin = self.rope(ctx_len.long()[:, None] + j, x.dtype)
+        col = torch.where(j < count[:, None], ctx_len.long()[:, None] + j, ctx.max_len + j % self.args.block_size)
+        for i, layer in enumerate(self.layers):
+            kk, vv = layer.self_attn.kv(x, cos, sin)                                      # [B, Hk, A, hd]
+            idx = col[:, None, :, None].expand_as(kk)
+            ctx.k[i][slot:slot + B].scatter_(2, idx, kk)
+            ctx.v[i][slot:slot + B].scatter_(2, idx, vv)
+
     def session(self, max_len: int) -> "DFlashSession":
         return DFlashSession(self, max_len)
+
+
+class DraftContext:
+    """Preallocated context keys/values of every drafter layer for `batch` request slots: k[i], v[i]
+    [batch, Hk, max_len + block_size, hd] (columns past max_len: the drafting block). Slot b's context length is
+    the engine's (the target cache's length), kept by the caller."""
+
+    def __init__(self, drafter: DFlashDrafter, batch: int, max_len: int):
+        a = drafter.args
+        shape = (batch, a.num_key_value_heads, max_len + a.block_size, a.head_dim)
+        w = drafter.fc.weight
+        self.k = [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in drafter.layers]
+        self.v = [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in drafter.layers]
+        self.batch, self.max_len = batch, max_len
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot dst takes slot src's context (the engine keeps its active requests in slots 0..n-1)."""
+        for t in self.k + self.v:
+            t[dst].copy_(t[src])
 
 
 class DFlashSession:

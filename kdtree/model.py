@@ -254,12 +254,41 @@ class MoE(nn.Module):
         if not isinstance(self.experts, Int4Experts):
             self.experts = Int4Experts.from_mlps(self.experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def stacked(self):
+        """(own expert ids int64 [E'], w13 [E', 2I, D], w2 [E', D, I]) of the MLP experts this rank holds, stacked
+        once and kept (the dense path's weights; a second copy of the routed experts)."""
+        st = getattr(self, "_stacked", None)
+        w0 = next(m for m in self.experts if isinstance(m, MLP)).gate_proj.weight
+        if st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
+            own = [e for e, m in enumerate(self.experts) if isinstance(m, MLP)]
+            w13 = torch.stack([torch.cat([self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight])
+                               for e in own]).detach()
+            w2 = torch.stack([self.experts[e].down_proj.weight for e in own]).detach()
+            st = self._stacked = (torch.tensor(own, device=w0.device), w13, w2)
+        return st
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every held expert over every token, combined with the router's weights (0 where not routed): fixed
+        shapes, no host reads, no atomics (capturable and deterministic). x [N, D] -> float32 [N, D]."""
+        own, w13, w2 = self.stacked()
+        I = w2.shape[2]
+        comb = torch.zeros(x.shape[0], self.args.n_routed_experts, dtype=torch.float32, device=x.device)
+        comb.scatter_(1, idx, weights.float())                       # [N, E]
+        gu = torch.matmul(x[None], w13.transpose(1, 2))              # [E', N, 2I]
+        h = F.silu(gu[..., :I]) * gu[..., I:]                        # [E', N, I]
+        y = torch.matmul(h, w2.transpose(1, 2)).float()              # [E', N, D]
+        return torch.einsum("end,ne->nd", y, comb[:, own])
+
+    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """x [..., D]. dense: the MLP experts by `_dense` (the engine's path on a GPU) instead of a loop over the
+        routed experts with host reads; INT4 experts always take Int4Experts.forward."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, idx = self.gate(x)  # [N, k]
         if isinstance(self.experts, Int4Experts):
             y = self.experts(x, weights, idx)
+        elif dense:
+            y = self._dense(x, weights, idx)
         else:
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
@@ -276,6 +305,47 @@ class MoE(nn.Module):
 
 
 # ----------------------------------------------------------------------------- latent KV cache
+@dataclass
+class PagedMeta:
+    """Attention metadata of one forward over a shared page pool (kdtree.engine): B requests, T block rows each.
+    Every field is a device tensor or a host constant of the shapes (never a value read from the device), so a
+    forward built from it can be captured in a CUDA graph and replayed for other lengths and pages."""
+    page_table: torch.Tensor          # int32 [B, P]: request b's pages (page 0: the pool's scratch page)
+    slots: torch.Tensor               # int64 [B, T]: pool row of each block row (cache row cache_len + t)
+    positions: torch.Tensor           # int64 [B, T]: rope position ids
+    seq_len: torch.Tensor             # int32 [B]: cached rows including the block (cache_len + T)
+    mask_words: torch.Tensor | None   # int32 [B, T, ceil(T/32)]: block visibility bits (attn_impl "kernel")
+    bias: torch.Tensor | None         # float32 [B, T, kv_cap]: 0 visible, -inf not (torch attention paths)
+    kv_cap: int                       # P * page_size: keys a request can hold
+    page_size: int
+    dense_moe: bool = False           # MoE MLP experts by MoE._dense (fixed shapes, no host reads)
+
+    @classmethod
+    def build(cls, page_table, cache_len, positions, mask, page_size: int, attn_impl: str, dense_moe: bool = False,
+              mask_words=None) -> "PagedMeta":
+        """page_table int32 [B, P]; cache_len int [B] rows cached before the block; positions int [B, T];
+        mask bool [B, T, T] (block row i sees block row j); mask_words: its packed bits when already known."""
+        B, T = positions.shape
+        P = page_table.shape[1]
+        dev = positions.device
+        rows = cache_len.long()[:, None] + torch.arange(T, device=dev)                       # [B, T]
+        slots = page_table.long().gather(1, rows // page_size) * page_size + rows % page_size
+        seq_len = (cache_len + T).to(torch.int32)
+        kv_cap = P * page_size
+        words = bias = None
+        if attn_impl == "kernel":
+            if mask_words is None:
+                from .kernels import pack_mask
+                mask_words = pack_mask(mask)
+            words = mask_words
+        else:
+            rel = torch.arange(kv_cap, device=dev)[None] - cache_len.long()[:, None]       # [B, S]
+            seen = mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_cap))   # [B, T, S]
+            vis = (rel < 0)[:, None] | (seen & (rel < T)[:, None])
+            bias = torch.zeros(B, T, kv_cap, device=dev).masked_fill(~vis, float("-inf"))
+        return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, dense_moe)
+
+
 class KVCache:
     """Per-layer latent cache: latent [layers, B, S_pad, kv_lora_rank + rope_dim], the normalized latent
     (`kv` view) then the rotated rope key (`pe` view). Rows are padded to whole pages of PAGE_SIZE, so that
@@ -384,6 +454,8 @@ class MLA(nn.Module):
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([R, a.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)  # [B, T, R]
         k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
+        if isinstance(start, PagedMeta):
+            return self._paged(x, q_nope, q_pe, kv, k_pe, latent, start, attn_impl)
         latent[:, start:start + T, :R] = kv.detach() if torch.is_grad_enabled() else kv
         latent[:, start:start + T, R:] = k_pe.detach() if torch.is_grad_enabled() else k_pe
         S = start + T
@@ -391,14 +463,36 @@ class MLA(nn.Module):
         if torch.is_grad_enabled() and attn_impl != "kernel":  # training: the block's rows keep their graph
             kv_all = torch.cat([kv_all[:, :start], kv.to(kv_all.dtype)], dim=1)
             pe_all = torch.cat([pe_all[:, :start], k_pe.to(pe_all.dtype)], dim=1)
+        if attn_impl == "kernel":
+            kern = (latent.reshape(-1, latent.shape[-1]), *kern)
+        return self._attend(x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S)
+
+    def _paged(self, x, q_nope, q_pe, kv, k_pe, pool, meta: "PagedMeta", attn_impl):
+        """The block's latent rows go to pool rows meta.slots; attention over the request's pages (torch paths:
+        gathered through the page table to [B, kv_cap, R + P], masked by meta.bias)."""
+        R = self.args.kv_lora_rank
+        B, T = meta.slots.shape
+        pool.index_copy_(0, meta.slots.reshape(-1), torch.cat([kv, k_pe], -1).reshape(B * T, -1).to(pool.dtype))
+        if attn_impl == "kernel":
+            kern = (pool, meta.page_table, meta.seq_len, meta.mask_words)
+            return self._attend(x, q_nope, q_pe, None, None, None, attn_impl, kern, meta.kv_cap)
+        ctx = pool.view(-1, meta.page_size, pool.shape[-1])[meta.page_table].view(B, meta.kv_cap, -1)
+        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None, meta.kv_cap)
+
+    def _attend(self, x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S):
+        """Attention of the block's queries over S keys: kv_all [B, S, R], pe_all [B, S, P], bias [B, T, S];
+        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words) instead."""
+        a = self.args
+        B, T, _ = x.shape
+        H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         scale = a.softmax_scale
         if attn_impl == "kernel":
             from . import kernels
             w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
             qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
-            page_table, seq_len, words = kern
-            o_lat, _ = kernels.verify_attn(qk, latent.reshape(-1, latent.shape[-1]), page_table, seq_len, words, scale,
+            rows, page_table, seq_len, words = kern
+            o_lat, _ = kernels.verify_attn(qk, rows, page_table, seq_len, words, scale,
                                            page_size=KVCache.PAGE_SIZE, check_values=False, max_seq_len=S)
             o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
         elif attn_impl == "naive":
@@ -432,8 +526,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
+        """start: the cached length (KVCache path) or a PagedMeta (latent is then the layer's page pool)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, latent, start, bias, attn_impl, kern)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        dense = isinstance(start, PagedMeta) and start.dense_moe
+        return x + (self.mlp(h, dense=True) if dense and isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Backbone(nn.Module):
@@ -617,6 +714,26 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length, cache.block = S, (start, T)
         return ForwardOutput(logits, hidden)
+
+
+    @torch.no_grad()
+    def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: PagedMeta, hidden_layers=(),
+                      logits_for=None) -> ForwardOutput:
+        """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared page
+        pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
+        meta.slots of every layer; no value checks and no host reads (graph-capturable).
+        Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
+        h = self.model.embed_tokens(tokens)  # [B, T, D]
+        cos, sin = self.rope(meta.positions, h.dtype)
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, pool[i], meta, None, self.attn_impl)
+            if i in hidden_layers:
+                hidden[i] = h
+        h = self.model.norm(h)
+        if logits_for is not None:
+            h = h[:, logits_for]
+        return ForwardOutput(self.lm_head(h).float(), hidden)
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ import torch
 
 from . import golden
 from .config import ModelArgs
-from .decode import generate_ar, generate_ddtree, generate_dflash
+from .decode import generate_ddtree, generate_dflash
+from .oracle import oracle_ar, oracle_ddtree, oracle_dflash  # noqa: F401  (the tests' independent loop)
 from .drafter import OracleDrafter, build_drafter
 from .model import Transformer
 
@@ -201,7 +202,7 @@ def losslessness(model: Transformer, n_prompts: int = 20, max_new_tokens: int = 
         from tqdm.auto import tqdm
         it = tqdm(prompts, desc=f"losslessness ({len(cases)} cases)")
     for i, prompt in enumerate(it):
-        ar = generate_ar(model, prompt, max_new_tokens)
+        ar = oracle_ar(model, prompt, max_new_tokens)
         _tally(report["ar"], ar, True)
         for c in cases:
             if c.drafter == "oracle":
@@ -241,7 +242,7 @@ def oracle_sweep(model: Transformer, prompts, max_new_tokens: int, block_size: i
         from tqdm.auto import tqdm
         it = tqdm(prompts, desc=f"oracle sweep ({len(budgets)} budgets)")
     for i, prompt in enumerate(it):
-        ar = generate_ar(model, prompt, max_new_tokens)
+        ar = oracle_ar(model, prompt, max_new_tokens)
         o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i, **(oracle or {}))
         runs = {"ar": ar, "dflash": generate_dflash(model, o, prompt, max_new_tokens)}
         for b in budgets:
@@ -374,7 +375,7 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
     equal, same_bf16, fpt = True, 0, {"ar": [], "dflash": [], "ddtree": []}
     for i, prompt in enumerate(prompts):
         model.attn_impl = "absorb"
-        ar = generate_ar(model, prompt, max_new_tokens)
+        ar = oracle_ar(model, prompt, max_new_tokens)
         o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i)
         df = generate_dflash(model, o, prompt, max_new_tokens, backend="kernel")
         dd = generate_ddtree(model, o, prompt, max_new_tokens, budget=budget, backend="kernel")
@@ -382,7 +383,7 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
         for k, r in (("ar", ar), ("dflash", df), ("ddtree", dd)):
             fpt[k].append(r.forwards_per_token)
         model.attn_impl = "kernel"
-        ar16 = generate_ar(model, prompt, max_new_tokens)
+        ar16 = oracle_ar(model, prompt, max_new_tokens)
         o16 = OracleDrafter(prompt + ar16.tokens, model.args.vocab_size, block_size, seed=seed + i)
         same_bf16 += generate_ddtree(model, o16, prompt, max_new_tokens, budget=budget, backend="kernel").tokens \
             == ar16.tokens

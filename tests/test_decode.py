@@ -48,7 +48,7 @@ def test_stats_are_consistent(tiny):
     assert sum(dd.accept_lengths[:-1]) < len(dd.tokens) - 1 <= sum(dd.accept_lengths)
     assert all(n >= 1 for n in dd.accept_lengths) and all(2 <= n <= 17 for n in dd.tree_sizes)
     assert set(STAGES) <= set(dd.stage_times) and all(v >= 0 for v in dd.stage_times.values())
-    assert dd.stage_times["verify"] > 0 and dd.stage_times["tree_build"] > 0
+    assert dd.stage_times["verify"] > 0 and dd.stage_times["build"] > 0
     s = dd.summary()
     assert s["new_tokens"] == 30 and s["tau"] == pytest.approx(np.mean(dd.accept_lengths))
 

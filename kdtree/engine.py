@@ -1,0 +1,780 @@
+"""The decode engine: batched requests over one paged latent cache, one round code for AR, DFlash and DDTree.
+
+    engine = Engine(model, drafter, mode="ddtree", budget=64, max_batch=8)
+    rid = engine.add_request(prompt, max_new_tokens=128)
+    results = engine.run()                       # {request id: GenerationResult}
+
+One round (`step`), for every active request at once:
+    draft    the drafter's logits [b, L, V] below each request's root (its last committed token)
+    build    the verify block of N rows per request (AR: the root alone; DFlash: the argmax chain; DDTree: the
+             best-first tree of `budget` nodes, padded to budget + 1 rows)
+    verify   one target forward over the blocks, each request's cached rows visible, the block under its mask
+    walk     follow the target's choices (argmax at T = 0, a sample per row at T > 0) down each tree
+    commit   keep the accepted rows in the cache (compaction), hand their features to the drafter's context,
+             advance lengths and roots; the emitted tokens and counts go to the host in one copy
+The round reads no device value on the host until that copy; on a GPU with the kernel backend it is one CUDA
+graph per batch bucket, replayed. Invariant: the target cache and the drafter's context hold every committed
+token but the last, which is the next round's root.
+
+Requests sit in slots 0..n-1 of the static state (a finishing request's slot takes the last one's); padding
+slots up to the batch bucket have length 0 and page table 0 (the pool's scratch page), so they write only
+there and nothing reads them. Pages: a request reserves at admission the pages its longest context can need
+(prompt + max_new_tokens + the block's rows) and takes them as it grows; one that cannot reserve waits (no
+preemption); one that could never fit is refused by `add_request`.
+
+Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the row),
+drawn on the device as Gumbel noise (`gumbel`), so a request's samples do not depend on its batch mates, on the
+batch bucket or on graph replay. Seeded results at T > 0 therefore differ from the earlier per-call
+torch.Generator loop (same distribution).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import golden
+from .model import Int4Experts, MoE, PagedMeta, Transformer
+
+MODES = ("ar", "dflash", "ddtree")
+BACKENDS = ("golden", "kernel")
+STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                      # generated tokens (prompt excluded)
+    mode: str
+    target_forwards: int = 0               # prefill chunks included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (>= 1)
+    tree_sizes: list[int] = field(default_factory=list)      # verify rows per round (root included)
+    stage_times: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in ("prefill",) + STAGES + ("round",)})
+    wall_time: float = 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        return self.target_forwards / max(len(self.tokens), 1)
+
+    @property
+    def mean_accept_length(self) -> float:
+        """tau: mean tokens emitted per verify round (accepted drafts + the bonus token)."""
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else float("nan")
+
+    def summary(self) -> dict:
+        return {"mode": self.mode, "new_tokens": len(self.tokens), "target_forwards": self.target_forwards,
+                "forwards_per_token": self.forwards_per_token, "tau": self.mean_accept_length,
+                "rounds": len(self.accept_lengths), "wall_s": self.wall_time,
+                "stage_s": dict(self.stage_times)}
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _is_id(t) -> bool:
+    """A token id's type: a Python or numpy int, not a bool."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def check_prompt(prompt, vocab_size: int) -> list[int]:
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        t = torch.as_tensor(prompt)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
+                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
+            raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        prompt = t.flatten().tolist()
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"prompt: expected a sequence of integer token ids, got {type(prompt).__name__}")
+    prompt = list(prompt)
+    bad = next((t for t in prompt if not _is_id(t)), None)
+    if bad is not None:
+        raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("prompt: expected at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt: expected token ids in [0, {vocab_size}), got [{min(prompt)}, {max(prompt)}]")
+    return prompt
+
+
+def check_max_new(max_new_tokens) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive int")
+    return int(max_new_tokens)
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
+            or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
+    return float(temperature)
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed!r}: expected an int in [0, 2**63)")
+    return int(seed)
+
+
+def check_stop(stop_tokens) -> set[int]:
+    """stop_tokens: an iterable of token ids (None: none)."""
+    toks = list(stop_tokens) if stop_tokens is not None else []
+    if not all(_is_id(t) for t in toks):
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
+    return {int(t) for t in toks}
+
+
+def check_drafter(model: Transformer, drafter) -> None:
+    if not (hasattr(drafter, "session") and hasattr(drafter, "block_size")):
+        raise ValueError(f"drafter: expected a drafter (block_size, session()), got {type(drafter).__name__}")
+    dv = getattr(getattr(drafter, "args", None), "vocab_size", getattr(drafter, "vocab_size", None))
+    if dv is not None and dv != model.args.vocab_size:
+        raise ValueError(f"drafter: vocabulary {dv} differs from the target's {model.args.vocab_size}")
+
+
+def finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:
+    """Append `new` to `out` up to max_new and the first stop token; True when generation is over."""
+    for t in new:
+        out.append(t)
+        if t in stop or len(out) >= max_new:
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- sampling
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2**32 for int64 h in [0, 2**32), without int64 overflow (16-bit halves of c)."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix (murmur3's finalizer) on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def gumbel(seed: torch.Tensor, step: torch.Tensor, N: int, V: int) -> torch.Tensor:
+    """Gumbel noise float32 [b, N, V], a pure function of (seed [b], step [b], row, vocabulary index): the
+    request's own stream, the same on every device and batch. Uniforms have 24 bits."""
+    dev = seed.device
+    s = seed.long()
+    h = _fmix((s & _M32) ^ 0x9E3779B9)
+    h = _fmix(h ^ ((s >> 32) & _M32))
+    h = _fmix(h ^ (step.long() & _M32))                                              # [b]
+    h = _fmix(h[:, None] ^ torch.arange(N, device=dev)[None])                          # [b, N]
+    v = _mul32(torch.arange(V, device=dev), 0x9E3779B1)
+    u = _fmix(_fmix(h[..., None] ^ v))                                                 # [b, N, V]
+    u = ((u >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def choose(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+           sampling: bool) -> torch.Tensor:
+    """logits [b, N, V] -> int64 [b, N]: argmax where temperature[b] == 0 (first maximum on ties), else one
+    sample of softmax(logits / T) per row (Gumbel-max with the request's stream keyed by step[b])."""
+    greedy = logits.argmax(-1)
+    if not sampling:
+        return greedy
+    b, N, V = logits.shape
+    t = temperature.float().clamp_min(1e-6)[:, None, None]
+    sample = (logits / t + gumbel(seed, step, N, V)).argmax(-1)
+    return torch.where(temperature[:, None] > 0, sample, greedy)
+
+
+# ----------------------------------------------------------------------------- tree steps
+@dataclass
+class VerifyBatch:
+    """Verify blocks of N rows per request (root first; padding rows see only themselves, never accepted)."""
+    tokens: torch.Tensor      # int32 [b, N]
+    positions: torch.Tensor   # int64 [b, N]
+    parents: torch.Tensor     # int32 [b, N]
+    mask: torch.Tensor | None         # bool [b, N, N]
+    mask_words: torch.Tensor | None = None  # int32 [b, N, ceil(N/32)] when the builder packs it
+
+
+def _chain(draft: torch.Tensor | None, root: torch.Tensor, start: torch.Tensor) -> VerifyBatch:
+    """AR (draft None: the root alone) or the DFlash chain (argmax per depth), in torch ops (capturable)."""
+    b = root.shape[0]
+    dev = root.device
+    toks = root.to(torch.int32)[:, None]
+    if draft is not None:
+        toks = torch.cat([toks, draft.argmax(-1).to(torch.int32)], 1)
+    N = toks.shape[1]
+    ar = torch.arange(N, device=dev)
+    return VerifyBatch(toks, start.long()[:, None] + ar, (ar - 1).to(torch.int32)[None].expand(b, N).contiguous(),
+                       torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None].expand(b, N, N))
+
+
+def _compact_torch(pool, page_table, start, accepted, acc_len, page_size: int) -> None:
+    """pool [layers, rows, D]: per request, cache row start + j <- row start + accepted[j] for j < acc_len
+    (golden.compact_kv); rows j >= acc_len write to the scratch page. Torch ops (capturable)."""
+    b, A = accepted.shape
+    dev = pool.device
+    j = torch.arange(A, device=dev)[None]
+    valid = j < acc_len[:, None]
+
+    def slot(r):
+        return page_table.long().gather(1, r // page_size) * page_size + r % page_size
+    src = slot(start.long()[:, None] + accepted.long().clamp_min(0))
+    dst = torch.where(valid, slot(start.long()[:, None] + j), j % page_size)
+    pool.index_copy_(1, dst.reshape(-1), pool[:, src.reshape(-1)])
+
+
+class GoldenOps:
+    """Tree steps in numpy (golden.py), request by request on the host: the reference implementation."""
+    capturable = False
+
+    def __init__(self, mode: str, budget: int | None, page_size: int):
+        self.mode, self.budget, self.page_size = mode, budget, page_size
+
+    def build(self, draft, root, start) -> VerifyBatch:
+        if self.mode != "ddtree":
+            return _chain(draft, root, start)
+        N = self.budget + 1
+        logits = draft.float().cpu().numpy()
+        roots, starts = root.tolist(), start.tolist()
+        b = len(roots)
+        toks = np.tile(np.array(roots, np.int64)[:, None], (1, N))
+        pos = np.tile(np.array(starts, np.int64)[:, None], (1, N))
+        par = np.full((b, N), -1, np.int32)
+        mask = np.tile(np.eye(N, dtype=bool)[None], (b, 1, 1))
+        for i in range(b):
+            vb = golden.compile_tree(golden.ddtree(logits[i], self.budget), roots[i], starts[i])
+            toks[i, :vb.n], pos[i, :vb.n], par[i, :vb.n], mask[i, :vb.n, :vb.n] = vb.tokens, vb.positions, \
+                vb.parents, vb.mask
+        dev = root.device
+        return VerifyBatch(torch.from_numpy(toks).to(dev, torch.int32), torch.from_numpy(pos).to(dev),
+                           torch.from_numpy(par).to(dev), torch.from_numpy(mask).to(dev))
+
+    def walk(self, tokens, parents, choice, max_accept: int):
+        t, p, c = tokens.cpu().numpy(), parents.cpu().numpy(), choice.cpu().numpy()
+        b = t.shape[0]
+        acc = np.full((b, max_accept), -1, np.int32)
+        n, bonus = np.zeros(b, np.int32), np.zeros(b, np.int64)
+        for i in range(b):
+            path, bonus[i] = golden.walk(t[i], p[i], c[i])
+            n[i] = len(path)
+            acc[i, :n[i]] = path
+        dev = tokens.device
+        return torch.from_numpy(acc).to(dev), torch.from_numpy(n).to(dev), torch.from_numpy(bonus).to(dev)
+
+    def compact(self, pool, page_table, start, accepted, acc_len) -> None:
+        _compact_torch(pool, page_table, start, accepted, acc_len, self.page_size)
+
+
+class KernelOps:
+    """Tree steps in the CUDA kernels (kernels.tree_build / tree_walk / kv_compact): no host reads."""
+    capturable = True
+
+    def __init__(self, mode: str, budget: int | None, page_size: int):
+        self.mode, self.budget, self.page_size = mode, budget, page_size
+
+    def build(self, draft, root, start) -> VerifyBatch:
+        if self.mode != "ddtree":
+            return _chain(draft, root, start)
+        from . import kernels
+        tb = kernels.tree_build(draft, self.budget, root, start, check_values=False)
+        return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask)
+
+    def walk(self, tokens, parents, choice, max_accept: int):
+        from . import kernels
+        acc, n, bonus = kernels.tree_walk(tokens, parents, choice, max_accept=max_accept)
+        return acc, n, bonus.long()
+
+    def compact(self, pool, page_table, start, accepted, acc_len) -> None:
+        from . import kernels
+        kernels.kv_compact(pool, page_table, start.to(torch.int32), accepted, acc_len, page_size=self.page_size,
+                           check_values=False)
+
+
+class _Clock:
+    """Stage marks of one eager round: CUDA events on the stream (read after the round's one sync) or host
+    times on the CPU. times() -> {stage: seconds since the previous mark}; the "end" mark closes the round."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = [("start", self._now())]
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        self.marks.append((stage, self._now()))
+
+    def times(self) -> dict[str, float]:
+        out = {}
+        for (_, a), (stage, b) in zip(self.marks, self.marks[1:]):
+            if stage != "end":
+                out[stage] = a.elapsed_time(b) * 1e-3 if self.cuda else b - a
+        if len(self.marks) == 2 and self.cuda:  # a graph replay: its GPU span from before the launch to after
+            out["gpu_span"] = self.marks[0][1].elapsed_time(self.marks[1][1]) * 1e-3
+        return out
+
+
+# ----------------------------------------------------------------------------- pages and requests
+class PagePool:
+    """Free list of the pool's pages 1..n-1 (page 0 is the scratch page padding rows write to) and the count
+    reserved by admitted requests."""
+
+    def __init__(self, n_pages: int):
+        self.n_pages = n_pages
+        self.free = list(range(n_pages - 1, 0, -1))
+        self.reserved = 0  # reserved by requests, not yet taken
+
+    @property
+    def capacity(self) -> int:
+        return self.n_pages - 1
+
+    def can_reserve(self, n: int) -> bool:
+        return len(self.free) - self.reserved >= n
+
+    def take(self) -> int:
+        self.reserved -= 1
+        return self.free.pop()
+
+    def give_back(self, pages: list[int], unused_reservation: int) -> None:
+        self.free.extend(reversed(pages))
+        self.reserved -= unused_reservation
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new: int
+    temperature: float
+    seed: int
+    stop: set[int]
+    result: GenerationResult
+    reserve: int                      # pages this request may take in all
+    pages: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)  # prompt + every accepted token (host drafters read it)
+    length: int = 0                   # cached rows (host mirror of the device length)
+    slot: int = -1
+    session: object = None            # a host drafter's session
+    t0: float = 0.0
+
+
+def _buckets(max_batch: int) -> tuple[int, ...]:
+    b, out = 1, []
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_batch,)
+
+
+# ----------------------------------------------------------------------------- the engine
+class Engine:
+    """Continuous-batching decode engine over one shared paged latent cache (module docstring).
+
+    model: a Transformer; drafter: a DFlashDrafter (batched on the device) or any drafter with sessions
+    (`session(max_len)` -> start / propose / accept on the host, e.g. the test oracle); mode "ar" | "dflash" |
+    "ddtree"; budget: DDTree's draft nodes per round (1..1024 on the kernel backend). max_batch: requests per
+    round; max_len: the longest context one request may reach (prompt + max_new_tokens + the block's rows;
+    default the model's max_position_embeddings); max_tokens: the pool's capacity in cached rows (default
+    max_batch * max_len); page_size 64 (the attention kernel's); graphs: capture each batch bucket's round in a
+    CUDA graph (the kernel backend on a GPU; elsewhere the same round runs eagerly, `graph_reason` says why);
+    backend "golden" (numpy tree steps) or "kernel" (CUDA), default kernel on a GPU; prefill_chunk: prompt rows
+    per prefill forward; debug: check every round's logits on the host (a sync per round)."""
+
+    def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
+                 max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
+                 graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False):
+        if not isinstance(model, Transformer):
+            raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+        dev = model.device
+        if backend is None:
+            backend = "kernel" if dev.type == "cuda" else "golden"
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        if backend == "kernel" and dev.type != "cuda":
+            raise ValueError("backend='kernel' needs the model on a CUDA device")
+        if mode == "ar":
+            if drafter is not None or budget is not None:
+                raise ValueError("mode='ar' takes no drafter and no budget")
+        else:
+            check_drafter(model, drafter)
+        if mode == "ddtree":
+            budget = golden._check_budget(budget)
+            if backend == "kernel" and budget > 1024:
+                raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
+        elif budget is not None:
+            raise ValueError(f"budget={budget!r}: only mode='ddtree' takes a budget")
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r}: expected a positive int")
+        if page_size != 64:
+            raise ValueError(f"page_size={page_size!r}: the latent cache's pages are 64 rows (the attention kernel's)")
+        mpe = model.args.max_position_embeddings
+        max_len = mpe if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= mpe:
+            raise ValueError(f"max_len={max_len!r}: expected an int in [1, max_position_embeddings={mpe}]")
+        max_tokens = max_batch * max_len if max_tokens is None else max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: expected a positive int (the pool's rows)")
+        self.model, self.drafter, self.mode, self.budget, self.backend = model, drafter, mode, budget, backend
+        self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
+        self.device = dev
+        self.rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1   # N
+        self.max_accept = 1 if mode == "ar" else drafter.block_size
+        self.lookahead = 0 if mode == "ar" else self.rows
+        self.max_len = max_len
+        self.pages_per_req = -(-max_len // page_size)
+        self.kv_cap = self.pages_per_req * page_size
+        self.pages = PagePool(-(-max_tokens // page_size) + 1)
+        a = model.args
+        self.pool = torch.zeros(a.num_hidden_layers, self.pages.n_pages * page_size,
+                                a.kv_lora_rank + a.qk_rope_head_dim, dtype=model.cache_dtype, device=dev)
+        self.batched_drafter = mode != "ar" and hasattr(drafter, "new_context")
+        self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if mode != "ar" else ()
+        self.ctx = drafter.new_context(max_batch, self.kv_cap) if self.batched_drafter else None
+        self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
+        self.dense_moe = dev.type == "cuda"
+        B = max_batch
+        self.page_table = torch.zeros(B, self.pages_per_req, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.root = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.temp = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(B, dtype=torch.int64, device=dev)
+        # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
+        self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
+        self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.buckets = _buckets(max_batch)
+        self.waiting: list[Request] = []
+        self.active: list[Request] = []
+        self.finished: dict[int, GenerationResult] = {}
+        self.errors: dict[int, Exception] = {}
+        self._next_id = 0
+        self._features = None
+        self.rounds = 0
+        self.graphs: dict = {}
+        self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
+        self.warmup_s = 0.0
+        if self.graph_reason is None:
+            self._capture()
+
+    # ------------------------------------------------------------- public API
+    def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                    stop_tokens=()) -> int:
+        """Queue a request; returns its id. Every argument is checked here (nothing changes on a ValueError)."""
+        prompt = check_prompt(prompt, self.model.args.vocab_size)
+        max_new = check_max_new(max_new_tokens)
+        temperature = check_temperature(temperature)
+        seed = check_seed(seed)
+        stop = check_stop(stop_tokens)
+        need = len(prompt) + max_new + self.lookahead
+        mpe = self.model.args.max_position_embeddings
+        if need > mpe:
+            raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
+                             f"lookahead ({self.lookahead}) = {need} > max_position_embeddings ({mpe})")
+        if need > self.kv_cap:
+            raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
+                             f"lookahead ({self.lookahead}) = {need} > the engine's max_len ({self.max_len}, "
+                             f"{self.kv_cap} rows of pages)")
+        reserve = -(-need // self.page_size)
+        if reserve > self.pages.capacity:
+            raise ValueError(f"prompt + max_new_tokens: {need} rows need {reserve} pages, the pool has "
+                             f"{self.pages.capacity} (max_tokens)")
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append(Request(rid, prompt, max_new, temperature, seed, stop, GenerationResult([], self.mode),
+                                    reserve))
+        return rid
+
+    def step(self) -> dict[int, list[int]]:
+        """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}."""
+        emitted: dict[int, list[int]] = {}
+        self._admit(emitted)
+        if self.active:
+            self._run_round(emitted)
+        self._raise_errors()
+        return emitted
+
+    def run(self, progress: bool = False) -> dict[int, GenerationResult]:
+        """Step until every request has finished; returns {request id: result} of those finished in this call."""
+        done_before = set(self.finished)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(self.waiting) + len(self.active), desc=f"engine {self.mode}")
+        while self.waiting or self.active:
+            n = len(self.finished)
+            self.step()
+            if bar is not None:
+                bar.update(len(self.finished) - n)
+        if bar is not None:
+            bar.close()
+        return {k: v for k, v in self.finished.items() if k not in done_before}
+
+    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 stop_tokens=()) -> list[GenerationResult]:
+        """One request per prompt (request i seeded seed + i), run to the end; results in prompt order."""
+        ids = [self.add_request(p, max_new_tokens, temperature, seed + i, stop_tokens) for i, p in enumerate(prompts)]
+        res = self.run()
+        return [res[i] for i in ids]
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.pages.free)
+
+    # ------------------------------------------------------------- admission and prefill
+    def _admit(self, emitted) -> None:
+        while self.waiting and len(self.active) < self.max_batch and self.pages.can_reserve(self.waiting[0].reserve):
+            r = self.waiting.pop(0)
+            self.pages.reserved += r.reserve
+            r.slot = len(self.active)
+            self.active.append(r)
+            try:
+                self._prefill(r, emitted)
+            except Exception as e:  # the request fails alone; the batch in flight is untouched
+                self.errors[r.rid] = e
+                self._release(r)
+
+    def _grow(self, r: Request, rows: int) -> None:
+        """Give request r pages for cache rows [0, rows)."""
+        while len(r.pages) * self.page_size < rows:
+            if len(r.pages) >= r.reserve:
+                raise RuntimeError(f"request {r.rid}: needs page {len(r.pages) + 1} of a reservation of {r.reserve}")
+            page = self.pages.take()
+            self.page_table[r.slot, len(r.pages)] = page
+            r.pages.append(page)
+
+    def _prefill(self, r: Request, emitted) -> None:
+        t0 = time.perf_counter()
+        r.t0 = t0
+        dev, s, P = self.device, r.slot, len(r.prompt)
+        self._grow(r, P)
+        r.committed = list(r.prompt)
+        feats, logits = [], None
+        for c0 in range(0, P, self.prefill_chunk):
+            chunk = r.prompt[c0:c0 + self.prefill_chunk]
+            T = len(chunk)
+            start = torch.tensor([c0], device=dev)
+            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
+            meta = PagedMeta.build(self.page_table[s:s + 1], start, start[:, None] + torch.arange(T, device=dev),
+                                   mask, self.page_size, self.model.attn_impl, self.dense_moe)
+            out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta, self.layers,
+                                           logits_for=[-1])
+            r.result.target_forwards += 1
+            logits = out.logits[0]
+            if self.layers:
+                f = torch.cat([out.hidden[i] for i in self.layers], -1)    # [1, T, F]
+                if self.batched_drafter:
+                    self.drafter.extend(self.ctx, f, start, torch.tensor([T], device=dev), slot=s)
+                else:
+                    feats.append(f[0])
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("target logits: NaN or inf in verify row(s) [0] of the prefill: the target's weights "
+                             "or inputs are not finite")
+        first = int(choose(logits[None], torch.tensor([r.temperature], device=dev),
+                           torch.tensor([r.seed], device=dev), torch.tensor([P - 1], device=dev),
+                           r.temperature > 0)[0, -1])
+        if self.mode != "ar" and not self.batched_drafter:
+            r.session = self.drafter.session(self.kv_cap)
+            r.session.start(r.prompt, torch.cat(feats) if feats else None)
+        self.root[s], self.lens[s], self.temp[s], self.seed[s] = first, P, r.temperature, r.seed
+        r.length = P
+        r.committed.append(first)
+        r.result.stage_times["prefill"] += time.perf_counter() - t0
+        emitted[r.rid] = [first]
+        if finish(r.result.tokens, [first], r.max_new, r.stop):
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        """r leaves: its pages go back, the last active request takes its slot."""
+        self.pages.give_back(r.pages, r.reserve - len(r.pages))
+        s, last = r.slot, len(self.active) - 1
+        if s != last:
+            m = self.active[last]
+            for t in (self.page_table, self.lens, self.root, self.temp, self.seed):
+                t[s] = t[last]
+            if self.ctx is not None:
+                self.ctx.move(last, s)
+            m.slot = s
+            self.active[s] = m
+        self.active.pop()
+        self.page_table[last] = 0
+        self.lens[last], self.root[last], self.temp[last] = 0, 0, 0.0
+        r.result.wall_time = time.perf_counter() - r.t0
+        r.slot = -1
+        if r.rid not in self.errors:
+            self.finished[r.rid] = r.result
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            rid, e = next(iter(self.errors.items()))
+            del self.errors[rid]
+            raise ValueError(f"request {rid}: {e}") from e
+
+    # ------------------------------------------------------------- the round
+    def _graph_blocker(self) -> str | None:
+        if self.device.type != "cuda":
+            return "graphs need a CUDA device"
+        if not self.ops.capturable:
+            return "the golden backend's tree steps run on the host"
+        if self.mode != "ar" and not self.batched_drafter:
+            return "a host drafter (sessions) drafts on the host"
+        for layer in self.model.model.layers:
+            ex = getattr(layer.mlp, "experts", None)
+            if isinstance(ex, Int4Experts) and self.model.dtype != torch.bfloat16:
+                return "INT4 experts outside bf16 take the host-driven reference path"
+        if getattr(self.model, "tp", None) is not None:
+            return "tensor-parallel ranks run eagerly"
+        return None
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _round(self, b: int, sampling: bool, clock=None) -> None:
+        """One round over slots [0, b) on the device (no host reads unless the backend is golden or the drafter
+        is a host one). clock(stage) marks the end of a stage when profiling."""
+        mark = clock or (lambda stage: None)
+        root, lens = self.root[:b], self.lens[:b]
+        draft = self._draft(b)
+        mark("draft")
+        blk = self.ops.build(draft, root, lens)
+        meta = PagedMeta.build(self.page_table[:b], lens, blk.positions, blk.mask, self.page_size,
+                               self.model.attn_impl, self.dense_moe, blk.mask_words)
+        mark("build")
+        out = self.model.forward_paged(blk.tokens.long(), self.pool, meta, self.layers)
+        choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
+        mark("verify")
+        acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, self.max_accept)
+        mark("walk")
+        if self.rows > 1:
+            self.ops.compact(self.pool, self.page_table[:b], lens, acc, acc_len)
+        feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]
+        if feats is not None:
+            rows = acc.long().clamp_min(0)
+            feats = feats.gather(1, rows[..., None].expand(-1, -1, feats.shape[-1]))          # [b, A, F]
+            if self.batched_drafter:
+                self.drafter.extend(self.ctx, feats, lens, acc_len)
+            else:
+                self._features = feats
+        A = self.max_accept
+        emit = blk.tokens.long().gather(1, acc.long().clamp_min(0)[:, 1:]) if A > 1 else \
+            torch.zeros(b, 0, dtype=torch.long, device=root.device)
+        emit = torch.cat([emit, torch.zeros_like(bonus)[:, None]], 1)
+        emit.scatter_(1, (acc_len.long() - 1)[:, None], bonus[:, None])
+        self.out[:b, 0] = acc_len
+        self.out[:b, 1] = torch.isfinite(out.logits).all(-1).all(-1)
+        self.out[:b, 2:] = emit
+        lens += acc_len
+        root.copy_(bonus)
+        mark("commit")
+
+    def _draft(self, b: int):
+        if self.mode == "ar":
+            return None
+        if self.batched_drafter:
+            return self.drafter.draft(self.ctx, self.root[:b], self.lens[:b])
+        rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
+        d = torch.stack(rows)
+        if b > len(rows):
+            d = torch.cat([d, torch.zeros(b - len(rows), *d.shape[1:], device=self.device)])
+        return d
+
+    def _capture(self) -> None:
+        """Warm up and capture one graph per (batch bucket, sampling), largest first, sharing one memory pool; the
+        state is reset afterwards (warm-up rounds run on padding slots only, before any request)."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        pool = None
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                for sampling in (False, True):
+                    for _ in range(2):
+                        self._round(b, sampling)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=side):
+                        self._round(b, sampling)
+                    pool = g.pool() if pool is None else pool
+                    self.graphs[(b, sampling)] = g
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for t in (self.lens, self.root, self.temp, self.seed, self.out):
+            t.zero_()
+        torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+
+    def _run_round(self, emitted) -> None:
+        n = len(self.active)
+        for r in self.active:
+            self._grow(r, r.length + self.rows)
+        b = self._bucket(n)
+        sampling = any(r.temperature > 0 for r in self.active)
+        t0 = time.perf_counter()
+        g = self.graphs.get((b, sampling))
+        clock = _Clock(self.device)
+        if g is not None:
+            g.replay()
+        else:
+            self._round(b, sampling, clock)
+        clock("end")
+        self.out_host[:n].copy_(self.out[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        host = self.out_host[:n].tolist()
+        stages = clock.times()
+        stages["round"] = time.perf_counter() - t0
+        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None)
+        self.rounds += 1
+        for i, (r, row) in enumerate(zip(list(self.active), host)):
+            k, ok, new = row[0], row[1], row[2:2 + row[0]]
+            res = r.result
+            res.target_forwards += 1
+            for key, v in stages.items():
+                res.stage_times[key] = res.stage_times.get(key, 0.0) + v
+            if not ok:
+                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) of this round: the "
+                                                "target's weights or inputs are not finite")
+                self._release(r)
+                continue
+            if self._features is not None and r.session is not None:
+                r.session.accept(self._features[i, :k])
+            r.length += k
+            r.committed += new
+            res.accept_lengths.append(k)
+            res.tree_sizes.append(self.rows)
+            emitted[r.rid] = new[:max(0, r.max_new - len(res.tokens))]
+            if finish(res.tokens, new, r.max_new, r.stop):
+                self._release(r)
+        self._features = None
+
+
+# ----------------------------------------------------------------------------- engines behind generate_*
+_ENGINES: "OrderedDict[tuple, Engine]" = OrderedDict()
+MAX_CACHED_ENGINES = 4
+
+
+def engine_for(model: Transformer, drafter, mode: str, budget, need: int, backend: str | None = None,
+               graphs: bool = True) -> Engine:
+    """A batch-1 engine for the generate_* wrappers, kept per (model, drafter, mode, budget, backend, context
+    bucket) so that repeated calls replay the graphs captured once (at most MAX_CACHED_ENGINES kept)."""
+    mpe = model.args.max_position_embeddings
+    max_len = min(mpe, max(256, 1 << max(0, math.ceil(math.log2(max(need, 1))))))
+    key = (id(model), id(drafter), mode, budget, backend, max_len, graphs, model.attn_impl, model.dtype,
+           str(model.device))
+    e = _ENGINES.get(key)
+    if e is None or e.model is not model or e.drafter is not drafter:
+        e = Engine(model, drafter, mode=mode, budget=budget, max_batch=1, max_len=max_len, backend=backend,
+                   graphs=graphs)
+        _ENGINES[key] = e
+        while len(_ENGINES) > MAX_CACHED_ENGINES:
+            _ENGINES.popitem(last=False)
+    _ENGINES.move_to_end(key)
+    return e

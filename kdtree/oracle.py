@@ -1,0 +1,312 @@
+"""The lab's independent oracle: the simple eager generation loops (one request, numpy or kernel tree steps,
+host reads everywhere). Not the public API: `kdtree.decode` runs everything through `kdtree.engine`, and tests
+compare the engine with these loops (`kdtree.validate.oracle_*`), so that "engine == AR" never compares the
+engine with itself. Their results at T > 0 use a torch.Generator per call (the engine's streams differ).
+
+One speculative round (`_speculate`):
+    draft    drafter session proposes logits [L, V] below the root (the last committed token)
+    build    DDTree: top-K + best-first tree of <= budget nodes (DFlash: the argmax chain)
+    compile  verify block: root + nodes, position ids = root_pos + depth, ancestor mask
+    verify   one target forward over the block, every cached token visible
+    commit   walk the target's choices down the tree; compact the cache to the accepted path;
+             hand the accepted rows' features to the drafter; emit accepted tokens + the bonus token
+The target cache always holds every committed token but the last (the root of the next round).
+
+Greedy (temperature 0) speculative output equals greedy autoregressive output token for token.
+At temperature > 0 every row of the verify block gets one target sample and the walk follows the samples,
+so each emitted token is distributed exactly as the target's.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from . import golden
+from .engine import GenerationResult
+from .model import Transformer
+
+ORACLE_STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+
+
+def _result(mode: str) -> GenerationResult:
+    r = GenerationResult([], mode)
+    r.stage_times = {s: 0.0 for s in ("prefill",) + ORACLE_STAGES}
+    return r
+
+
+class _Clock:
+    def __init__(self, stats: dict, device: torch.device):
+        self.stats, self.cuda = stats, device.type == "cuda"
+
+    def __call__(self, stage: str):
+        clock = self
+
+        class _Ctx:
+            def __enter__(self):
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                clock.stats[stage] += time.perf_counter() - self.t
+        return _Ctx()
+
+
+def _is_id(t) -> bool:
+    """A token id's type: a Python or numpy int, not a bool."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: int) -> list[int]:
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        t = torch.as_tensor(prompt)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
+                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
+            raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+        prompt = t.flatten().tolist()
+    bad = next((t for t in prompt if not _is_id(t)), None)
+    if bad is not None:
+        raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("prompt: expected at least one token")
+    V = model.args.vocab_size
+    if min(prompt) < 0 or max(prompt) >= V:
+        raise ValueError(f"prompt: expected token ids in [0, {V}), got [{min(prompt)}, {max(prompt)}]")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive int")
+    need = len(prompt) + max_new_tokens + lookahead
+    if need > model.args.max_position_embeddings:
+        raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft "
+                         f"lookahead ({lookahead}) = {need} > max_position_embeddings "
+                         f"({model.args.max_position_embeddings})")
+    return prompt
+
+
+def _check_finite(logits: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+    """Target logits [N, V] must be finite (a host sync: called where the round syncs anyway). ok: the row
+    flags torch.isfinite(logits).all(-1), when launched earlier so the reduction overlaps other work."""
+    ok = torch.isfinite(logits).all(dim=-1) if ok is None else ok
+    if not bool(ok.all()):
+        rows = torch.nonzero(~ok).flatten().tolist()
+        raise ValueError(f"target logits: NaN or inf in verify row(s) {rows[:8]}: the target's weights or inputs "
+                         "are not finite")
+
+
+def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T), drawn on
+    the logits' device with `gen` (a generator of that device: no copy of an [N, V] block to the host).
+    Sampling checks the logits first (NaN would reach the sampler); at T = 0 callers check after their sync."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    _check_finite(logits)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).flatten()
+
+
+def _check_temperature(temperature) -> float:
+    if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
+    return float(temperature)
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r}: expected an int >= 0")
+    return int(seed)
+
+
+def _check_stop(stop_tokens) -> set[int]:
+    """stop_tokens: an iterable of token ids (None: none)."""
+    toks = list(stop_tokens) if stop_tokens is not None else []
+    if not all(_is_id(t) for t in toks):
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
+    return {int(t) for t in toks}
+
+
+def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:
+    """Append `new` to `out` up to max_new and the first stop token; True when generation is over."""
+    for t in new:
+        out.append(t)
+        if t in stop or len(out) >= max_new:
+            return True
+    return False
+
+
+def oracle_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
+                seed: int = 0) -> GenerationResult:
+    """Plain autoregressive decoding: one target forward per token."""
+    prompt = _check_prompt(model, prompt, max_new_tokens, 0)
+    temperature = _check_temperature(temperature)
+    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
+    res = _result("ar")
+    clock = _Clock(res.stage_times, model.device)
+    t0 = time.perf_counter()
+    cache = model.new_cache(len(prompt) + max_new_tokens)
+    stop = _check_stop(stop_tokens)
+    x = torch.tensor([prompt], device=model.device)
+    with clock("prefill"):
+        logits = model(x, cache, logits_for=[-1]).logits[0]
+    res.target_forwards += 1
+    while True:
+        with clock("commit"):
+            tok = int(_choose(logits, temperature, gen)[-1])
+            if temperature == 0:
+                _check_finite(logits)
+        if _finish(res.tokens, [tok], max_new_tokens, stop):
+            break
+        with clock("verify"):
+            logits = model(torch.tensor([[tok]], device=model.device), cache).logits[0]
+        res.target_forwards += 1
+        res.accept_lengths.append(1)
+        res.tree_sizes.append(1)
+    res.wall_time = time.perf_counter() - t0
+    return res
+
+
+BACKENDS = ("golden", "kernel")
+
+
+def _check_backend(backend: str, model: Transformer) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "kernel" and model.device.type != "cuda":
+        raise ValueError("backend='kernel' needs the model on a CUDA device")
+    return backend
+
+
+def _check_drafter(model: Transformer, drafter) -> None:
+    if not (hasattr(drafter, "session") and hasattr(drafter, "block_size")):
+        raise ValueError(f"drafter: expected a drafter (block_size, session()), got {type(drafter).__name__}")
+    dv = getattr(getattr(drafter, "args", None), "vocab_size", getattr(drafter, "vocab_size", None))
+    if dv is not None and dv != model.args.vocab_size:
+        raise ValueError(f"drafter: vocabulary {dv} differs from the target's {model.args.vocab_size}")
+
+
+def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
+               stop_tokens=(), temperature: float = 0.0, seed: int = 0, backend: str = "golden",
+               budget: int | None = None) -> GenerationResult:
+    backend = _check_backend(backend, model)
+    prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
+    temperature = _check_temperature(temperature)
+    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
+    layers = tuple(drafter.target_layer_ids)
+    res = _result(mode)
+    clock = _Clock(res.stage_times, model.device)
+    t0 = time.perf_counter()
+    stop = _check_stop(stop_tokens)
+    cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
+    session = drafter.session(cache.max_len)
+
+    def features(out, rows=None) -> torch.Tensor | None:
+        if not layers:
+            return None
+        f = torch.cat([out.hidden[i][0] for i in layers], dim=-1)  # [T, n_layers * D]
+        return f if rows is None else f[rows]
+
+    with clock("prefill"):
+        out = model(torch.tensor([prompt], device=model.device), cache, hidden_layers=layers)
+        first = int(_choose(out.logits[0, -1:], temperature, gen)[0])
+        if temperature == 0:
+            _check_finite(out.logits[0, -1:])
+        session.start(prompt, features(out))
+    res.target_forwards += 1
+    committed = prompt + [first]
+    done = _finish(res.tokens, [first], max_new_tokens, stop)
+    while not done and backend == "kernel":
+        with clock("draft"):
+            draft = session.propose(committed).to(model.device)  # [L, V]
+        dev = model.device
+        with clock("tree_build"):
+            root = torch.tensor([committed[-1]], dtype=torch.int32, device=dev)
+            start = torch.tensor([len(committed) - 1], dtype=torch.int32, device=dev)
+            if budget is None:  # the DFlash chain: argmax per depth
+                L = draft.shape[0]
+                toks = torch.cat([root, draft.argmax(-1).to(torch.int32)])[None]
+                parents = torch.arange(-1, L, dtype=torch.int32, device=dev)[None]
+                positions = start + torch.arange(L + 1, dtype=torch.int32, device=dev)[None]
+                mask = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril()[None]
+            else:
+                from . import kernels
+                tb = kernels.tree_build(draft[None].contiguous(), budget, root, start)
+                toks, parents, positions = tb.tokens, tb.parents, tb.positions
+        with clock("tree_compile"):
+            if budget is not None:
+                mask = tb.dense_mask()
+        with clock("verify"):
+            out = model(toks.long(), cache, position_ids=positions[0], mask=mask, hidden_layers=layers)
+        res.target_forwards += 1
+        with clock("commit"):
+            from . import kernels
+            choice = _choose(out.logits[0], temperature, gen)[None]
+            ok = torch.isfinite(out.logits[0]).all(dim=-1) if temperature == 0 else None  # read after the sync
+            acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
+            n_acc = int(acc_len[0])  # the round's device-to-host sync: how many rows were accepted
+            if ok is not None:
+                _check_finite(out.logits[0], ok)
+            rows = acc[0, :n_acc].long()
+            new = toks[0, rows[1:]].tolist() + [int(bonus[0])]
+            cache.compact_rows(acc, n_acc)
+            if layers:
+                session.accept(features(out, rows))
+            committed += new
+            res.accept_lengths.append(len(new))
+            res.tree_sizes.append(toks.shape[1])
+            done = _finish(res.tokens, new, max_new_tokens, stop)
+    while not done:
+        with clock("draft"):
+            draft = session.propose(committed)  # [L, V]
+        with clock("tree_build"):
+            tree = build(draft.float().cpu().numpy())
+        with clock("tree_compile"):
+            vb = golden.compile_tree(tree, committed[-1], len(committed) - 1)
+            toks = torch.from_numpy(vb.tokens)[None].to(model.device)
+            pos = torch.from_numpy(vb.positions).to(model.device)
+            mask = torch.from_numpy(vb.mask).to(model.device)
+        with clock("verify"):
+            out = model(toks, cache, position_ids=pos, mask=mask, hidden_layers=layers)
+        res.target_forwards += 1
+        with clock("commit"):
+            choice = _choose(out.logits[0], temperature, gen).cpu().numpy()
+            if temperature == 0:
+                _check_finite(out.logits[0])
+            accepted, bonus = golden.walk(vb.tokens, vb.parents, choice)
+            cache.compact(torch.from_numpy(accepted))
+            rows = torch.from_numpy(accepted).to(model.device)
+            if layers:
+                session.accept(features(out, rows))
+            new = [int(t) for t in vb.tokens[accepted[1:]]] + [bonus]
+            committed += new
+            res.accept_lengths.append(len(new))
+            res.tree_sizes.append(vb.n)
+            done = _finish(res.tokens, new, max_new_tokens, stop)
+    res.wall_time = time.perf_counter() - t0
+    return res
+
+
+def oracle_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, stop_tokens=(),
+                    temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
+    """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round.
+    backend "golden": tree steps in numpy; "kernel": walk and compaction on the GPU (kdtree.kernels)."""
+    _check_drafter(model, drafter)
+    return _speculate(model, drafter, prompt, max_new_tokens, golden.chain_tree, "dflash",
+                      drafter.block_size, stop_tokens, temperature, seed, backend)
+
+
+def oracle_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, budget: int, stop_tokens=(),
+                    temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
+    """DDTree: verify the best-first tree of `budget` draft nodes each round.
+    backend "golden": build/compile/walk in numpy (golden.py); "kernel": the whole round on the GPU
+    (kernels.tree_build, the model's verify forward, kernels.tree_walk, kernels.kv_compact); the verify
+    block then always has budget + 1 rows (padding rows see only themselves and are never accepted)."""
+    _check_drafter(model, drafter)
+    budget = golden._check_budget(budget)
+    if backend == "kernel" and budget > 1024:
+        raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
+    return _speculate(model, drafter, prompt, max_new_tokens, lambda lg: golden.ddtree(lg, budget), "ddtree",
+                      budget + 1, stop_tokens, temperature, seed, backend, budget)
