@@ -271,7 +271,7 @@ class DFlashDrafter(nn.Module):
             h = layer.input_layernorm(x)
             x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len, ctx.max_len)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.target.lm_head(self.norm(x).to(self.target.dtype)).float()[:, 1:]
+        return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype)).float()
 
     @torch.no_grad()
     def extend(self, ctx: "DraftContext", features: torch.Tensor, ctx_len: torch.Tensor, count: torch.Tensor,

@@ -114,7 +114,7 @@ def check_temperature(temperature) -> float:
 
 def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed={seed!r}: expected an int in [0, 2**63)")
+        raise ValueError(f"seed={seed!r}: expected an int >= 0 (below 2**63)")
     return int(seed)
 
 
@@ -281,7 +281,7 @@ class KernelOps:
         if self.mode != "ddtree":
             return _chain(draft, root, start)
         from . import kernels
-        tb = kernels.tree_build(draft, self.budget, root, start, check_values=False)
+        tb = kernels.tree_build(draft.contiguous(), self.budget, root, start, check_values=False)
         return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask)
 
     def walk(self, tokens, parents, choice, max_accept: int):
@@ -318,8 +318,8 @@ class _Clock:
         for (_, a), (stage, b) in zip(self.marks, self.marks[1:]):
             if stage != "end":
                 out[stage] = a.elapsed_time(b) * 1e-3 if self.cuda else b - a
-        if len(self.marks) == 2 and self.cuda:  # a graph replay: its GPU span from before the launch to after
-            out["gpu_span"] = self.marks[0][1].elapsed_time(self.marks[1][1]) * 1e-3
+        if self.cuda:  # the round's GPU span: from before its first launch to after its last
+            out["gpu_span"] = self.marks[0][1].elapsed_time(self.marks[-1][1]) * 1e-3
         return out
 
 
@@ -387,11 +387,15 @@ class Engine:
     max_batch * max_len); page_size 64 (the attention kernel's); graphs: capture each batch bucket's round in a
     CUDA graph (the kernel backend on a GPU; elsewhere the same round runs eagerly, `graph_reason` says why);
     backend "golden" (numpy tree steps) or "kernel" (CUDA), default kernel on a GPU; prefill_chunk: prompt rows
-    per prefill forward; debug: check every round's logits on the host (a sync per round)."""
+    per prefill forward; debug: check every round's logits on the host (a sync per round); buckets: the batch
+    sizes rounds are padded to (default 1, 2, 4, ... max_batch); graph_sampling: also capture the rounds with
+    sampling requests (else those run eagerly); compile: the target's and the drafter's forwards through
+    torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
-                 graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False):
+                 graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
+                 buckets=None, graph_sampling: bool = True, compile: bool = False):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         if mode not in MODES:
@@ -444,6 +448,10 @@ class Engine:
         self.ctx = drafter.new_context(max_batch, self.kv_cap) if self.batched_drafter else None
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
         self.dense_moe = dev.type == "cuda"
+        self.compiled = bool(compile)
+        self._forward = torch.compile(model.forward_paged, dynamic=False) if compile else model.forward_paged
+        self._draft_fn = (torch.compile(drafter.draft, dynamic=False) if compile else drafter.draft) \
+            if self.batched_drafter else None
         B = max_batch
         self.page_table = torch.zeros(B, self.pages_per_req, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -453,7 +461,10 @@ class Engine:
         # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
         self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
         self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.buckets = _buckets(max_batch)
+        self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
+        if not all(isinstance(x, int) and 1 <= x <= max_batch for x in self.buckets) or self.buckets[-1] != max_batch:
+            raise ValueError(f"buckets={buckets!r}: expected ints in [1, max_batch={max_batch}] including max_batch")
+        self.graph_sampling = graph_sampling
         self.waiting: list[Request] = []
         self.active: list[Request] = []
         self.finished: dict[int, GenerationResult] = {}
@@ -650,7 +661,7 @@ class Engine:
         meta = PagedMeta.build(self.page_table[:b], lens, blk.positions, blk.mask, self.page_size,
                                self.model.attn_impl, self.dense_moe, blk.mask_words)
         mark("build")
-        out = self.model.forward_paged(blk.tokens.long(), self.pool, meta, self.layers)
+        out = self._forward(blk.tokens.long(), self.pool, meta, self.layers)
         choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
         mark("verify")
         acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, self.max_accept)
@@ -681,7 +692,7 @@ class Engine:
         if self.mode == "ar":
             return None
         if self.batched_drafter:
-            return self.drafter.draft(self.ctx, self.root[:b], self.lens[:b])
+            return self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
         rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
         d = torch.stack(rows)
         if b > len(rows):
@@ -697,7 +708,7 @@ class Engine:
         pool = None
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
-                for sampling in (False, True):
+                for sampling in (False, True) if self.graph_sampling else (False,):
                     for _ in range(2):
                         self._round(b, sampling)
                     g = torch.cuda.CUDAGraph()

@@ -339,6 +339,9 @@ class PagedMeta:
                 mask_words = pack_mask(mask)
             words = mask_words
         else:
+            if mask is None:  # unpack the bits: bit j % 32 of word j // 32
+                j = torch.arange(T, device=dev)
+                mask = ((mask_words[:, :, j // 32] >> (j % 32)) & 1).bool()
             rel = torch.arange(kv_cap, device=dev)[None] - cache_len.long()[:, None]       # [B, S]
             seen = mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_cap))   # [B, T, S]
             vis = (rel < 0)[:, None] | (seen & (rel < T)[:, None])

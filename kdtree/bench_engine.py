@@ -1,0 +1,290 @@
+"""End-to-end engine benchmark: `python -m kdtree.bench_engine --out DIR` writes DIR/engine.json.
+
+Same run, same checkpoint (the lab's trained pair), same held-out prompts:
+  * AR at batch 1 through the engine (CUDA graphs) in float32 and bf16, against transformers' `generate` on the
+    same checkpoint in the same dtype (greedy, the same number of new tokens), and the engine with graphs off;
+  * per round: wall time (replay + the round's host work), the GPU span (CUDA events before the replay and after
+    it), kernels launched (torch.profiler over one eager round of the same ops), an eager round's stage breakdown;
+  * AR, the DFlash chain and DDTree per budget at batch 1 (tau, tok/s, lossless against the oracle loop), and at
+    batch 8 and 32 (per-user and aggregate tok/s);
+  * warm-up (compile + capture) time per engine, and a top-level `targets` list {name, measured, goal, met}.
+Numbers are wall-clock over whole requests (prefill included) unless a field says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import data, weights
+from .engine import Engine
+
+
+def heldout_prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    """n windows of `length` tokens from the held-out split of the lab's corpus (notebook 02's prompts)."""
+    tok = data.load_tokenizer()
+    files = data.corpus_files(("stdlib", "torch"))
+    ids = data.encode_files(tok, files["heldout"][:200])
+    return [w.tolist() for w in data.windows(ids, length, n, np.random.default_rng(seed))]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0) -> dict:
+    """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole run
+    and of each round (median), GPU span per round (median), tokens, tau, outputs."""
+    rounds, spans = [], []
+    ids = [engine.add_request(p, max_new, temperature, seed=i) for i, p in enumerate(prompts)]
+    _sync()
+    t0 = time.perf_counter()
+    while engine.waiting or engine.active:
+        before = engine.rounds
+        engine.step()
+        if engine.rounds > before:
+            lr = engine.last_round
+            rounds.append(lr["round"])
+            if "gpu_span" in lr:
+                spans.append(lr["gpu_span"])
+    _sync()
+    wall = time.perf_counter() - t0
+    res = engine.finished
+    outs = [res[i] for i in ids]
+    toks = sum(len(r.tokens) for r in outs)
+    acc = [a for r in outs for a in r.accept_lengths]
+    return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall, "per_user_tok_per_s": toks / wall / len(prompts)
+            if engine.max_batch >= len(prompts) else None,
+            "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
+            "round_gpu_span_median_s": statistics.median(spans) if spans else None,
+            "tau": float(np.mean(acc)) if acc else None, "outputs": [r.tokens for r in outs]}
+
+
+def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
+    """Kernels of one eager round (the graph's nodes are these launches): torch.profiler's CUDA kernel events."""
+    from torch.profiler import ProfilerActivity, profile
+    rid = engine.add_request(prompt, max_new)
+    engine.step()  # prefill + one round
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        _sync()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if not n.startswith(("Memcpy", "Memset", "cudaMemcpy"))]
+    engine.run()
+    del rid
+    top: dict[str, int] = {}
+    for n in kernels:
+        top[n[:60]] = top.get(n[:60], 0) + 1
+    return {"kernels": len(kernels), "events": len(names),
+            "top": sorted(top.items(), key=lambda kv: -kv[1])[:15]}
+
+
+def eager_stages(target, drafter, mode: str, budget, prompt, max_len: int, new: int = 24) -> dict:
+    """Median seconds per stage of eager rounds (CUDA events per stage; the same ops a graph replays)."""
+    e = Engine(target, drafter, mode=mode, budget=budget, max_batch=1, max_len=max_len, graphs=False)
+    e.add_request(prompt, new)
+    rows = []
+    while e.active or e.waiting:
+        e.step()
+        if e.rounds:
+            rows.append(dict(e.last_round))
+    rows = rows[2:] or rows
+    return {k: statistics.median(r[k] for r in rows) for k in ("draft", "build", "verify", "walk", "commit",
+                                                               "gpu_span", "round")}
+
+
+def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
+    """transformers' DeepseekV3ForCausalLM.generate (greedy, exactly max_new tokens) on the same checkpoint."""
+    from transformers import AutoModelForCausalLM  # a baseline only
+    m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).cuda().eval()
+    outs, wall = [], 0.0
+    for i, p in enumerate([prompts[0]] + list(prompts)):
+        x = torch.tensor([p], device="cuda")
+        _sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            y = m.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                           attention_mask=torch.ones_like(x), pad_token_id=0)
+        _sync()
+        if i:  # the first call is a warm-up
+            wall += time.perf_counter() - t0
+            outs.append(y[0, len(p):].tolist())
+    toks = sum(len(o) for o in outs)
+    del m
+    torch.cuda.empty_cache()
+    return {"tok_per_s": toks / wall, "tokens": toks, "wall_s": wall, "outputs": outs}
+
+
+def _target(name, measured, goal, higher=True, **kw):
+    met = measured is not None and (measured >= goal if higher else measured <= goal)
+    return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
+
+
+def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
+        budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False) -> dict:
+    from .oracle import oracle_ar
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(ckpt_dir)
+    dev = "cuda"
+    if quick:
+        n_prompts, max_new, budgets, batches = 2, 32, (16, 64), (8,)
+    prompts = heldout_prompts(max(n_prompts, max(batches)), prompt_len)
+    p1 = prompts[:n_prompts]
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           "checkpoint": str(ckpt), "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
+           "ar": {}, "speculative": [], "batched": []}
+    try:
+        import transformers
+        rec["transformers"] = transformers.__version__
+    except ImportError:
+        hf = False
+    max_len = 1 << int(np.ceil(np.log2(prompt_len + max_new + max(budgets) + 2)))
+    targets = []
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        target = weights.load(ckpt / "target", device=dev, dtype=dt).eval()
+        row = {"dtype": name, "params": sum(p.numel() for p in target.parameters())}
+        t0 = time.perf_counter()
+        e = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False)
+        row["warmup_s"] = time.perf_counter() - t0
+        run_engine(e, p1[:1], 8)
+        row["engine"] = run_engine(e, p1, max_new)
+        eg = Engine(target, mode="ar", max_batch=1, max_len=max_len, graphs=False)
+        run_engine(eg, p1[:1], 8)
+        row["engine_eager"] = run_engine(eg, p1, max_new)
+        row["eager_equals_graphs"] = row["engine_eager"]["outputs"] == row["engine"]["outputs"]
+        row["launches"] = launches_per_round(eg, p1[0])
+        eg.run()
+        row["eager_round_stages"] = eager_stages(target, None, "ar", None, p1[0], max_len)
+        try:
+            t0 = time.perf_counter()
+            ec = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False, compile=True)
+            warm = time.perf_counter() - t0
+            run_engine(ec, p1[:1], 8)
+            row["engine_compiled"] = run_engine(ec, p1, max_new)
+            row["engine_compiled"]["warmup_s"] = warm
+            row["compiled_equals_engine"] = row["engine_compiled"].pop("outputs") == row["engine"]["outputs"]
+            row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1, max_len=max_len,
+                                                                 graphs=False, compile=True), p1[0])
+            del ec
+        except Exception as ex:  # recorded, not fatal: the uncompiled rows stand
+            row["engine_compiled"] = {"error": f"{type(ex).__name__}: {ex}"[:400]}
+        if name == "float32":
+            ref = [oracle_ar(target, p, max_new).tokens for p in p1]
+            row["equals_oracle"] = ref == row["engine"]["outputs"]
+        if hf:
+            row["hf"] = hf_generate(ckpt / "target", dt, p1, max_new)
+            row["hf_equals_engine"] = row["hf"]["outputs"] == row["engine"]["outputs"]
+            row["x_hf"] = row["engine"]["tok_per_s"] / row["hf"]["tok_per_s"]
+        e_ = row["engine"]
+        row["ms_per_token"] = 1e3 * e_["wall_s"] / e_["tokens"]
+        row["round_wall_over_gpu_span"] = e_["round_wall_median_s"] / e_["round_gpu_span_median_s"]
+        for k in ("engine", "engine_eager"):
+            row[k].pop("outputs")
+        if "hf" in row:
+            row["hf"].pop("outputs")
+        rec["ar"][name] = row
+        targets.append(_target(f"AR batch 1 ({name}): ms per token, wall", row["ms_per_token"], 0.45, higher=False))
+        if "x_hf" in row:
+            targets.append(_target(f"AR batch 1 ({name}): x HF generate, same checkpoint and dtype", row["x_hf"], 30))
+        targets.append(_target(f"AR batch 1 ({name}): round wall / GPU span", row["round_wall_over_gpu_span"], 1.15,
+                               higher=False))
+        del target, e, eg, prof
+        torch.cuda.empty_cache()
+    # speculative, batch 1, float32 (lossless against the oracle loop), then batches
+    target = weights.load(ckpt / "target", device=dev, dtype=torch.float32).eval()
+    drafter = weights.load_drafter(ckpt / "drafter", target, dtype=torch.float32)
+    ref = [oracle_ar(target, p, max_new).tokens for p in p1]
+    cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
+    rec["stages_batch1"] = {f"{m}" + (f" B={B}" if B else ""): eager_stages(target, None if m == "ar" else drafter,
+                                                                         m, B, p1[0], max_len)
+                            for m, B in cases}
+    for mode, B in cases:
+        t0 = time.perf_counter()
+        e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=1, max_len=max_len,
+                   graph_sampling=False)
+        warm = time.perf_counter() - t0
+        run_engine(e, p1[:1], 8)
+        r = run_engine(e, p1, max_new)
+        r["lossless"] = r.pop("outputs") == ref
+        r.update(mode=mode, budget=B, batch=1, warmup_s=warm,
+                 round_wall_over_gpu_span=r["round_wall_median_s"] / r["round_gpu_span_median_s"])
+        rec["speculative"].append(r)
+        del e
+        torch.cuda.empty_cache()
+    sp = rec["speculative"]
+    ar1 = next(r for r in sp if r["mode"] == "ar")
+    df1 = next(r for r in sp if r["mode"] == "dflash")
+    best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
+    targets += [
+        _target("DDTree best budget, batch 1, T=0: x the engine's AR", best["tok_per_s"] / ar1["tok_per_s"], 1.8,
+                budget=best["budget"]),
+        _target("DDTree best budget, batch 1, T=0: x the engine's DFlash", best["tok_per_s"] / df1["tok_per_s"], 1.3,
+                budget=best["budget"]),
+        _target("DDTree batch 1: round wall / GPU span", best["round_wall_over_gpu_span"], 1.15, higher=False,
+                budget=best["budget"]),
+        _target("batch 1: every DFlash and DDTree output equals the oracle AR", float(all(r["lossless"] for r in sp)),
+                1.0)]
+    for b in batches:
+        ps = prompts[:b]
+        for mode, B in cases:
+            e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=b, max_len=max_len,
+                       buckets=(b,), graph_sampling=False)
+            run_engine(e, ps[:1], 4)
+            r = run_engine(e, ps, max_new)
+            r.pop("outputs")
+            r.update(mode=mode, budget=B, batch=b)
+            rec["batched"].append(r)
+            del e
+            torch.cuda.empty_cache()
+    rec["targets"] = targets
+    (out / "engine.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def summary(rec: dict) -> str:
+    lines = [f"{rec['device']} | torch {rec['torch']} | {rec['prompts']} prompts x {rec['max_new_tokens']} new tokens"]
+    for name, r in rec["ar"].items():
+        hf = r.get("hf", {}).get("tok_per_s")
+        lines.append(f"AR {name}: engine {r['engine']['tok_per_s']:.0f} tok/s ({r['ms_per_token']:.3f} ms/token, round "
+                     f"{1e3 * r['engine']['round_wall_median_s']:.3f} ms wall / {1e3 * r['engine']['round_gpu_span_median_s']:.3f} "
+                     f"ms GPU), eager {r['engine_eager']['tok_per_s']:.0f}, HF {hf and round(hf)} tok/s, "
+                     f"{r['launches']['kernels']} kernels/round, warm-up {r['warmup_s']:.1f} s")
+        c = r.get("engine_compiled", {})
+        if "tok_per_s" in c:
+            lines.append(f"  compiled: {c['tok_per_s']:.0f} tok/s, round {1e3 * c['round_wall_median_s']:.3f} ms wall / "
+                         f"{1e3 * c['round_gpu_span_median_s']:.3f} ms GPU, {r['launches_compiled']['kernels']} kernels, "
+                         f"warm-up {c['warmup_s']:.1f} s, same tokens {r['compiled_equals_engine']}")
+        elif c:
+            lines.append(f"  compiled: {c['error']}")
+    for k, st in rec.get("stages_batch1", {}).items():
+        lines.append(f"eager stages {k}: " + ", ".join(f"{s} {1e3 * v:.2f}" for s, v in st.items()) + " ms")
+    for r in rec["speculative"] + rec["batched"]:
+        lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} tok/s "
+                     f"round {1e3 * (r['round_wall_median_s'] or 0):.3f} ms / GPU {1e3 * (r['round_gpu_span_median_s'] or 0):.3f}"
+                     + (f" lossless={r['lossless']}" if "lossless" in r else ""))
+    for t in rec["targets"]:
+        lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="outputs")
+    ap.add_argument("--ckpt", default="data/trained")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
+    a = ap.parse_args(argv)
+    rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick)
+    print(summary(rec))
+
+
+if __name__ == "__main__":
+    main()
