@@ -5,6 +5,7 @@ import torch
 
 from kdtree.decode import generate_ar, generate_ddtree, generate_dflash
 from kdtree.drafter import OracleDrafter
+from kdtree.engine import Engine
 from kdtree.validate import divergence, kernel_checks, kernel_model, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -101,8 +102,8 @@ def test_kernel_attention_in_decoding_matches_float64(model):
     K.verify_attn = checked
     try:
         prompt = random_prompts(model.args, 1, seed=5)[0]
-        ar = generate_ar(model, prompt, 32)
-        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, 16, seed=0)
+        ar = Engine(model, mode="ar", max_batch=1, max_len=256, graphs=False).generate([prompt], 32)[0]
+        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, 16, seed=0)  # a host drafter: eager
         generate_ddtree(model, o, prompt, 32, budget=64, backend="kernel")
     finally:
         K.verify_attn = orig
