@@ -449,6 +449,10 @@ class Engine:
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
         self.dense_moe = dev.type == "cuda"
         self.compiled = bool(compile)
+        if compile:  # one compiled graph per (bucket, rows) shape and engine: past dynamo's default limit it runs eagerly
+            import torch._dynamo.config as dc
+            name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
+            setattr(dc, name, max(getattr(dc, name), 256))
         self._forward = torch.compile(model.forward_paged, dynamic=False) if compile else model.forward_paged
         self._draft_fn = (torch.compile(drafter.draft, dynamic=False) if compile else drafter.draft) \
             if self.batched_drafter else None
@@ -516,8 +520,8 @@ class Engine:
         return emitted
 
     def run(self, progress: bool = False) -> dict[int, GenerationResult]:
-        """Step until every request has finished; returns {request id: result} of those finished in this call."""
-        done_before = set(self.finished)
+        """Step until every request has finished; returns {request id: result} of every request finished since
+        the last run() (also those that finished in step() calls before it), each handed out once."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -529,7 +533,8 @@ class Engine:
                 bar.update(len(self.finished) - n)
         if bar is not None:
             bar.close()
-        return {k: v for k, v in self.finished.items() if k not in done_before}
+        out, self.finished = self.finished, {}
+        return out
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  stop_tokens=()) -> list[GenerationResult]:

@@ -1,0 +1,189 @@
+"""The engine on the CPU (golden tree steps): continuous batching against the oracle loop, pages, admission,
+bad requests, per-request sampling streams, a short soak."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import weights
+from kdtree.drafter import OracleDrafter, build_drafter
+from kdtree.engine import Engine, gumbel
+from kdtree.oracle import oracle_ar
+from kdtree.validate import random_prompts
+
+
+class MultiOracle:
+    """Test oracle for many requests at once: each session picks the OracleDrafter of its prompt's reference."""
+
+    def __init__(self, refs: dict, vocab_size: int, block_size: int = 8, seed: int = 0):
+        self.refs, self.vocab_size, self.block_size, self.seed = refs, vocab_size, block_size, seed
+        self.target_layer_ids = ()
+
+    def session(self, max_len):
+        outer = self
+
+        class _S:
+            def start(self, prompt, features=None):
+                ref = outer.refs[tuple(prompt)]
+                self.o = OracleDrafter(list(prompt) + ref, outer.vocab_size, outer.block_size, seed=outer.seed)
+
+            def propose(self, committed):
+                return self.o.propose(committed)
+
+            def accept(self, features=None):
+                pass
+        return _S()
+
+
+def _serve(engine, prompts, lens, join_every=3, **kw):
+    """Requests join every `join_every` rounds (continuous batching); outputs in prompt order."""
+    ids = []
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        ids.append(engine.add_request(p, n, **kw))
+        if i % join_every == join_every - 1:
+            engine.step()
+    res = engine.run()
+    return [res[i].tokens for i in ids], [res[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = weights.load("data/trained/target").eval()
+    return t, weights.load_drafter("data/trained/drafter", t)
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 48)])
+def test_engine_equals_the_oracle_with_requests_joining(tiny, mode, budget):
+    """9 requests of different prompt lengths and max_new_tokens joining every third round, batch 4: every
+    output equals the oracle loop's greedy AR token for token; long accepted paths (the oracle drafter)."""
+    _, args, model = tiny
+    prompts = random_prompts(args, 9, seed=3, min_len=3, max_len=40)
+    lens = [5 + 4 * i for i in range(9)]
+    refs = [oracle_ar(model, p, n).tokens for p, n in zip(prompts, lens)]
+    drafter = None if mode == "ar" else MultiOracle({tuple(p): r for p, r in zip(prompts, refs)}, args.vocab_size, 8)
+    e = Engine(model, drafter, mode=mode, budget=budget, max_batch=4, max_len=256)
+    assert e.graph_reason is not None  # the CPU runs the rounds eagerly
+    outs, res = _serve(e, prompts, lens)
+    assert outs == refs
+    if mode != "ar":
+        assert max(a for r in res for a in r.accept_lengths) >= 5
+    assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active
+
+
+@pytest.mark.parametrize("mode,budget", [("dflash", None), ("ddtree", 32)])
+def test_trained_pair_batched_equals_the_oracle(pair, mode, budget):
+    """The DFlash drafter's batched, preallocated context (draft / extend) under continuous batching."""
+    t, d = pair
+    prompts = random_prompts(t.args, 8, seed=4, min_len=10, max_len=60)
+    lens = [8 + 5 * i for i in range(8)]
+    refs = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
+    e = Engine(t, d, mode=mode, budget=budget, max_batch=4, max_len=256)
+    outs, res = _serve(e, prompts, lens, join_every=2)
+    assert outs == refs
+    assert np.mean([a for r in res for a in r.accept_lengths]) > 1.3  # drafts were accepted
+
+
+def test_requests_wait_for_pages_and_all_come_back(tiny):
+    """A pool of 4 pages for requests needing 2 each: at most two run at once, the rest wait (no preemption)."""
+    _, args, model = tiny
+    prompts = random_prompts(args, 6, seed=8, min_len=30, max_len=50)
+    refs = [oracle_ar(model, p, 40).tokens for p in prompts]
+    e = Engine(model, mode="ar", max_batch=4, max_len=128, max_tokens=4 * 64)
+    ids = [e.add_request(p, 40) for p in prompts]
+    e.step()
+    assert len(e.active) == 2 and len(e.waiting) == 4
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs
+    assert e.free_pages == 4
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(prompt=[]), "prompt: expected at least one token"),
+    (dict(prompt=[1, 10**6]), r"prompt: expected token ids in \[0, "),
+    (dict(prompt=[1.5]), "prompt: expected integer token ids"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=-3), "max_new_tokens=-3"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(stop_tokens=["x"]), "stop_tokens="),
+    (dict(max_new_tokens=5000), "context overflow"),
+    (dict(max_new_tokens=200), "max_len"),
+])
+def test_bad_requests_are_refused_and_the_batch_in_flight_continues(tiny, kw, needle):
+    _, args, model = tiny
+    prompts = random_prompts(args, 3, seed=5)
+    refs = [oracle_ar(model, p, 20).tokens for p in prompts]
+    e = Engine(model, mode="ar", max_batch=4, max_len=128)
+    ids = [e.add_request(p, 20) for p in prompts]
+    e.step()
+    e.step()
+    state = (len(e.waiting), len(e.active), e.free_pages, e.pages.reserved, e.lens.clone(), e.root.clone())
+    call = dict(prompt=[1, 2, 3], max_new_tokens=8)
+    call.update(kw)
+    with pytest.raises(ValueError, match=needle):
+        e.add_request(call.pop("prompt"), call.pop("max_new_tokens"), **call)
+    after = (len(e.waiting), len(e.active), e.free_pages, e.pages.reserved, e.lens.clone(), e.root.clone())
+    assert state[:4] == after[:4] and torch.equal(state[4], after[4]) and torch.equal(state[5], after[5])
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs
+
+
+def test_a_request_the_pool_can_never_hold_is_refused(tiny):
+    _, args, model = tiny
+    e = Engine(model, mode="ar", max_batch=2, max_len=512, max_tokens=128)
+    with pytest.raises(ValueError, match=r"need 3 pages, the pool has 2"):
+        e.add_request([1] * 100, 60)
+
+
+def test_bad_engine_settings_are_refused(tiny):
+    _, args, model = tiny
+    d = build_drafter(model, block_size=4)
+    for kw, needle in ((dict(mode="beam"), "mode="), (dict(mode="ddtree", drafter=d), "budget="),
+                       (dict(mode="ddtree", drafter=d, budget=2000), "budget="), (dict(mode="ar", budget=4), "budget"),
+                       (dict(mode="dflash"), "drafter: expected a drafter"), (dict(max_batch=0), "max_batch="),
+                       (dict(max_len=10**7), "max_len="), (dict(page_size=32), "page_size="),
+                       (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets=")):
+        with pytest.raises(ValueError, match=needle):
+            Engine(model, **kw)
+
+
+def test_sampling_streams_are_per_request(pair):
+    """T > 0: a request's tokens depend on its seed only, not on its batch mates or the batch size."""
+    t, d = pair
+    prompts = random_prompts(t.args, 5, seed=6, min_len=8, max_len=30)
+    alone = [Engine(t, d, mode="ddtree", budget=16, max_batch=1, max_len=128).generate([p], 16, temperature=0.9,
+                                                                                       seed=50 + i)[0].tokens
+             for i, p in enumerate(prompts)]
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=4, max_len=128)
+    ids = [e.add_request(p, 16, temperature=0.9 if i % 2 == 0 else 0.9, seed=50 + i) for i, p in enumerate(prompts)]
+    res = e.run()
+    assert [res[i].tokens for i in ids] == alone
+    assert len({tuple(a) for a in alone}) == len(alone)
+
+
+def test_gumbel_stream_is_a_pure_function_and_uniform():
+    seed, step = torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3])
+    g = gumbel(seed, step, 5, 1000)
+    assert torch.equal(g, gumbel(seed, step, 5, 1000))
+    assert torch.equal(g[0], gumbel(seed[:1], step[:1], 5, 1000)[0])       # independent of batch mates
+    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    u = torch.exp(-torch.exp(-g)).flatten().numpy()                        # back to uniforms
+    hist = np.histogram(u, bins=20, range=(0, 1))[0]
+    expect = u.size / 20
+    assert ((hist - expect) ** 2 / expect).sum() < 45  # chi-square, 19 df: p ~ 1e-3
+    # the checker fails on a biased stream
+    biased = np.histogram(u ** 1.1, bins=20, range=(0, 1))[0]
+    assert ((biased - expect) ** 2 / expect).sum() > 45
+
+
+def test_short_soak_pages_return_and_outputs_match(pair):
+    """~150 rounds at batch 6 with requests arriving and finishing (CI's version of the GPU soak)."""
+    t, d = pair
+    prompts = random_prompts(t.args, 24, seed=9, min_len=5, max_len=50)
+    lens = [6 + (7 * i) % 25 for i in range(24)]
+    refs = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=6, max_len=128, max_tokens=8 * 128)
+    outs, _ = _serve(e, prompts, lens, join_every=1)
+    assert outs == refs
+    assert e.rounds > 60
+    assert e.free_pages == e.pages.capacity and e.pages.reserved == 0
