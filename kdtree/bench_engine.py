@@ -122,6 +122,46 @@ def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
     return {"tok_per_s": toks / wall, "tokens": toks, "wall_s": wall, "outputs": outs}
 
 
+def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129), repeats: int = 30) -> list[dict]:
+    """The target's verify forward alone (float32, batch 1, 100 cached rows, CUDA-graph replays, median of
+    `repeats` after warm-up) against the block's rows: where the per-round cost jumps with the matmul shapes."""
+    from .model import PagedMeta
+    t = weights.load(Path(ckpt_dir) / "target", device="cuda").eval()
+    a = t.args
+    pool = torch.zeros(a.num_hidden_layers, 9 * 64, a.kv_lora_rank + a.qk_rope_head_dim, device="cuda")
+    pt = torch.arange(1, 9, dtype=torch.int32, device="cuda")[None]
+    out = []
+    for T in rows:
+        tok = torch.randint(0, a.vocab_size, (1, T), device="cuda")
+        cl = torch.tensor([100], device="cuda")
+        pos = cl[:, None] + torch.arange(T, device="cuda")
+        mask = torch.ones(1, T, T, dtype=torch.bool, device="cuda").tril()
+
+        def f():
+            return t.forward_paged(tok, pool, PagedMeta.build(pt, cl, pos, mask, 64, t.attn_impl, True), (0,))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            f()
+            f()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        for _ in range(5):
+            g.replay()
+        ts = []
+        for _ in range(repeats):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e-3)
+        out.append({"rows": T, "median_s": statistics.median(ts), "min_s": min(ts)})
+    return out
+
+
 def _target(name, measured, goal, higher=True, **kw):
     met = measured is not None and (measured >= goal if higher else measured <= goal)
     return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
@@ -291,7 +331,15 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt", default="data/trained")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--rows-probe", action="store_true", help="only the verify forward against block rows")
     a = ap.parse_args(argv)
+    if a.rows_probe:
+        rows = verify_rows(a.ckpt)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "engine_rows.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us (min {r['min_s'] * 1e6:.1f})")
+        return
     rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick)
     print(summary(rec))
 

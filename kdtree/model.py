@@ -255,29 +255,30 @@ class MoE(nn.Module):
             self.experts = Int4Experts.from_mlps(self.experts)
 
     def stacked(self):
-        """(own expert ids int64 [E'], w13 [E', 2I, D], w2 [E', D, I]) of the MLP experts this rank holds, stacked
-        once and kept (the dense path's weights; a second copy of the routed experts)."""
+        """(own expert ids int64 [E'], w13 [E' * 2I, D], w2 [E' * I, D]) of the MLP experts this rank holds, stacked
+        once and kept (the dense path's weights; a second copy of the routed experts): w13 rows e * 2I + j are
+        expert e's gate (j < I) and up rows, w2 row e * I + i is column i of expert e's down projection."""
         st = getattr(self, "_stacked", None)
         w0 = next(m for m in self.experts if isinstance(m, MLP)).gate_proj.weight
         if st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
             own = [e for e, m in enumerate(self.experts) if isinstance(m, MLP)]
-            w13 = torch.stack([torch.cat([self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight])
-                               for e in own]).detach()
-            w2 = torch.stack([self.experts[e].down_proj.weight for e in own]).detach()
+            w13 = torch.cat([torch.cat([self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight])
+                             for e in own]).detach()
+            w2 = torch.cat([self.experts[e].down_proj.weight.t() for e in own]).detach().contiguous()
             st = self._stacked = (torch.tensor(own, device=w0.device), w13, w2)
         return st
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every held expert over every token, combined with the router's weights (0 where not routed): fixed
-        shapes, no host reads, no atomics (capturable and deterministic). x [N, D] -> float32 [N, D]."""
+        """Every held expert over every token as two plain GEMMs, the router's weights (0 where not routed)
+        applied between them: y = (w * silu(x W_gate) * (x W_up)) W_down summed over experts. Fixed shapes, no host
+        reads, no atomics (capturable and deterministic). x [N, D] -> float32 [N, D]."""
         own, w13, w2 = self.stacked()
-        I = w2.shape[2]
+        E, I = own.numel(), w2.shape[0] // own.numel()
         comb = torch.zeros(x.shape[0], self.args.n_routed_experts, dtype=torch.float32, device=x.device)
         comb.scatter_(1, idx, weights.float())                       # [N, E]
-        gu = torch.matmul(x[None], w13.transpose(1, 2))              # [E', N, 2I]
-        h = F.silu(gu[..., :I]) * gu[..., I:]                        # [E', N, I]
-        y = torch.matmul(h, w2.transpose(1, 2)).float()              # [E', N, D]
-        return torch.einsum("end,ne->nd", y, comb[:, own])
+        gu = F.linear(x, w13).view(-1, E, 2 * I)                     # [N, E', 2I]
+        h = F.silu(gu[..., :I]) * gu[..., I:] * comb[:, own, None].to(x.dtype)   # [N, E', I]
+        return (h.reshape(-1, E * I) @ w2).float()                   # [N, D]
 
     def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """x [..., D]. dense: the MLP experts by `_dense` (the engine's path on a GPU) instead of a loop over the
