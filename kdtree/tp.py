@@ -168,9 +168,19 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
         oracle = OracleDrafter(p + ar.tokens, args.vocab_size, block_size=6, seed=4)
         dd = generate_ddtree(model, oracle, p, new_tokens, budget=budget)
         dfl = generate_ddtree(model, build_drafter(model, seed=2, block_size=6), p, new_tokens, budget=budget)
+        # the engine unchanged on every rank: requests of different lengths batched, the DFlash drafter's batched
+        # context, against this rank's own oracle loop
+        from .engine import Engine
+        from .oracle import oracle_ar
+        prompts = [torch.randint(2, args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in (5, 17, 9, 30)]
+        eng = Engine(model, build_drafter(model, seed=2, block_size=6), mode="ddtree", budget=budget, max_batch=3,
+                     max_len=128)
+        batch_ok = [r.tokens for r in eng.generate(prompts, new_tokens)] == [oracle_ar(model, q, new_tokens).tokens
+                                                                             for q in prompts]
         n_params = sum(p.numel() for p in model.parameters())
         res = {"rank": rank, "world": world, "backend": backend, "logits_rel_err": rel,
-               "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens,
+               "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens, "engine_batch_equals_oracle": batch_ok,
                "ar_equals_unsharded": ar.tokens == ar_ref.tokens, "tau_oracle": dd.mean_accept_length, "params_on_rank": n_params,
                "params_unsharded": sum(p.numel() for p in ref.parameters()), "int4": int4}
         gathered = [None] * world
@@ -186,7 +196,8 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
            int4: bool = False) -> list[dict]:
     """Spawn `world` local ranks; each shards a tiny-b-shaped model (8 heads, 16 experts) and reports: the
     relative error of its logits against the unsharded model, whether its DDTree outputs (test-oracle drafter,
-    random DFlash drafter) equal its AR output, whether its AR output equals the unsharded model's, the
+    random DFlash drafter) equal its AR output, whether a batch of 4 requests through one engine equals the
+    oracle loop's outputs, whether its AR output equals the unsharded model's, the
     oracle's tau and its parameter count; int4: the routed experts in the INT4 release format. Returns one dict
     per rank."""
     import json

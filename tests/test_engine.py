@@ -64,8 +64,8 @@ def test_engine_equals_the_oracle_with_requests_joining(tiny, mode, budget):
     assert e.graph_reason is not None  # the CPU runs the rounds eagerly
     outs, res = _serve(e, prompts, lens)
     assert outs == refs
-    if mode != "ar":
-        assert max(a for r in res for a in r.accept_lengths) >= 5
+    if mode != "ar":  # multi-token paths were accepted, so compaction moved rows
+        assert max(a for r in res for a in r.accept_lengths) >= (5 if budget == 48 else 3)
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active
 
 
@@ -139,7 +139,7 @@ def test_bad_engine_settings_are_refused(tiny):
     _, args, model = tiny
     d = build_drafter(model, block_size=4)
     for kw, needle in ((dict(mode="beam"), "mode="), (dict(mode="ddtree", drafter=d), "budget="),
-                       (dict(mode="ddtree", drafter=d, budget=2000), "budget="), (dict(mode="ar", budget=4), "budget"),
+                       (dict(mode="ddtree", drafter=d, budget=0), "budget="), (dict(mode="ar", budget=4), "budget"),
                        (dict(mode="dflash"), "drafter: expected a drafter"), (dict(max_batch=0), "max_batch="),
                        (dict(max_len=10**7), "max_len="), (dict(page_size=32), "page_size="),
                        (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets=")):
@@ -148,17 +148,22 @@ def test_bad_engine_settings_are_refused(tiny):
 
 
 def test_sampling_streams_are_per_request(pair):
-    """T > 0: a request's tokens depend on its seed only, not on its batch mates or the batch size."""
+    """T > 0: a request's tokens depend on its seed only, not on its batch mates (sampling and greedy ones mixed)
+    or the batch size."""
     t, d = pair
     prompts = random_prompts(t.args, 5, seed=6, min_len=8, max_len=30)
-    alone = [Engine(t, d, mode="ddtree", budget=16, max_batch=1, max_len=128).generate([p], 16, temperature=0.9,
+    temps = [0.9, 0.0, 0.9, 0.0, 1.3]
+    alone = [Engine(t, d, mode="ddtree", budget=16, max_batch=1, max_len=128).generate([p], 16, temperature=T,
                                                                                        seed=50 + i)[0].tokens
-             for i, p in enumerate(prompts)]
+             for i, (p, T) in enumerate(zip(prompts, temps))]
     e = Engine(t, d, mode="ddtree", budget=16, max_batch=4, max_len=128)
-    ids = [e.add_request(p, 16, temperature=0.9 if i % 2 == 0 else 0.9, seed=50 + i) for i, p in enumerate(prompts)]
+    ids = [e.add_request(p, 16, temperature=T, seed=50 + i) for i, (p, T) in enumerate(zip(prompts, temps))]
     res = e.run()
     assert [res[i].tokens for i in ids] == alone
-    assert len({tuple(a) for a in alone}) == len(alone)
+    assert alone[1] == oracle_ar(t, prompts[1], 16).tokens and alone[3] == oracle_ar(t, prompts[3], 16).tokens
+    again = Engine(t, d, mode="ddtree", budget=16, max_batch=1, max_len=128).generate([prompts[0]], 16,
+                                                                                    temperature=0.9, seed=51)
+    assert again[0].tokens != alone[0]  # another seed, another stream
 
 
 def test_gumbel_stream_is_a_pure_function_and_uniform():
@@ -185,5 +190,5 @@ def test_short_soak_pages_return_and_outputs_match(pair):
     e = Engine(t, d, mode="ddtree", budget=16, max_batch=6, max_len=128, max_tokens=8 * 128)
     outs, _ = _serve(e, prompts, lens, join_every=1)
     assert outs == refs
-    assert e.rounds > 60
+    assert e.rounds > 40
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0

@@ -29,10 +29,18 @@ def test_dryrun_eight_ranks_matches_the_unsharded_model():
     split, rep = _sharded_fraction(ref)
     for r in ranks:
         assert r["logits_rel_err"] < 1e-5, r
-        assert r["ddtree_equals_ar"] and r["ar_equals_unsharded"], r
+        assert r["ddtree_equals_ar"] and r["ar_equals_unsharded"] and r["engine_batch_equals_oracle"], r
         assert r["tau_oracle"] > 1.5, r  # long accepted paths: the walk and compaction ran across shards
         assert r["params_unsharded"] == split + rep
         assert r["params_on_rank"] == rep + split // 8, r  # each rank holds 1/8 of what is split
+
+
+def test_engine_runs_unchanged_on_two_gloo_ranks():
+    """Each rank of world 2 serves a batch of requests through the engine; outputs equal its oracle loop's."""
+    ranks = tp.dryrun(world=2, backend="gloo", new_tokens=8, budget=8)
+    for r in ranks:
+        assert r["engine_batch_equals_oracle"] and r["ddtree_equals_ar"] and r["ar_equals_unsharded"], r
+        assert r["logits_rel_err"] < 1e-5, r
 
 
 def test_shard_rejects_bad_input():
