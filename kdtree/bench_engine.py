@@ -179,7 +179,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         n_prompts, max_new, budgets, batches = 2, 32, (16, 64), (8,)
     prompts = heldout_prompts(max(n_prompts, max(batches)), prompt_len)
     p1 = prompts[:n_prompts]
-    rec = {"device": torch.cuda.get_device_name(), "compile": compile, "torch": torch.__version__, "python": platform.python_version(),
+    rec = {"device": torch.cuda.get_device_name(), "compile": compile, "torch": torch.__version__,
+           "python": platform.python_version(),
            "checkpoint": str(ckpt), "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
            "ar": {}, "speculative": [], "batched": []}
     try:
@@ -303,22 +304,25 @@ def summary(rec: dict) -> str:
     lines = [f"{rec['device']} | torch {rec['torch']} | {rec['prompts']} prompts x {rec['max_new_tokens']} new tokens"]
     for name, r in rec["ar"].items():
         hf = r.get("hf", {}).get("tok_per_s")
-        lines.append(f"AR {name}: engine {r['engine']['tok_per_s']:.0f} tok/s ({r['ms_per_token']:.3f} ms/token, round "
-                     f"{1e3 * r['engine']['round_wall_median_s']:.3f} ms wall / {1e3 * r['engine']['round_gpu_span_median_s']:.3f} "
+        g = r["engine"]
+        lines.append(f"AR {name}: engine {g['tok_per_s']:.0f} tok/s ({r['ms_per_token']:.3f} ms/token, round "
+                     f"{1e3 * g['round_wall_median_s']:.3f} ms wall / {1e3 * g['round_gpu_span_median_s']:.3f} "
                      f"ms GPU), eager {r['engine_eager']['tok_per_s']:.0f}, HF {hf and round(hf)} tok/s, "
                      f"{r['launches']['kernels']} kernels/round, warm-up {r['warmup_s']:.1f} s")
         c = r.get("engine_compiled", {})
         if "tok_per_s" in c:
-            lines.append(f"  compiled: {c['tok_per_s']:.0f} tok/s, round {1e3 * c['round_wall_median_s']:.3f} ms wall / "
-                         f"{1e3 * c['round_gpu_span_median_s']:.3f} ms GPU, {r['launches_compiled']['kernels']} kernels, "
+            lines.append(f"  compiled: {c['tok_per_s']:.0f} tok/s, round {1e3 * c['round_wall_median_s']:.3f} ms "
+                         f"wall / {1e3 * c['round_gpu_span_median_s']:.3f} ms GPU, "
+                         f"{r['launches_compiled']['kernels']} kernels, "
                          f"warm-up {c['warmup_s']:.1f} s, same tokens {r['compiled_equals_engine']}")
         elif c:
             lines.append(f"  compiled: {c['error']}")
     for k, st in rec.get("stages_batch1", {}).items():
         lines.append(f"eager stages {k}: " + ", ".join(f"{s} {1e3 * v:.2f}" for s, v in st.items()) + " ms")
     for r in rec["speculative"] + rec["batched"]:
-        lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} tok/s "
-                     f"round {1e3 * (r['round_wall_median_s'] or 0):.3f} ms / GPU {1e3 * (r['round_gpu_span_median_s'] or 0):.3f}"
+        wall, span = r["round_wall_median_s"] or 0, r["round_gpu_span_median_s"] or 0
+        lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} "
+                     f"tok/s round {1e3 * wall:.3f} ms / GPU {1e3 * span:.3f}"
                      + (f" lossless={r['lossless']}" if "lossless" in r else ""))
     for t in rec["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import golden
-from .model import Int4Experts, MoE, PagedMeta, Transformer
+from .model import Int4Experts, PagedMeta, Transformer
 
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
@@ -387,7 +387,8 @@ class Engine:
     max_batch * max_len); page_size 64 (the attention kernel's); graphs: capture each batch bucket's round in a
     CUDA graph (the kernel backend on a GPU; elsewhere the same round runs eagerly, `graph_reason` says why);
     backend "golden" (numpy tree steps) or "kernel" (CUDA), default kernel on a GPU; prefill_chunk: prompt rows
-    per prefill forward; debug: check every round's logits on the host (a sync per round); buckets: the batch
+    per prefill forward; debug: check the device state against the host's after every round (`check_state`,
+    a device read per round); buckets: the batch
     sizes rounds are padded to (default 1, 2, 4, ... max_batch); graph_sampling: also capture the rounds with
     sampling requests (else those run eagerly); compile: the target's and the drafter's forwards through
     torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls)."""
@@ -449,7 +450,7 @@ class Engine:
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
         self.dense_moe = dev.type == "cuda"
         self.compiled = bool(compile)
-        if compile:  # one compiled graph per (bucket, rows) shape and engine: past dynamo's default limit it runs eagerly
+        if compile:  # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
             import torch._dynamo.config as dc
             name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
             setattr(dc, name, max(getattr(dc, name), 256))
@@ -476,6 +477,7 @@ class Engine:
         self._next_id = 0
         self._features = None
         self.rounds = 0
+        self.last_round: dict = {}   # the last round's stage seconds, batch, bucket, whether a graph replayed it
         self.graphs: dict = {}
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
@@ -770,6 +772,26 @@ class Engine:
             if finish(res.tokens, new, r.max_new, r.stop):
                 self._release(r)
         self._features = None
+        if self.debug:
+            self.check_state()
+
+    def check_state(self) -> None:
+        """The device state against the host's bookkeeping (reads the device; debug=True runs it every round):
+        lengths, roots, page tables of the active slots, zeroed padding slots, page accounting."""
+        n = len(self.active)
+        lens, root, pt = self.lens.tolist(), self.root.tolist(), self.page_table.tolist()
+        for r in self.active:
+            s = r.slot
+            want = r.pages + [0] * (self.pages_per_req - len(r.pages))
+            if lens[s] != r.length or root[s] != r.committed[-1] or pt[s] != want:
+                raise RuntimeError(f"engine state: request {r.rid} in slot {s}: device length {lens[s]}, root "
+                                   f"{root[s]}, pages {pt[s][:len(r.pages) + 1]}; host {r.length}, "
+                                   f"{r.committed[-1]}, {r.pages}")
+        if any(lens[n:]) or any(any(row) for row in pt[n:]):
+            raise RuntimeError("engine state: a padding slot holds a length or pages")
+        held = sum(len(r.pages) for r in self.active)
+        if len(self.pages.free) + held != self.pages.capacity:
+            raise RuntimeError(f"engine state: {len(self.pages.free)} free + {held} held != {self.pages.capacity}")
 
 
 # ----------------------------------------------------------------------------- engines behind generate_*

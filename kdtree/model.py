@@ -450,7 +450,7 @@ class MLA(nn.Module):
         for attn_impl "kernel". Returns [B, T, D]."""
         a = self.args
         B, T, _ = x.shape
-        H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
+        H, Dn, R = a.num_attention_heads, a.qk_nope_head_dim, a.kv_lora_rank
         q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, T, H, a.qk_head_dim)
         q_nope, q_pe = q.split([Dn, a.qk_rope_head_dim], dim=-1)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from . import golden
-from .engine import GenerationResult
+from .engine import (GenerationResult, check_drafter, check_max_new, check_prompt, check_seed, check_stop,
+                     check_temperature, finish)
 from .model import Transformer
 
 ORACLE_STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
@@ -56,30 +56,9 @@ class _Clock:
         return _Ctx()
 
 
-def _is_id(t) -> bool:
-    """A token id's type: a Python or numpy int, not a bool."""
-    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
-
-
 def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: int) -> list[int]:
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        t = torch.as_tensor(prompt)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
-                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
-            raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
-                             f"{tuple(t.shape)}")
-        prompt = t.flatten().tolist()
-    bad = next((t for t in prompt if not _is_id(t)), None)
-    if bad is not None:
-        raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-        raise ValueError("prompt: expected at least one token")
-    V = model.args.vocab_size
-    if min(prompt) < 0 or max(prompt) >= V:
-        raise ValueError(f"prompt: expected token ids in [0, {V}), got [{min(prompt)}, {max(prompt)}]")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive int")
+    prompt = check_prompt(prompt, model.args.vocab_size)
+    check_max_new(max_new_tokens)
     need = len(prompt) + max_new_tokens + lookahead
     if need > model.args.max_position_embeddings:
         raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft "
@@ -109,46 +88,17 @@ def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | Non
     return torch.multinomial(probs, 1, generator=gen).flatten()
 
 
-def _check_temperature(temperature) -> float:
-    if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
-    return float(temperature)
-
-
-def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed={seed!r}: expected an int >= 0")
-    return int(seed)
-
-
-def _check_stop(stop_tokens) -> set[int]:
-    """stop_tokens: an iterable of token ids (None: none)."""
-    toks = list(stop_tokens) if stop_tokens is not None else []
-    if not all(_is_id(t) for t in toks):
-        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
-    return {int(t) for t in toks}
-
-
-def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:
-    """Append `new` to `out` up to max_new and the first stop token; True when generation is over."""
-    for t in new:
-        out.append(t)
-        if t in stop or len(out) >= max_new:
-            return True
-    return False
-
-
 def oracle_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
                 seed: int = 0) -> GenerationResult:
     """Plain autoregressive decoding: one target forward per token."""
     prompt = _check_prompt(model, prompt, max_new_tokens, 0)
-    temperature = _check_temperature(temperature)
-    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
+    temperature = check_temperature(temperature)
+    gen = torch.Generator(device=model.device).manual_seed(check_seed(seed))
     res = _result("ar")
     clock = _Clock(res.stage_times, model.device)
     t0 = time.perf_counter()
     cache = model.new_cache(len(prompt) + max_new_tokens)
-    stop = _check_stop(stop_tokens)
+    stop = check_stop(stop_tokens)
     x = torch.tensor([prompt], device=model.device)
     with clock("prefill"):
         logits = model(x, cache, logits_for=[-1]).logits[0]
@@ -158,7 +108,7 @@ def oracle_ar(model: Transformer, prompt, max_new_tokens: int, stop_tokens=(), t
             tok = int(_choose(logits, temperature, gen)[-1])
             if temperature == 0:
                 _check_finite(logits)
-        if _finish(res.tokens, [tok], max_new_tokens, stop):
+        if finish(res.tokens, [tok], max_new_tokens, stop):
             break
         with clock("verify"):
             logits = model(torch.tensor([[tok]], device=model.device), cache).logits[0]
@@ -180,26 +130,18 @@ def _check_backend(backend: str, model: Transformer) -> str:
     return backend
 
 
-def _check_drafter(model: Transformer, drafter) -> None:
-    if not (hasattr(drafter, "session") and hasattr(drafter, "block_size")):
-        raise ValueError(f"drafter: expected a drafter (block_size, session()), got {type(drafter).__name__}")
-    dv = getattr(getattr(drafter, "args", None), "vocab_size", getattr(drafter, "vocab_size", None))
-    if dv is not None and dv != model.args.vocab_size:
-        raise ValueError(f"drafter: vocabulary {dv} differs from the target's {model.args.vocab_size}")
-
-
 def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
                stop_tokens=(), temperature: float = 0.0, seed: int = 0, backend: str = "golden",
                budget: int | None = None) -> GenerationResult:
     backend = _check_backend(backend, model)
     prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
-    temperature = _check_temperature(temperature)
-    gen = torch.Generator(device=model.device).manual_seed(_check_seed(seed))
+    temperature = check_temperature(temperature)
+    gen = torch.Generator(device=model.device).manual_seed(check_seed(seed))
     layers = tuple(drafter.target_layer_ids)
     res = _result(mode)
     clock = _Clock(res.stage_times, model.device)
     t0 = time.perf_counter()
-    stop = _check_stop(stop_tokens)
+    stop = check_stop(stop_tokens)
     cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
     session = drafter.session(cache.max_len)
 
@@ -217,7 +159,7 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
         session.start(prompt, features(out))
     res.target_forwards += 1
     committed = prompt + [first]
-    done = _finish(res.tokens, [first], max_new_tokens, stop)
+    done = finish(res.tokens, [first], max_new_tokens, stop)
     while not done and backend == "kernel":
         with clock("draft"):
             draft = session.propose(committed).to(model.device)  # [L, V]
@@ -257,7 +199,7 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
             committed += new
             res.accept_lengths.append(len(new))
             res.tree_sizes.append(toks.shape[1])
-            done = _finish(res.tokens, new, max_new_tokens, stop)
+            done = finish(res.tokens, new, max_new_tokens, stop)
     while not done:
         with clock("draft"):
             draft = session.propose(committed)  # [L, V]
@@ -284,7 +226,7 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
             committed += new
             res.accept_lengths.append(len(new))
             res.tree_sizes.append(vb.n)
-            done = _finish(res.tokens, new, max_new_tokens, stop)
+            done = finish(res.tokens, new, max_new_tokens, stop)
     res.wall_time = time.perf_counter() - t0
     return res
 
@@ -293,7 +235,7 @@ def oracle_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, stop
                     temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
     """DFlash: verify the drafter's argmax chain (L = block_size - 1 tokens) each round.
     backend "golden": tree steps in numpy; "kernel": walk and compaction on the GPU (kdtree.kernels)."""
-    _check_drafter(model, drafter)
+    check_drafter(model, drafter)
     return _speculate(model, drafter, prompt, max_new_tokens, golden.chain_tree, "dflash",
                       drafter.block_size, stop_tokens, temperature, seed, backend)
 
@@ -304,7 +246,7 @@ def oracle_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, budg
     backend "golden": build/compile/walk in numpy (golden.py); "kernel": the whole round on the GPU
     (kernels.tree_build, the model's verify forward, kernels.tree_walk, kernels.kv_compact); the verify
     block then always has budget + 1 rows (padding rows see only themselves and are never accepted)."""
-    _check_drafter(model, drafter)
+    check_drafter(model, drafter)
     budget = golden._check_budget(budget)
     if backend == "kernel" and budget > 1024:
         raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")

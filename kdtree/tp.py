@@ -180,8 +180,9 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
                                                                              for q in prompts]
         n_params = sum(p.numel() for p in model.parameters())
         res = {"rank": rank, "world": world, "backend": backend, "logits_rel_err": rel,
-               "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens, "engine_batch_equals_oracle": batch_ok,
-               "ar_equals_unsharded": ar.tokens == ar_ref.tokens, "tau_oracle": dd.mean_accept_length, "params_on_rank": n_params,
+               "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens,
+               "engine_batch_equals_oracle": batch_ok, "ar_equals_unsharded": ar.tokens == ar_ref.tokens,
+               "tau_oracle": dd.mean_accept_length, "params_on_rank": n_params,
                "params_unsharded": sum(p.numel() for p in ref.parameters()), "int4": int4}
         gathered = [None] * world
         dist.all_gather_object(gathered, res)

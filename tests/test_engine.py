@@ -135,6 +135,18 @@ def test_a_request_the_pool_can_never_hold_is_refused(tiny):
         e.add_request([1] * 100, 60)
 
 
+def test_check_state_finds_a_device_state_that_drifted(tiny):
+    """debug=True's checker can fail: a length changed behind the engine's back is named."""
+    _, args, model = tiny
+    e = Engine(model, mode="ar", max_batch=2, max_len=128, debug=True)
+    e.add_request([1, 2, 3], 10)
+    e.step()
+    e.check_state()
+    e.lens[0] += 1
+    with pytest.raises(RuntimeError, match="request 0 in slot 0: device length"):
+        e.check_state()
+
+
 def test_bad_engine_settings_are_refused(tiny):
     _, args, model = tiny
     d = build_drafter(model, block_size=4)
@@ -187,7 +199,7 @@ def test_short_soak_pages_return_and_outputs_match(pair):
     prompts = random_prompts(t.args, 24, seed=9, min_len=5, max_len=50)
     lens = [6 + (7 * i) % 25 for i in range(24)]
     refs = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
-    e = Engine(t, d, mode="ddtree", budget=16, max_batch=6, max_len=128, max_tokens=8 * 128)
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=6, max_len=128, max_tokens=8 * 128, debug=True)
     outs, _ = _serve(e, prompts, lens, join_every=1)
     assert outs == refs
     assert e.rounds > 40
