@@ -162,6 +162,26 @@ def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129
     return out
 
 
+def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = None) -> int:
+    """Weight bytes one decode step must read at batch 1: every layer's attention and norms, the dense MLPs, the
+    shared experts, `experts_touched` routed experts per MoE layer (default num_experts_per_tok) with the router,
+    one embedding row, the final norm and the lm_head; `itemsize` bytes per weight. Divided by the copy bandwidth,
+    the floor of an AR step's time (the cache's rows come on top)."""
+    h, a = args.hidden_size, args
+    k = a.num_experts_per_tok if experts_touched is None else experts_touched
+    if not 0 <= k <= a.n_routed_experts:
+        raise ValueError(f"experts_touched={experts_touched!r}: expected 0..{a.n_routed_experts}")
+    attn = (h * a.num_attention_heads * a.qk_head_dim if a.q_lora_rank is None else
+            h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.num_attention_heads * a.qk_head_dim)
+    attn += h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    attn += a.kv_lora_rank * a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    attn += a.num_attention_heads * a.v_head_dim * h
+    moe = 3 * h * a.moe_intermediate_size * (k + a.n_shared_experts) + a.n_routed_experts * (h + 1)
+    n = (a.num_hidden_layers * (attn + 2 * h) + a.first_k_dense_replace * 3 * h * a.intermediate_size
+         + a.n_moe_layers * moe + h + a.vocab_size * h + h)
+    return n * itemsize
+
+
 def _target(name, measured, goal, higher=True, **kw):
     met = measured is not None and (measured >= goal if higher else measured <= goal)
     return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
