@@ -513,7 +513,9 @@ class Engine:
         return rid
 
     def step(self) -> dict[int, list[int]]:
-        """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}."""
+        """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}.
+        A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
+        then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on."""
         emitted: dict[int, list[int]] = {}
         self._admit(emitted)
         if self.active:

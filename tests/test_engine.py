@@ -204,3 +204,25 @@ def test_short_soak_pages_return_and_outputs_match(pair):
     assert outs == refs
     assert e.rounds > 40
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0
+
+
+def test_a_request_with_non_finite_logits_fails_alone(tiny):
+    """Token 7's embedding is NaN: a request whose prompt holds it fails with a clear error at its prefill; the
+    requests in flight go on and still equal the oracle (run on a clean copy of the model)."""
+    import copy
+    _, args, model = tiny
+    bad = copy.deepcopy(model)
+    with torch.no_grad():
+        bad.model.embed_tokens.weight[7] = float("nan")
+    prompts = [p for p in random_prompts(args, 12, seed=21) if 7 not in p][:3]
+    refs = [oracle_ar(model, p, 12).tokens for p in prompts]
+    assert all(7 not in r for r in refs)
+    e = Engine(bad, mode="ar", max_batch=4, max_len=128)
+    ids = [e.add_request(p, 12) for p in prompts]
+    e.step()
+    e.add_request([3, 7, 5], 12)
+    with pytest.raises(ValueError, match=r"request 3: target logits: NaN or inf"):
+        e.step()
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs and 3 not in res
+    assert e.free_pages == e.pages.capacity
