@@ -226,3 +226,21 @@ def test_a_request_with_non_finite_logits_fails_alone(tiny):
     res = e.run()
     assert [res[i].tokens for i in ids] == refs and 3 not in res
     assert e.free_pages == e.pages.capacity
+
+
+def test_chunked_prefill_stop_tokens_and_one_token_requests(tiny):
+    """Prompts prefilled 7 rows at a time equal one-forward prefill; stop tokens are per request; a request of
+    one new token finishes at its prefill and gives its pages back."""
+    _, args, model = tiny
+    prompts = random_prompts(args, 4, seed=13, min_len=20, max_len=40)
+    refs = [oracle_ar(model, p, 16).tokens for p in prompts]
+    e = Engine(model, mode="ar", max_batch=4, max_len=128, prefill_chunk=7)
+    assert [r.tokens for r in e.generate(prompts, 16)] == refs
+    stop = refs[1][5]
+    ids = [e.add_request(p, 16, stop_tokens=[stop] if i == 1 else ()) for i, p in enumerate(prompts)]
+    one = e.add_request(prompts[0], 1)
+    res = e.run()
+    assert res[ids[1]].tokens == refs[1][:refs[1].index(stop) + 1]
+    assert [res[i].tokens for i in (ids[0], ids[2], ids[3])] == [refs[0], refs[2], refs[3]]
+    assert res[one].tokens == refs[0][:1] and res[one].target_forwards == -(-len(prompts[0]) // 7)  # chunks
+    assert e.free_pages == e.pages.capacity
