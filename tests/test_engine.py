@@ -244,3 +244,16 @@ def test_chunked_prefill_stop_tokens_and_one_token_requests(tiny):
     assert [res[i].tokens for i in (ids[0], ids[2], ids[3])] == [refs[0], refs[2], refs[3]]
     assert res[one].tokens == refs[0][:1] and res[one].target_forwards == -(-len(prompts[0]) // 7)  # chunks
     assert e.free_pages == e.pages.capacity
+
+
+def test_int4_experts_through_the_engine(tiny):
+    """Routed experts in the INT4 release format (the CPU reference path) batched through the engine."""
+    import copy
+    _, args, model = tiny
+    q = copy.deepcopy(model).quantize_experts()
+    prompts = random_prompts(args, 5, seed=17, min_len=5, max_len=30)
+    refs = [oracle_ar(q, p, 12).tokens for p in prompts]
+    drafter = MultiOracle({tuple(p): r for p, r in zip(prompts, refs)}, args.vocab_size, 6)
+    e = Engine(q, drafter, mode="ddtree", budget=16, max_batch=3, max_len=128)
+    outs, _ = _serve(e, prompts, [12] * 5, join_every=2)
+    assert outs == refs
