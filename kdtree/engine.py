@@ -431,10 +431,22 @@ class Engine:
         max_tokens = max_batch * max_len if max_tokens is None else max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a positive int (the pool's rows)")
+        ok = buckets is None or (isinstance(buckets, (list, tuple)) and buckets and all(
+            isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= max_batch for x in buckets)
+            and max(buckets) == max_batch)
+        if not ok:
+            raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] including "
+                             "max_batch")
+        rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1
+        cap = -(-max_len // page_size) * page_size
+        if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):
+            raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} rows "
+                             f"does not fit a request of max_len={max_len} in a pool of max_tokens={max_tokens}")
+        self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         self.model, self.drafter, self.mode, self.budget, self.backend = model, drafter, mode, budget, backend
         self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
         self.device = dev
-        self.rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1   # N
+        self.rows = rows   # N: verify rows per request
         self.max_accept = 1 if mode == "ar" else drafter.block_size
         self.lookahead = 0 if mode == "ar" else self.rows
         self.max_len = max_len
@@ -466,9 +478,6 @@ class Engine:
         # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
         self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
         self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
-        if not all(isinstance(x, int) and 1 <= x <= max_batch for x in self.buckets) or self.buckets[-1] != max_batch:
-            raise ValueError(f"buckets={buckets!r}: expected ints in [1, max_batch={max_batch}] including max_batch")
         self.graph_sampling = graph_sampling
         self.waiting: list[Request] = []
         self.active: list[Request] = []

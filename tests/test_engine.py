@@ -154,7 +154,9 @@ def test_bad_engine_settings_are_refused(tiny):
                        (dict(mode="ddtree", drafter=d, budget=0), "budget="), (dict(mode="ar", budget=4), "budget"),
                        (dict(mode="dflash"), "drafter: expected a drafter"), (dict(max_batch=0), "max_batch="),
                        (dict(max_len=10**7), "max_len="), (dict(page_size=32), "page_size="),
-                       (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets=")):
+                       (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets="),
+                       (dict(buckets="x"), "buckets="),
+                       (dict(mode="ddtree", drafter=d, budget=300, max_len=256), "budget: a verify block of 301")):
         with pytest.raises(ValueError, match=needle):
             Engine(model, **kw)
 
