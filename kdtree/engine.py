@@ -17,8 +17,8 @@ graph per batch bucket, replayed. Invariant: the target cache and the drafter's 
 token but the last, which is the next round's root.
 
 Requests sit in slots 0..n-1 of the static state (a finishing request's slot takes the last one's); padding
-slots up to the batch bucket have length 0 and page table 0 (the pool's scratch page), so they write only
-there and nothing reads them. Pages: a request reserves at admission the pages its longest context can need
+slots up to the batch bucket have length 0 and page table 0 (the pool's scratch page) and never advance
+(`live`), so they write only there and nothing reads them. Pages: a request reserves at admission the pages its longest context can need
 (prompt + max_new_tokens + the block's rows) and takes them as it grows; one that cannot reserve waits (no
 preemption); one that could never fit is refused by `add_request`.
 
@@ -475,6 +475,7 @@ class Engine:
         self.root = torch.zeros(B, dtype=torch.int64, device=dev)
         self.temp = torch.zeros(B, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(B, dtype=torch.int64, device=dev)  # 1 in active slots: padding slots never advance
         # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
         self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
         self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -615,7 +616,7 @@ class Engine:
         if self.mode != "ar" and not self.batched_drafter:
             r.session = self.drafter.session(self.kv_cap)
             r.session.start(r.prompt, torch.cat(feats) if feats else None)
-        self.root[s], self.lens[s], self.temp[s], self.seed[s] = first, P, r.temperature, r.seed
+        self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = first, P, r.temperature, r.seed, 1
         r.length = P
         r.committed.append(first)
         r.result.stage_times["prefill"] += time.perf_counter() - t0
@@ -629,7 +630,7 @@ class Engine:
         s, last = r.slot, len(self.active) - 1
         if s != last:
             m = self.active[last]
-            for t in (self.page_table, self.lens, self.root, self.temp, self.seed):
+            for t in (self.page_table, self.lens, self.root, self.temp, self.seed, self.live):
                 t[s] = t[last]
             if self.ctx is not None:
                 self.ctx.move(last, s)
@@ -637,7 +638,7 @@ class Engine:
             self.active[s] = m
         self.active.pop()
         self.page_table[last] = 0
-        self.lens[last], self.root[last], self.temp[last] = 0, 0, 0.0
+        self.lens[last], self.root[last], self.temp[last], self.live[last] = 0, 0, 0.0, 0
         r.result.wall_time = time.perf_counter() - r.t0
         r.slot = -1
         if r.rid not in self.errors:
@@ -702,7 +703,7 @@ class Engine:
         self.out[:b, 0] = acc_len
         self.out[:b, 1] = torch.isfinite(out.logits).all(-1).all(-1)
         self.out[:b, 2:] = emit
-        lens += acc_len
+        lens += acc_len * self.live[:b]
         root.copy_(bonus)
         mark("commit")
 
@@ -735,7 +736,7 @@ class Engine:
                     pool = g.pool() if pool is None else pool
                     self.graphs[(b, sampling)] = g
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t in (self.lens, self.root, self.temp, self.seed, self.out):
+        for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out):
             t.zero_()
         torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0

@@ -259,3 +259,14 @@ def test_int4_experts_through_the_engine(tiny):
     e = Engine(q, drafter, mode="ddtree", budget=16, max_batch=3, max_len=128)
     outs, _ = _serve(e, prompts, [12] * 5, join_every=2)
     assert outs == refs
+
+
+def test_padding_slots_do_not_advance(tiny):
+    """A bucket of 2 serving one request at a time, for more rounds in all than a request's context holds: the
+    padding slot stays at length 0 (it once advanced every round and would index past its page table)."""
+    _, args, model = tiny
+    e = Engine(model, mode="ar", max_batch=2, max_len=128, buckets=(2,))
+    for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        e.generate([p], 100)
+        assert e.lens.tolist() == [0, 0] and e.rounds % 99 == 0
+    assert e.rounds == 3 * 99
