@@ -6,7 +6,8 @@ import torch
 
 from kdtree import weights
 from kdtree.drafter import OracleDrafter, build_drafter
-from kdtree.engine import Engine, gumbel
+from kdtree.engine import Engine
+from kdtree.round_ops import gumbel
 from kdtree.oracle import oracle_ar
 from kdtree.validate import random_prompts
 
