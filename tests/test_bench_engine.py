@@ -14,7 +14,7 @@ def test_all_experts_touched_is_every_parameter_but_the_embedding_table(args):
     assert full * 2 - top == args.n_moe_layers * (args.n_routed_experts - args.num_experts_per_tok) * per_expert
 
 
-def test_mid_config_is_the_issue_shape():
+def test_mid_config_shape_and_bytes():
     a = load_config("mid")
     assert (a.hidden_size, a.num_hidden_layers, a.n_routed_experts, a.num_experts_per_tok) == (2048, 12, 32, 4)
     assert 1.3e9 < a.param_count() < 1.5e9
