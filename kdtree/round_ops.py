@@ -98,7 +98,8 @@ def _compact_torch(pool, page_table, start, accepted, acc_len, page_size: int) -
 
 
 class GoldenOps:
-    """Tree steps in numpy (golden.py), request by request on the host: the reference implementation."""
+    """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request on
+    the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
     capturable = False
 
     def __init__(self, mode: str, budget: int | None, page_size: int):
