@@ -191,6 +191,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
         compile: bool = True) -> dict:
     from .oracle import oracle_ar
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the GPU)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(ckpt_dir)
@@ -357,6 +359,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--rows-probe", action="store_true", help="only the verify forward against block rows")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m kdtree.bench_engine needs a CUDA GPU: none is visible on this machine")
     if a.rows_probe:
         rows = verify_rows(a.ckpt)
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -25,3 +25,13 @@ def test_mid_config_shape_and_bytes():
 def test_experts_touched_is_checked():
     with pytest.raises(ValueError, match="experts_touched=99"):
         decode_weight_bytes(TINY_A, experts_touched=99)
+
+
+def test_the_benchmark_says_it_needs_a_gpu(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from kdtree import bench_engine
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        bench_engine.run(tmp_path)
+    assert not any(tmp_path.iterdir())
