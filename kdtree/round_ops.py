@@ -97,17 +97,27 @@ def _compact_torch(pool, page_table, start, accepted, acc_len, page_size: int) -
     pool.index_copy_(1, dst.reshape(-1), pool[:, src.reshape(-1)])
 
 
-class GoldenOps:
-    """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request on
-    the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
+class TreeOps:
+    """The tree steps' interface: build(draft [b, L, V] | None, root [b], start [b]) -> VerifyBatch;
+    walk(tokens, parents, choice, max_accept) -> (accepted int32 [b, A], acc_len int32 [b], bonus int64 [b]);
+    compact(pool, page_table, start, accepted, acc_len). AR and the DFlash chain build in torch ops for both."""
     capturable = False
 
     def __init__(self, mode: str, budget: int | None, page_size: int):
         self.mode, self.budget, self.page_size = mode, budget, page_size
 
     def build(self, draft, root, start) -> VerifyBatch:
-        if self.mode != "ddtree":
-            return _chain(draft, root, start)
+        return _chain(draft, root, start) if self.mode != "ddtree" else self._tree(draft, root, start)
+
+    def _tree(self, draft, root, start) -> VerifyBatch:
+        raise NotImplementedError
+
+
+class GoldenOps(TreeOps):
+    """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request on
+    the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
+
+    def _tree(self, draft, root, start) -> VerifyBatch:
         N = self.budget + 1
         logits = draft.float().cpu().numpy()
         roots, starts = root.tolist(), start.tolist()
@@ -140,16 +150,11 @@ class GoldenOps:
         _compact_torch(pool, page_table, start, accepted, acc_len, self.page_size)
 
 
-class KernelOps:
+class KernelOps(TreeOps):
     """Tree steps in the CUDA kernels (kernels.tree_build / tree_walk / kv_compact): no host reads."""
     capturable = True
 
-    def __init__(self, mode: str, budget: int | None, page_size: int):
-        self.mode, self.budget, self.page_size = mode, budget, page_size
-
-    def build(self, draft, root, start) -> VerifyBatch:
-        if self.mode != "ddtree":
-            return _chain(draft, root, start)
+    def _tree(self, draft, root, start) -> VerifyBatch:
         from . import kernels
         tb = kernels.tree_build(draft.contiguous(), self.budget, root, start, check_values=False)
         return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask)
