@@ -32,6 +32,7 @@ torch.Generator loop (same distribution).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -47,6 +48,23 @@ from .round_ops import GoldenOps, KernelOps, choose
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
 STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
+# The BLAS library torch is asked to prefer while the engine runs on a GPU (its rounds, their capture, prefill);
+# None keeps torch's choice. cuBLAS's own heuristic picks a slow kernel for float32 GEMMs of 8..16 rows on the
+# H200 (the record: outputs/h200/engine_blas.json); the preference is restored after each call.
+ROUND_BLAS: str | None = "cublaslt"
+
+
+@contextlib.contextmanager
+def _blas(device: torch.device):
+    if device.type != "cuda" or ROUND_BLAS is None:
+        yield
+        return
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(ROUND_BLAS)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
 
 
 @dataclass
@@ -243,12 +261,17 @@ class Engine:
     a device read per round); buckets: the batch
     sizes rounds are padded to (default 1, 2, 4, ... max_batch); graph_sampling: also capture the rounds with
     sampling requests (else those run eagerly); compile: the target's and the drafter's forwards through
-    torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls)."""
+    torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls);
+    deterministic: every round runs at max_batch rows of requests (one bucket), so a request's arithmetic (each
+    GEMM's shape, hence its kernel and summation order) does not depend on how many requests share its round:
+    its tokens and logits are bitwise the same alone or in a full batch (the MoE runs densely on the CPU too). The
+    default rounds repeat bitwise for the same batch, but a request's rounding may change with its batch mates
+    (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                  graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
-                 buckets=None, graph_sampling: bool = True, compile: bool = False):
+                 buckets=None, graph_sampling: bool = True, compile: bool = False, deterministic: bool = False):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         if mode not in MODES:
@@ -294,6 +317,17 @@ class Engine:
         if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):
             raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} rows "
                              f"does not fit a request of max_len={max_len} in a pool of max_tokens={max_tokens}")
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic={deterministic!r}: expected True or False")
+        if deterministic:
+            if buckets is not None and tuple(sorted(set(buckets))) != (max_batch,):
+                raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: buckets={buckets!r} "
+                                 "contradicts it (leave buckets out)")
+            if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts) for layer in model.model.layers):
+                raise ValueError("deterministic=True: INT4 experts are not supported (their paths group tokens by "
+                                 "expert, and the GPU kernel moe_int4 combines experts with float32 atomics)")
+            buckets = (max_batch,)
+        self.deterministic = deterministic
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         self.model, self.drafter, self.mode, self.budget, self.backend = model, drafter, mode, budget, backend
         self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
@@ -312,15 +346,20 @@ class Engine:
         self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if mode != "ar" else ()
         self.ctx = drafter.new_context(max_batch, self.kv_cap) if self.batched_drafter else None
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
-        self.dense_moe = dev.type == "cuda"
+        # the MoE over every expert in two fixed-shape GEMMs (no host reads: capturable; a token's arithmetic
+        # independent of its batch mates' routing); on the CPU the grouped path, unless deterministic
+        self.dense_moe = dev.type == "cuda" or deterministic
         self.compiled = bool(compile)
         if compile:  # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
             import torch._dynamo.config as dc
             name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
             setattr(dc, name, max(getattr(dc, name), 256))
-        self._forward = torch.compile(model.forward_paged, dynamic=False) if compile else model.forward_paged
-        self._draft_fn = (torch.compile(drafter.draft, dynamic=False) if compile else drafter.draft) \
-            if self.batched_drafter else None
+        # compiled regions (compile=True): the drafter's forward, the chain build, the verify forward with its
+        # metadata and choice, the commit; the tree kernels between them run as they are
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compile else (lambda f: f)
+        self._draft_fn = wrap(drafter.draft) if self.batched_drafter else None
+        self._build = self.ops.build if mode == "ddtree" else wrap(self.ops.build)
+        self._verify, self._commit = wrap(self._verify_impl), wrap(self._commit_impl)
         B = max_batch
         self.page_table = torch.zeros(B, self.pages_per_req, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -341,10 +380,13 @@ class Engine:
         self.rounds = 0
         self.last_round: dict = {}   # the last round's stage seconds, batch, bucket, whether a graph replayed it
         self.graphs: dict = {}
+        self._graph_logits: dict = {}
+        self.last_logits: torch.Tensor | None = None  # the last round's verify logits [n, N, V] (until the next step)
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
         if self.graph_reason is None:
-            self._capture()
+            with _blas(dev):
+                self._capture()
 
     # ------------------------------------------------------------- public API
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
@@ -379,9 +421,10 @@ class Engine:
         A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
         then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on."""
         emitted: dict[int, list[int]] = {}
-        self._admit(emitted)
-        if self.active:
-            self._run_round(emitted)
+        with _blas(self.device):
+            self._admit(emitted)
+            if self.active:
+                self._run_round(emitted)
         self._raise_errors()
         return emitted
 
@@ -521,43 +564,61 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _round(self, b: int, sampling: bool, clock=None) -> None:
+    def _round(self, b: int, sampling: bool, clock=None) -> torch.Tensor:
         """One round over slots [0, b) on the device (no host reads unless the backend is golden or the drafter
-        is a host one). clock(stage) marks the end of a stage when profiling."""
+        is a host one). clock(stage) marks the end of a stage when profiling. Returns the verify logits
+        [b, N, V] float32 (inside a graph: its static output, rewritten by every replay)."""
         mark = clock or (lambda stage: None)
-        root, lens = self.root[:b], self.lens[:b]
         draft = self._draft(b)
         mark("draft")
-        blk = self.ops.build(draft, root, lens)
-        meta = PagedMeta.build(self.page_table[:b], lens, blk.positions, blk.mask, self.page_size,
-                               self.model.attn_impl, self.dense_moe, blk.mask_words)
+        blk = self._build(draft, self.root[:b], self.lens[:b])
         mark("build")
-        out = self._forward(blk.tokens.long(), self.pool, meta, self.layers)
-        choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
+        logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask, blk.mask_words, b,
+                                                     sampling)
         mark("verify")
         acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, self.max_accept)
         mark("walk")
         if self.rows > 1:
-            self.ops.compact(self.pool, self.page_table[:b], lens, acc, acc_len)
+            self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
+        self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b)
+        mark("commit")
+        return logits
+
+    def _verify_impl(self, tokens, positions, mask, mask_words, b: int, sampling: bool):
+        """The target's forward over the blocks and its choice per row. tokens int32 [b, N] -> logits float32
+        [b, N, V], choice int [b, N], the drafter's features [b, N, F] (None in AR), finite bool [b] (every
+        logit of the request finite)."""
+        lens = self.lens[:b]
+        meta = PagedMeta.build(self.page_table[:b], lens, positions, mask, self.page_size, self.model.attn_impl,
+                               self.dense_moe, mask_words)
+        out = self.model.forward_paged(tokens.long(), self.pool, meta, self.layers)
+        choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
         feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]
+        return out.logits, choice, feats, torch.isfinite(out.logits).all(-1).all(-1)
+
+    def _commit_impl(self, tokens, feats, acc, acc_len, bonus, finite, b: int):
+        """The accepted rows' features to the drafter's context, the round's output row per request
+        (acc_len, finite, emitted tokens), lengths and roots advanced. Returns the accepted features [b, A, F]
+        for a host drafter (else None)."""
+        lens, root = self.lens[:b], self.root[:b]
         if feats is not None:
             rows = acc.long().clamp_min(0)
             feats = feats.gather(1, rows[..., None].expand(-1, -1, feats.shape[-1]))          # [b, A, F]
             if self.batched_drafter:
                 self.drafter.extend(self.ctx, feats, lens, acc_len)
-            else:
-                self._features = feats
+                feats = None
         A = self.max_accept
-        emit = blk.tokens.long().gather(1, acc.long().clamp_min(0)[:, 1:]) if A > 1 else \
+        emit = tokens.long().gather(1, acc.long().clamp_min(0)[:, 1:]) if A > 1 else \
             torch.zeros(b, 0, dtype=torch.long, device=root.device)
         emit = torch.cat([emit, torch.zeros_like(bonus)[:, None]], 1)
         emit.scatter_(1, (acc_len.long() - 1)[:, None], bonus[:, None])
         self.out[:b, 0] = acc_len
-        self.out[:b, 1] = torch.isfinite(out.logits).all(-1).all(-1)
+        self.out[:b, 1] = finite
         self.out[:b, 2:] = emit
-        lens += acc_len * self.live[:b]
-        root.copy_(bonus)
-        mark("commit")
+        live = self.live[:b]
+        lens += acc_len * live
+        root.copy_(bonus * live)  # padding slots keep root 0 and length 0: the same inputs every round
+        return feats
 
     def _draft(self, b: int):
         if self.mode == "ar":
@@ -584,7 +645,7 @@ class Engine:
                         self._round(b, sampling)
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, stream=side):
-                        self._round(b, sampling)
+                        self._graph_logits[(b, sampling)] = self._round(b, sampling)
                     pool = g.pool() if pool is None else pool
                     self.graphs[(b, sampling)] = g
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -604,8 +665,10 @@ class Engine:
         clock = _Clock(self.device)
         if g is not None:
             g.replay()
+            logits = self._graph_logits[(b, sampling)]
         else:
-            self._round(b, sampling, clock)
+            logits = self._round(b, sampling, clock)
+        self.last_logits = logits[:n]
         clock("end")
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.device.type == "cuda":
@@ -613,7 +676,8 @@ class Engine:
         host = self.out_host[:n].tolist()
         stages = clock.times()
         stages["round"] = time.perf_counter() - t0
-        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None)
+        # ids: the request in each row of last_logits
+        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None, ids=[r.rid for r in self.active])
         self.rounds += 1
         for i, (r, row) in enumerate(zip(list(self.active), host)):
             k, ok, new = row[0], row[1], row[2:2 + row[0]]

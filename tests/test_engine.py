@@ -260,6 +260,8 @@ def test_int4_experts_through_the_engine(tiny):
     e = Engine(q, drafter, mode="ddtree", budget=16, max_batch=3, max_len=128)
     outs, _ = _serve(e, prompts, [12] * 5, join_every=2)
     assert outs == refs
+    with pytest.raises(ValueError, match="deterministic=True: INT4 experts are not supported"):
+        Engine(q, drafter, mode="ddtree", budget=16, max_batch=3, max_len=128, deterministic=True)
 
 
 def test_padding_slots_do_not_advance(tiny):
@@ -271,3 +273,38 @@ def test_padding_slots_do_not_advance(tiny):
         e.generate([p], 100)
         assert e.lens.tolist() == [0, 0] and e.rounds % 99 == 0
     assert e.rounds == 3 * 99
+
+
+def _logit_trace(engine, reqs):
+    """Run (prompt, max_new) requests; the verify logits of the first request, round by round (copies)."""
+    ids = [engine.add_request(p, n) for p, n in reqs]
+    rows = []
+    while engine.waiting or engine.active:
+        before = engine.rounds
+        engine.step()
+        if engine.rounds > before and ids[0] in engine.last_round["ids"]:
+            rows.append(engine.last_logits[engine.last_round["ids"].index(ids[0])].clone())
+    return rows
+
+
+def _bitwise_equal(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_deterministic_rounds_are_batch_invariant(pair):
+    """deterministic=True: a request's logits, round by round, are bitwise the same alone and beside three
+    others (slots and batch size differ); the checker flags a one-ulp change."""
+    t, d = pair
+    prompts = random_prompts(t.args, 4, seed=21, min_len=6, max_len=40)
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, deterministic=True)
+    assert e.buckets == (4,)
+    alone = _logit_trace(e, [(prompts[0], 20)])
+    crowd = _logit_trace(e, [(prompts[0], 20)] + [(p, 8 + 5 * i) for i, p in enumerate(prompts[1:])])
+    assert len(alone) > 3 and _bitwise_equal(alone, crowd)
+    bumped = [alone[0].clone()] + alone[1:]
+    bumped[0][0, 0] = torch.nextafter(bumped[0][0, 0], torch.tensor(float("inf")))
+    assert not _bitwise_equal(bumped, crowd)
+    with pytest.raises(ValueError, match="deterministic=True runs every round at max_batch"):
+        Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, deterministic=True, buckets=(1, 4))
+    with pytest.raises(ValueError, match="deterministic="):
+        Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, deterministic=1)
