@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import data, weights
-from .engine import Engine
+from .engine import STAGES, Engine
 
 
 def heldout_prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
@@ -86,18 +86,55 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
             "top": sorted(top.items(), key=lambda kv: -kv[1])[:15]}
 
 
-def eager_stages(target, drafter, mode: str, budget, prompt, max_len: int, new: int = 24) -> dict:
-    """Median seconds per stage of eager rounds (CUDA events per stage; the same ops a graph replays)."""
-    e = Engine(target, drafter, mode=mode, budget=budget, max_batch=1, max_len=max_len, graphs=False)
-    e.add_request(prompt, new)
-    rows = []
-    while e.active or e.waiting:
-        e.step()
-        if e.rounds:
-            rows.append(dict(e.last_round))
-    rows = rows[2:] or rows
-    return {k: statistics.median(r[k] for r in rows) for k in ("draft", "build", "verify", "walk", "commit",
-                                                               "gpu_span", "round")}
+def stage_kernels(engine: Engine, prompt, rounds: int = 5) -> dict:
+    """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own code run
+    eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels", "gpu_s"}} plus the
+    totals; the engine must be idle (one request is served and finished here)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    engine.add_request(prompt, 8 + rounds * (engine.rows + 1))
+    engine.step()
+    engine.step()
+    order = list(STAGES)
+
+    class Marks:  # clock for Engine._round: closes each stage's profiler range at its end, opens the next
+        def __init__(self):
+            self.i, self.cur = 0, record_function("stage:" + order[0])
+            self.cur.__enter__()
+
+        def __call__(self, stage):
+            self.cur.__exit__(None, None, None)
+            self.i += 1
+            if self.i < len(order):
+                self.cur = record_function("stage:" + order[self.i])
+                self.cur.__enter__()
+
+    b = engine._bucket(len(engine.active))
+    snapshot = [t.clone() for t in (engine.lens, engine.root)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):  # the same round repeated from the same state
+            engine.lens.copy_(snapshot[0])
+            engine.root.copy_(snapshot[1])
+            engine._round(b, False, Marks())
+        _sync()
+    engine.lens.copy_(snapshot[0])
+    engine.root.copy_(snapshot[1])
+
+    def kernels(ev):
+        ks = [(k.duration, k.name) for k in ev.kernels]
+        for c in ev.cpu_children:
+            ks += kernels(c)
+        return ks
+    out = {s: {"kernels": 0, "gpu_s": 0.0} for s in order}
+    for ev in prof.events():
+        if ev.name.startswith("stage:") and ev.device_type == torch.autograd.DeviceType.CPU:
+            ks = [k for k in kernels(ev) if not k[1].startswith(("Memcpy", "Memset"))]
+            row = out[ev.name[6:]]
+            row["kernels"] += len(ks) / rounds
+            row["gpu_s"] += sum(k[0] for k in ks) * 1e-6 / rounds
+    out["total"] = {"kernels": sum(r["kernels"] for r in out.values()),
+                    "gpu_s": sum(r["gpu_s"] for r in out.values())}
+    engine.run()
+    return out
 
 
 def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
@@ -189,7 +226,9 @@ def _target(name, measured, goal, higher=True, **kw):
 
 def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
-        compile: bool = True) -> dict:
+        compile: bool = True, batched_compile: bool | None = None) -> dict:
+    """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile: the
+    batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile)."""
     from .oracle import oracle_ar
     if not torch.cuda.is_available():
         raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the GPU)")
@@ -199,12 +238,13 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     dev = "cuda"
     if quick:
         n_prompts, max_new, budgets, batches = 2, 32, (16, 64), (8,)
+    batched_compile = compile if batched_compile is None else batched_compile
     prompts = heldout_prompts(max(n_prompts, max(batches)), prompt_len)
     p1 = prompts[:n_prompts]
     rec = {"device": torch.cuda.get_device_name(), "compile": compile, "torch": torch.__version__,
            "python": platform.python_version(),
            "checkpoint": str(ckpt), "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
-           "ar": {}, "speculative": [], "batched": []}
+           "batched_compile": batched_compile, "ar": {}, "speculative": [], "batched": []}
     try:
         import transformers
         rec["transformers"] = transformers.__version__
@@ -226,7 +266,6 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         row["eager_equals_graphs"] = row["engine_eager"]["outputs"] == row["engine"]["outputs"]
         row["launches"] = launches_per_round(eg, p1[0])
         eg.run()
-        row["eager_round_stages"] = eager_stages(target, None, "ar", None, p1[0], max_len)
         row["engine_compiled"] = {}
         try:
             t0 = time.perf_counter()
@@ -238,6 +277,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             row["compiled_equals_engine"] = row["engine_compiled"].pop("outputs") == row["engine"]["outputs"]
             row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1, max_len=max_len,
                                                                  graphs=False, compile=True), p1[0])
+            row["stage_kernels"] = stage_kernels(ec, p1[0])
             del ec
         except Exception as ex:  # recorded, not fatal: the uncompiled rows stand
             row["engine_compiled"] = {"error": f"{type(ex).__name__}: {ex}"[:400]}
@@ -274,9 +314,6 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     drafter = weights.load_drafter(ckpt / "drafter", target, dtype=torch.float32)
     ref = [oracle_ar(target, p, max_new).tokens for p in p1]
     cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
-    rec["stages_batch1"] = {f"{m}" + (f" B={B}" if B else ""): eager_stages(target, None if m == "ar" else drafter,
-                                                                         m, B, p1[0], max_len)
-                            for m, B in cases}
     for mode, B in cases:
         t0 = time.perf_counter()
         e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=1, max_len=max_len,
@@ -285,6 +322,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         run_engine(e, p1[:1], 8)
         r = run_engine(e, p1, max_new)
         r["lossless"] = r.pop("outputs") == ref
+        r["stage_kernels"] = stage_kernels(e, p1[0])
         r.update(mode=mode, budget=B, batch=1, warmup_s=warm,
                  round_wall_over_gpu_span=r["round_wall_median_s"] / r["round_gpu_span_median_s"])
         rec["speculative"].append(r)
@@ -304,11 +342,24 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
                 budget=best["budget"]),
         _target("batch 1: every DFlash and DDTree output equals the oracle AR", float(all(r["lossless"] for r in sp)),
                 1.0)]
+    # deterministic=True pads every round to max_batch: its price for a lone request, same run
+    det = {}
+    for flag in (False, True):
+        e = Engine(target, drafter, mode="ddtree", budget=budgets[0], max_batch=max(batches), max_len=max_len,
+                   graph_sampling=False, deterministic=flag)
+        run_engine(e, p1[:1], 8)
+        det[flag] = run_engine(e, p1[:1], max_new)
+        det[flag].pop("outputs")
+        del e
+    rec["deterministic_cost"] = {"mode": "ddtree", "budget": budgets[0], "max_batch": max(batches), "requests": 1,
+                                 "default": det[False], "deterministic": det[True],
+                                 "round_ratio": det[True]["round_wall_median_s"] / det[False]["round_wall_median_s"]}
+    (out / "engine.json").write_text(json.dumps(rec, indent=1))
     for b in batches:
         ps = prompts[:b]
         for mode, B in cases:
             e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=b, max_len=max_len,
-                       buckets=(b,), graph_sampling=False, compile=compile)
+                       buckets=(b,), graph_sampling=False, compile=batched_compile)
             run_engine(e, ps[:1], 4)
             r = run_engine(e, ps, max_new)
             r.pop("outputs")
@@ -339,8 +390,14 @@ def summary(rec: dict) -> str:
                          f"warm-up {c['warmup_s']:.1f} s, same tokens {r['compiled_equals_engine']}")
         elif c:
             lines.append(f"  compiled: {c['error']}")
-    for k, st in rec.get("stages_batch1", {}).items():
-        lines.append(f"eager stages {k}: " + ", ".join(f"{s} {1e3 * v:.2f}" for s, v in st.items()) + " ms")
+    for r in rec["speculative"]:
+        st = r.get("stage_kernels")
+        if st:
+            lines.append(f"stages {r['mode']} B={r['budget']}: " + ", ".join(
+                f"{k} {v['kernels']:.0f} kernels {1e6 * v['gpu_s']:.0f} us" for k, v in st.items()))
+    dc = rec.get("deterministic_cost")
+    if dc:
+        lines.append(f"deterministic=True, one request, max_batch {dc['max_batch']}: round x{dc['round_ratio']:.2f}")
     for r in rec["speculative"] + rec["batched"]:
         wall, span = r["round_wall_median_s"] or 0, r["round_gpu_span_median_s"] or 0
         lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} "
@@ -358,6 +415,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--rows-probe", action="store_true", help="only the verify forward against block rows")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--batched-eager", action="store_true", help="batched engines without torch.compile")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench_engine needs a CUDA GPU: none is visible on this machine")
@@ -368,7 +428,8 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us (min {r['min_s'] * 1e6:.1f})")
         return
-    rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick)
+    rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets), batches=tuple(a.batches),
+              batched_compile=False if a.batched_eager else None)
     print(summary(rec))
 
 

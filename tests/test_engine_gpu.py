@@ -95,3 +95,90 @@ def test_memory_is_flat_over_many_rounds(pair):
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base
     assert e.free_pages == e.pages.capacity
+
+
+def _trace(engine, reqs, watch=0):
+    """Serve (prompt, max_new) requests at once; their tokens and request `watch`'s verify logits per round."""
+    ids = [engine.add_request(p, n) for p, n in reqs]
+    rows = []
+    while engine.waiting or engine.active:
+        before = engine.rounds
+        engine.step()
+        if engine.rounds > before and ids[watch] in engine.last_round["ids"]:
+            rows.append(engine.last_logits[engine.last_round["ids"].index(ids[watch])].clone())
+    res = engine.run()
+    return [res[i].tokens for i in ids], rows
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_twenty_runs_are_bitwise_equal(pair):
+    """The same batch of requests, 20 times through one graphed engine: tokens and every round's logits of a
+    request bitwise equal; the checker flags a one-ulp change."""
+    t, d = pair
+    prompts = random_prompts(t.args, 8, seed=31, min_len=8, max_len=60)
+    reqs = [(p, 16 + 4 * i) for i, p in enumerate(prompts)]
+    e = Engine(t, d, mode="ddtree", budget=32, max_batch=8, max_len=256)
+    toks0, rows0 = _trace(e, reqs, watch=3)
+    for _ in range(19):
+        toks, rows = _trace(e, reqs, watch=3)
+        assert toks == toks0 and _same(rows, rows0)
+    bumped = [rows0[0].clone()] + rows0[1:]
+    bumped[0][0, 0] = torch.nextafter(bumped[0][0, 0], torch.tensor(float("inf"), device="cuda"))
+    assert not _same(bumped, rows)
+
+
+def test_a_request_alone_and_in_a_batch_of_32_is_bitwise_the_same(pair):
+    """deterministic=True at max_batch 32: a request's tokens and logits alone == beside 31 others."""
+    t, d = pair
+    prompts = random_prompts(t.args, 32, seed=32, min_len=8, max_len=60)
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=32, max_len=256, deterministic=True)
+    alone_t, alone_l = _trace(e, [(prompts[0], 40)])
+    crowd_t, crowd_l = _trace(e, [(prompts[0], 40)] + [(p, 10 + i) for i, p in enumerate(prompts[1:])])
+    assert alone_t[0] == crowd_t[0] and len(alone_l) > 5 and _same(alone_l, crowd_l)
+
+
+def _top2_margin(t, seq, pos) -> float:
+    """Top-2 logit gap of the target's eager forward at position pos of seq (the oracle's own numbers)."""
+    with torch.no_grad():
+        lg = t(torch.tensor([seq[:pos + 1]], device="cuda")).logits[0, -1].float()
+    top = lg.topk(2).values
+    return float(top[0] - top[1])
+
+
+NEAR_TIE = 1e-3  # float32 logits: a request may part from the oracle only where its top-2 gap is below this
+
+
+def test_soak_ten_thousand_rounds_at_batch_32(pair):
+    """10,000 graphed rounds at batch 32, requests arriving and finishing: memory flat after warm-up, every page
+    back, outputs == the oracle except at near-ties (counted, each checked to be one)."""
+    t, d = pair
+    prompts = random_prompts(t.args, 16, seed=33, min_len=8, max_len=60)
+    longest = 96
+    refs = [oracle_ar(t, p, longest).tokens for p in prompts]
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=32, max_len=256)
+    ids, k, base = {}, 0, None
+    while e.rounds < 10_000:
+        while len(e.waiting) + len(e.active) < 40:
+            n = 8 + (37 * k) % (longest - 7)
+            ids[e.add_request(prompts[k % 16], n)] = (k % 16, n)
+            k += 1
+        e.step()
+        if e.rounds == 200:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+    done = e.run()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+    assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active and not e.waiting
+    assert len(done) == len(ids) > 5_000
+    parted = 0
+    for rid, (j, n) in ids.items():
+        got, want = done[rid].tokens, refs[j][:n]
+        if got != want:
+            parted += 1
+            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            assert _top2_margin(t, prompts[j] + want, len(prompts[j]) + at - 1) < NEAR_TIE, (rid, at)
+    assert parted <= len(ids) // 100
