@@ -91,7 +91,7 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5) -> dict:
     eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels", "gpu_s"}} plus the
     totals; the engine must be idle (one request is served and finished here)."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    engine.add_request(prompt, 8 + rounds * (engine.rows + 1))
+    engine.add_request(prompt, min(3 * engine.max_accept + 2, engine.max_len - len(prompt) - engine.lookahead))
     engine.step()
     engine.step()
     order = list(STAGES)

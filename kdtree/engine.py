@@ -48,19 +48,24 @@ from .round_ops import GoldenOps, KernelOps, choose
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
 STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
-# The BLAS library torch is asked to prefer while the engine runs on a GPU (its rounds, their capture, prefill);
-# None keeps torch's choice. cuBLAS's own heuristic picks a slow kernel for float32 GEMMs of 8..16 rows on the
-# H200 (the record: outputs/h200/engine_blas.json); the preference is restored after each call.
-ROUND_BLAS: str | None = "cublaslt"
+# The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (the flattened batch x
+# block rows of a region: draft, verify, commit, a prefill chunk): at most SMALL_GEMM_ROWS rows -> SMALL_GEMM_BLAS,
+# more -> LARGE_GEMM_BLAS (None: torch's own choice). cuBLAS's heuristic picks a slow kernel for float32 GEMMs of
+# 8..16 rows on the H200 (the record: outputs/h200/engine_blas.json). Set around each region (so also while a
+# graph captures it) and restored after it.
+SMALL_GEMM_ROWS = 16
+SMALL_GEMM_BLAS: str | None = "cublaslt"
+LARGE_GEMM_BLAS: str | None = "cublas"
 
 
 @contextlib.contextmanager
-def _blas(device: torch.device):
-    if device.type != "cuda" or ROUND_BLAS is None:
+def _blas(device: torch.device, rows: int):
+    lib = SMALL_GEMM_BLAS if rows <= SMALL_GEMM_ROWS else LARGE_GEMM_BLAS
+    if device.type != "cuda" or lib is None:
         yield
         return
     prev = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(ROUND_BLAS)
+    torch.backends.cuda.preferred_blas_library(lib)
     try:
         yield
     finally:
@@ -385,8 +390,7 @@ class Engine:
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
         if self.graph_reason is None:
-            with _blas(dev):
-                self._capture()
+            self._capture()
 
     # ------------------------------------------------------------- public API
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
@@ -421,10 +425,9 @@ class Engine:
         A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
         then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on."""
         emitted: dict[int, list[int]] = {}
-        with _blas(self.device):
-            self._admit(emitted)
-            if self.active:
-                self._run_round(emitted)
+        self._admit(emitted)
+        if self.active:
+            self._run_round(emitted)
         self._raise_errors()
         return emitted
 
@@ -492,8 +495,9 @@ class Engine:
             mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
             meta = PagedMeta.build(self.page_table[s:s + 1], start, start[:, None] + torch.arange(T, device=dev),
                                    mask, self.page_size, self.model.attn_impl, self.dense_moe)
-            out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta, self.layers,
-                                           logits_for=[-1])
+            with _blas(dev, T):
+                out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta, self.layers,
+                                               logits_for=[-1])
             r.result.target_forwards += 1
             logits = out.logits[0]
             if self.layers:
@@ -569,18 +573,22 @@ class Engine:
         is a host one). clock(stage) marks the end of a stage when profiling. Returns the verify logits
         [b, N, V] float32 (inside a graph: its static output, rewritten by every replay)."""
         mark = clock or (lambda stage: None)
-        draft = self._draft(b)
+        dev, A = self.device, self.max_accept
+        with _blas(dev, b * A):
+            draft = self._draft(b)
         mark("draft")
         blk = self._build(draft, self.root[:b], self.lens[:b])
         mark("build")
-        logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask, blk.mask_words, b,
-                                                     sampling)
+        with _blas(dev, b * self.rows):
+            logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask, blk.mask_words, b,
+                                                         sampling)
         mark("verify")
-        acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, self.max_accept)
+        acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
         mark("walk")
         if self.rows > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
-        self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b)
+        with _blas(dev, b * A):
+            self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b)
         mark("commit")
         return logits
 

@@ -156,24 +156,27 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
     back, outputs == the oracle except at near-ties (counted, each checked to be one)."""
     t, d = pair
     prompts = random_prompts(t.args, 16, seed=33, min_len=8, max_len=60)
-    longest = 96
+    longest = 240
     refs = [oracle_ar(t, p, longest).tokens for p in prompts]
-    e = Engine(t, d, mode="ddtree", budget=16, max_batch=32, max_len=256)
-    ids, k, base = {}, 0, None
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=32, max_len=512)
+    ids, k, samples = {}, 0, []
     while e.rounds < 10_000:
         while len(e.waiting) + len(e.active) < 40:
             n = 8 + (37 * k) % (longest - 7)
             ids[e.add_request(prompts[k % 16], n)] = (k % 16, n)
             k += 1
+        before = e.rounds
         e.step()
-        if e.rounds == 200:
+        if e.rounds > before and e.rounds % 500 == 0:
             torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
+            samples.append(torch.cuda.memory_allocated())
     done = e.run()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == base
+    # flat: after the first 500 rounds no sample (nor the end) rises by 4 MiB, which 1 KiB a request would pass
+    base = samples[0]
+    assert max(samples + [torch.cuda.memory_allocated()]) - base < 4 << 20, (base, samples)
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active and not e.waiting
-    assert len(done) == len(ids) > 5_000
+    assert len(done) == len(ids) > 2_000
     parted = 0
     for rid, (j, n) in ids.items():
         got, want = done[rid].tokens, refs[j][:n]
