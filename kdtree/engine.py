@@ -50,12 +50,14 @@ BACKENDS = ("golden", "kernel")
 STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
 # The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (the flattened batch x
 # block rows of a region: draft, verify, commit, a prefill chunk): at most SMALL_GEMM_ROWS rows -> SMALL_GEMM_BLAS,
-# more -> LARGE_GEMM_BLAS (None: torch's own choice). cuBLAS's heuristic picks a slow kernel for float32 GEMMs of
-# 8..16 rows on the H200 (the record: outputs/h200/engine_blas.json). Set around each region (so also while a
-# graph captures it) and restored after it.
+# more -> LARGE_GEMM_BLAS (None: torch's own choice). Set around each region (so also while a graph captures it)
+# and restored after it. cuBLAS's own heuristic picks a slow kernel for float32 GEMMs of 8..16 rows on the H200
+# (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs measured faster at
+# batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round with 520-row verify
+# GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
-LARGE_GEMM_BLAS: str | None = "cublas"
+LARGE_GEMM_BLAS: str | None = "cublaslt"
 
 
 @contextlib.contextmanager

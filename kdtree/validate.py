@@ -22,6 +22,14 @@ from .drafter import OracleDrafter, build_drafter
 from .model import Transformer
 
 
+def _count(name: str, v) -> int:
+    """A count a check runs over: a positive int (a numpy int too, never a bool), else a ValueError (a check over
+    nothing would report a pass)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ValueError(f"{name}={v!r}: expected a positive int (a check over nothing proves nothing)")
+    return int(v)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative error ||x - ref|| / ||ref|| (Frobenius), computed in float64."""
     x, ref = x.double(), ref.double()
@@ -146,6 +154,7 @@ def check_tree(logits: np.ndarray, budget: int) -> list[str]:
 def golden_property_checks(n_cases: int = 200, seed: int = 0, max_L: int = 4, max_V: int = 6,
                            max_budget: int = 40) -> dict:
     """Random small cases (brute force is exponential): tree == top-B prefixes, prefix-closed, parents first."""
+    n_cases = _count("n_cases", n_cases)
     rng = np.random.default_rng(seed)
     failures = []
     for c in range(n_cases):
@@ -192,6 +201,9 @@ def losslessness(model: Transformer, n_prompts: int = 20, max_new_tokens: int = 
     """Greedy speculative output vs greedy AR output on random prompts. `oracle`: keyword arguments of
     OracleDrafter. Returns, per case name (and 'ar'): prompts, mismatches, target forwards, tokens,
     forwards_per_token and every round's accept length."""
+    n_prompts, max_new_tokens = _count("n_prompts", n_prompts), _count("max_new_tokens", max_new_tokens)
+    if not cases:
+        raise ValueError("cases: expected at least one speculative case")
     prompts = random_prompts(model.args, n_prompts, seed)
     drafters = {}
     report = {c.name: {"mismatches": 0, "prompts": 0, "forwards": 0, "tokens": 0, "accept_lengths": []}
@@ -234,6 +246,8 @@ def oracle_sweep(model: Transformer, prompts, max_new_tokens: int, block_size: i
                  oracle: dict | None = None, progress: bool = False) -> dict:
     """Target forwards per generated token for AR, the DFlash chain and DDTree at each budget, all driven by
     the OracleDrafter (so acceptance reflects the tree, not a drafter's training). Also checks equality."""
+    _count("len(prompts)", len(prompts))
+    max_new_tokens = _count("max_new_tokens", max_new_tokens)
     rows = {"ar": [], "dflash": [], **{f"ddtree B={b}": [] for b in budgets}}
     taus = {k: [] for k in rows}
     equal = True
@@ -321,6 +335,7 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
                   block_size: int = 16) -> dict:
     """Kernels vs golden on fresh random inputs (GPU only): tree build at K2.6 vocabulary, walk, verify
     attention against float64, and greedy DDTree with every stage on the GPU against AR."""
+    n_prompts, max_new_tokens = _count("n_prompts", n_prompts), _count("max_new_tokens", max_new_tokens)
     from . import kernels
     rng = np.random.default_rng(seed)
     out = {}

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree import decode, golden, quant, weights
+from kdtree import decode, golden, quant, validate, weights
 from kdtree.config import ModelArgs
 from kdtree.drafter import OracleDrafter
 from kdtree.model import Transformer, init_weights
@@ -194,3 +194,23 @@ def test_golden_compile_tree_and_walk_check_their_arguments():
         golden.walk(vb.tokens, vb.parents, vb.tokens.astype(np.float64))
     acc, bonus = golden.walk(vb.tokens, vb.parents, vb.tokens)
     assert acc[0] == 0
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda m: validate.losslessness(m, n_prompts=0), "n_prompts=0"),
+    (lambda m: validate.losslessness(m, n_prompts=2, max_new_tokens=0), "max_new_tokens=0"),
+    (lambda m: validate.losslessness(m, n_prompts=True), "n_prompts=True"),
+    (lambda m: validate.losslessness(m, n_prompts=2, cases=()), "cases"),
+    (lambda m: validate.golden_property_checks(n_cases=0), "n_cases=0"),
+    (lambda m: validate.oracle_sweep(m, [], 8, 4, (4,)), "len\\(prompts\\)=0"),
+    (lambda m: validate.kernel_checks(n_prompts=0), "n_prompts=0"),
+])
+def test_validate_refuses_a_check_over_nothing(tiny, call, needle):
+    """A validation over zero prompts or cases would report a pass over nothing: refused, naming the count."""
+    with pytest.raises(ValueError, match=needle):
+        call(tiny[2])
+
+
+def test_validate_counts_take_numpy_ints():
+    rep = validate.golden_property_checks(n_cases=np.int64(3))
+    assert rep["cases"] == 3 and isinstance(rep["cases"], int) and not rep["failures"]
