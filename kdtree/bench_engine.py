@@ -87,11 +87,12 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
 
 
 def stage_kernels(engine: Engine, prompt, rounds: int = 5) -> dict:
-    """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own code run
-    eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels", "gpu_s"}} plus the
-    totals; the engine must be idle (one request is served and finished here)."""
+    """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
+    code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
+    "gpu_s"}} plus the totals; the engine must be idle (one request is served and finished here)."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    engine.add_request(prompt, min(3 * engine.max_accept + 2, engine.max_len - len(prompt) - engine.lookahead))
+    room = engine.max_len - len(prompt) - engine.lookahead
+    engine.add_request(prompt, min(3 * engine.max_accept + 2, room))
     engine.step()
     engine.step()
     order = list(STAGES)
@@ -227,8 +228,8 @@ def _target(name, measured, goal, higher=True, **kw):
 def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
         compile: bool = True, batched_compile: bool | None = None) -> dict:
-    """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile: the
-    batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile)."""
+    """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile:
+    the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile)."""
     from .oracle import oracle_ar
     if not torch.cuda.is_available():
         raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the GPU)")
@@ -351,9 +352,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         det[flag] = run_engine(e, p1[:1], max_new)
         det[flag].pop("outputs")
         del e
-    rec["deterministic_cost"] = {"mode": "ddtree", "budget": budgets[0], "max_batch": max(batches), "requests": 1,
-                                 "default": det[False], "deterministic": det[True],
-                                 "round_ratio": det[True]["round_wall_median_s"] / det[False]["round_wall_median_s"]}
+    ratio = det[True]["round_wall_median_s"] / det[False]["round_wall_median_s"]
+    rec["deterministic_cost"] = {"mode": "ddtree", "budget": budgets[0], "max_batch": max(batches),
+                                 "requests": 1, "default": det[False], "deterministic": det[True],
+                                 "round_ratio": ratio}
     (out / "engine.json").write_text(json.dumps(rec, indent=1))
     for b in batches:
         ps = prompts[:b]
@@ -397,7 +399,8 @@ def summary(rec: dict) -> str:
                 f"{k} {v['kernels']:.0f} kernels {1e6 * v['gpu_s']:.0f} us" for k, v in st.items()))
     dc = rec.get("deterministic_cost")
     if dc:
-        lines.append(f"deterministic=True, one request, max_batch {dc['max_batch']}: round x{dc['round_ratio']:.2f}")
+        lines.append(f"deterministic=True, one request, max_batch {dc['max_batch']}: "
+                     f"round x{dc['round_ratio']:.2f}")
     for r in rec["speculative"] + rec["batched"]:
         wall, span = r["round_wall_median_s"] or 0, r["round_gpu_span_median_s"] or 0
         lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} "
@@ -428,8 +431,8 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us (min {r['min_s'] * 1e6:.1f})")
         return
-    rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets), batches=tuple(a.batches),
-              batched_compile=False if a.batched_eager else None)
+    rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets),
+              batches=tuple(a.batches), batched_compile=False if a.batched_eager else None)
     print(summary(rec))
 
 

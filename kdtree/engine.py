@@ -48,13 +48,13 @@ from .round_ops import GoldenOps, KernelOps, choose
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
 STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
-# The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (the flattened batch x
-# block rows of a region: draft, verify, commit, a prefill chunk): at most SMALL_GEMM_ROWS rows -> SMALL_GEMM_BLAS,
-# more -> LARGE_GEMM_BLAS (None: torch's own choice). Set around each region (so also while a graph captures it)
-# and restored after it. cuBLAS's own heuristic picks a slow kernel for float32 GEMMs of 8..16 rows on the H200
-# (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs measured faster at
-# batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round with 520-row verify
-# GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
+# The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (batch x block
+# rows of a region: draft, verify, commit, a prefill chunk): at most SMALL_GEMM_ROWS rows -> SMALL_GEMM_BLAS,
+# more -> LARGE_GEMM_BLAS (None: torch's own choice). Set around each region (so also while a graph captures
+# it) and restored after it. cuBLAS's own heuristic picks a slow kernel for float32 GEMMs of 8..16 rows on
+# the H200 (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs
+# measured faster at batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round
+# with 520-row verify GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
 LARGE_GEMM_BLAS: str | None = "cublaslt"
@@ -269,16 +269,17 @@ class Engine:
     sizes rounds are padded to (default 1, 2, 4, ... max_batch); graph_sampling: also capture the rounds with
     sampling requests (else those run eagerly); compile: the target's and the drafter's forwards through
     torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls);
-    deterministic: every round runs at max_batch rows of requests (one bucket), so a request's arithmetic (each
-    GEMM's shape, hence its kernel and summation order) does not depend on how many requests share its round:
-    its tokens and logits are bitwise the same alone or in a full batch (the MoE runs densely on the CPU too). The
-    default rounds repeat bitwise for the same batch, but a request's rounding may change with its batch mates
-    (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts."""
+    deterministic: every round runs at max_batch rows of requests (one bucket), so a request's arithmetic
+    (each GEMM's shape, hence its kernel and summation order) does not depend on how many requests share its
+    round: its tokens and logits are bitwise the same alone or in a full batch (the MoE runs densely on the
+    CPU too). The default rounds repeat bitwise for the same batch, but a request's rounding may change with
+    its batch mates (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                  graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
-                 buckets=None, graph_sampling: bool = True, compile: bool = False, deterministic: bool = False):
+                 buckets=None, graph_sampling: bool = True, compile: bool = False,
+                 deterministic: bool = False):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         if mode not in MODES:
@@ -328,11 +329,12 @@ class Engine:
             raise ValueError(f"deterministic={deterministic!r}: expected True or False")
         if deterministic:
             if buckets is not None and tuple(sorted(set(buckets))) != (max_batch,):
-                raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: buckets={buckets!r} "
-                                 "contradicts it (leave buckets out)")
-            if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts) for layer in model.model.layers):
-                raise ValueError("deterministic=True: INT4 experts are not supported (their paths group tokens by "
-                                 "expert, and the GPU kernel moe_int4 combines experts with float32 atomics)")
+                raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: "
+                                 f"buckets={buckets!r} contradicts it (leave buckets out)")
+            if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts)
+                   for layer in model.model.layers):
+                raise ValueError("deterministic=True: INT4 experts are not supported (their paths group "
+                                 "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
             buckets = (max_batch,)
         self.deterministic = deterministic
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
@@ -388,7 +390,7 @@ class Engine:
         self.last_round: dict = {}   # the last round's stage seconds, batch, bucket, whether a graph replayed it
         self.graphs: dict = {}
         self._graph_logits: dict = {}
-        self.last_logits: torch.Tensor | None = None  # the last round's verify logits [n, N, V] (until the next step)
+        self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
         if self.graph_reason is None:
@@ -498,8 +500,8 @@ class Engine:
             meta = PagedMeta.build(self.page_table[s:s + 1], start, start[:, None] + torch.arange(T, device=dev),
                                    mask, self.page_size, self.model.attn_impl, self.dense_moe)
             with _blas(dev, T):
-                out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta, self.layers,
-                                               logits_for=[-1])
+                out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta,
+                                               self.layers, logits_for=[-1])
             r.result.target_forwards += 1
             logits = out.logits[0]
             if self.layers:
@@ -582,8 +584,8 @@ class Engine:
         blk = self._build(draft, self.root[:b], self.lens[:b])
         mark("build")
         with _blas(dev, b * self.rows):
-            logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask, blk.mask_words, b,
-                                                         sampling)
+            logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask,
+                                                         blk.mask_words, b, sampling)
         mark("verify")
         acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
         mark("walk")
@@ -599,8 +601,8 @@ class Engine:
         [b, N, V], choice int [b, N], the drafter's features [b, N, F] (None in AR), finite bool [b] (every
         logit of the request finite)."""
         lens = self.lens[:b]
-        meta = PagedMeta.build(self.page_table[:b], lens, positions, mask, self.page_size, self.model.attn_impl,
-                               self.dense_moe, mask_words)
+        meta = PagedMeta.build(self.page_table[:b], lens, positions, mask, self.page_size,
+                               self.model.attn_impl, self.dense_moe, mask_words)
         out = self.model.forward_paged(tokens.long(), self.pool, meta, self.layers)
         choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
         feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]
@@ -686,8 +688,8 @@ class Engine:
         host = self.out_host[:n].tolist()
         stages = clock.times()
         stages["round"] = time.perf_counter() - t0
-        # ids: the request in each row of last_logits
-        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None, ids=[r.rid for r in self.active])
+        ids = [r.rid for r in self.active]  # the request in each row of last_logits
+        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None, ids=ids)
         self.rounds += 1
         for i, (r, row) in enumerate(zip(list(self.active), host)):
             k, ok, new = row[0], row[1], row[2:2 + row[0]]

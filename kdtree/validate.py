@@ -23,8 +23,8 @@ from .model import Transformer
 
 
 def _count(name: str, v) -> int:
-    """A count a check runs over: a positive int (a numpy int too, never a bool), else a ValueError (a check over
-    nothing would report a pass)."""
+    """A count a check runs over: a positive int (a numpy int too, never a bool), else a ValueError (a check
+    over nothing would report a pass)."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ValueError(f"{name}={v!r}: expected a positive int (a check over nothing proves nothing)")
     return int(v)

@@ -98,7 +98,7 @@ def test_memory_is_flat_over_many_rounds(pair):
 
 
 def _trace(engine, reqs, watch=0):
-    """Serve (prompt, max_new) requests at once; their tokens and request `watch`'s verify logits per round."""
+    """Serve (prompt, max_new) requests at once; their tokens and request `watch`'s logits per round."""
     ids = [engine.add_request(p, n) for p, n in reqs]
     rows = []
     while engine.waiting or engine.active:
@@ -152,8 +152,8 @@ NEAR_TIE = 1e-3  # float32 logits: a request may part from the oracle only where
 
 
 def test_soak_ten_thousand_rounds_at_batch_32(pair):
-    """10,000 graphed rounds at batch 32, requests arriving and finishing: memory flat after warm-up, every page
-    back, outputs == the oracle except at near-ties (counted, each checked to be one)."""
+    """10,000 graphed rounds at batch 32, requests arriving and finishing: memory flat after warm-up, every
+    page back, outputs == the oracle except at near-ties (counted, each checked to be one)."""
     t, d = pair
     prompts = random_prompts(t.args, 16, seed=33, min_len=8, max_len=60)
     longest = 240
@@ -172,7 +172,7 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
             samples.append(torch.cuda.memory_allocated())
     done = e.run()
     torch.cuda.synchronize()
-    # flat: after the first 500 rounds no sample (nor the end) rises by 4 MiB, which 1 KiB a request would pass
+    # flat: after the first 500 rounds no sample (nor the end) rises by 4 MiB (1 KiB a request would)
     base = samples[0]
     assert max(samples + [torch.cuda.memory_allocated()]) - base < 4 << 20, (base, samples)
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active and not e.waiting
