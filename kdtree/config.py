@@ -8,6 +8,7 @@ name (`tiny-a`, `tiny-b`), a name under `data/configs/` (`kimi-k2.6`) or a path.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -25,6 +26,21 @@ def _config_dir() -> Path:
 CONFIG_DIR = _config_dir()
 
 _ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# keys a HF config must hold (they fix the tensors' shapes); the others default as the dataclass says
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+                 "n_routed_experts", "num_experts_per_tok", "num_attention_heads", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# keys of DeepSeek-V3 / Kimi configs the model does not use; an unknown key close to a field name is a typo
+OTHER_HF_KEYS = frozenset((
+    "architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "text_config",
+    "vision_config", "quantization_config", "hidden_act", "num_key_value_heads", "attention_bias",
+    "attention_dropout", "bos_token_id", "pad_token_id", "use_cache", "initializer_range", "moe_layer_freq",
+    "ep_size", "num_nextn_predict_layers", "aux_loss_alpha", "seq_aux", "pretraining_tp", "rope_parameters",
+    "head_dim", "qk_head_dim", "mlp_bias"))
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -113,11 +129,20 @@ class ModelArgs:
                      "max_position_embeddings"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive int")
-        need(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0, "n_shared_experts", "an int >= 0")
+        need(isinstance(self.n_shared_experts, int) and not isinstance(self.n_shared_experts, bool)
+             and self.n_shared_experts >= 0, "n_shared_experts", "an int >= 0")
+        for name in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
+            need(isinstance(getattr(self, name), bool), name, "true or false (a JSON bool)")
+        need(not self.tie_word_embeddings, "tie_word_embeddings",
+             "false: no DeepSeek-V3 / Kimi checkpoint ties lm_head to the embedding, and the model never does")
+        need(self.eos_token_id is None or (isinstance(self.eos_token_id, int) and not isinstance(
+            self.eos_token_id, bool) and 0 <= self.eos_token_id < self.vocab_size), "eos_token_id",
+             f"null or a token id in [0, vocab_size={self.vocab_size})")
         need(isinstance(self.first_k_dense_replace, int)
              and 0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              "first_k_dense_replace", f"an int in [0, num_hidden_layers={self.num_hidden_layers}]")
-        need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
+        need(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and not isinstance(
+            self.q_lora_rank, bool) and self.q_lora_rank > 0),
              "q_lora_rank", "null or a positive int")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "an even number")
         need(self.n_routed_experts % self.n_group == 0, "n_group",
@@ -129,18 +154,24 @@ class ModelArgs:
              f"<= topk_group * experts per group = {self.topk_group * per_group}")
         need(self.scoring_func == "sigmoid", "scoring_func", "'sigmoid'")
         need(self.topk_method == "noaux_tc", "topk_method", "'noaux_tc' (sigmoid scores, bias for selection only)")
-        need(isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0
-             and math.isfinite(self.routed_scaling_factor), "routed_scaling_factor", "a positive finite number")
-        need(isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1, "rope_theta", "a number > 1")
-        need(isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0, "rms_norm_eps", "a number > 0")
+        need(_finite(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
+             "a positive finite number")
+        need(_finite(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a finite number > 1")
+        need(_finite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps", "a number in (0, 1)")
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             need(isinstance(rs, dict), "rope_scaling", "null or a dict")
             need(rs.get("type", "yarn") == "yarn", "rope_scaling", "type 'yarn' (or null for plain RoPE)")
             missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rs]
             need(not missing, "rope_scaling", f"a dict with keys {missing}")
-            need(rs["factor"] >= 1, "rope_scaling", "factor >= 1")
-            need(rs["original_max_position_embeddings"] > 0, "rope_scaling", "original_max_position_embeddings > 0")
+            unknown = sorted(set(rs) - set(_ROPE_KEYS) - {"type"})
+            need(not unknown, "rope_scaling", f"only the keys {('type',) + _ROPE_KEYS}, not {unknown}")
+            need(_finite(rs["factor"]) and rs["factor"] >= 1, "rope_scaling", "factor a finite number >= 1")
+            ompe = rs["original_max_position_embeddings"]
+            need(isinstance(ompe, int) and not isinstance(ompe, bool) and ompe > 0, "rope_scaling",
+                 "original_max_position_embeddings a positive int")
+            for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                need(k not in rs or _finite(rs[k]), "rope_scaling", f"{k} a finite number")
 
     # ---------------------------------------------------------------- HF in/out
     @classmethod
@@ -154,10 +185,22 @@ class ModelArgs:
                 p = p / "config.json"
             if not p.exists():
                 raise FileNotFoundError(f"from_hf_config: no config at {p}")
-            cfg = json.loads(p.read_text())
+            try:
+                cfg = json.loads(p.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"from_hf_config: {p} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"from_hf_config: expected a JSON object, got {type(cfg).__name__}")
         if "text_config" in cfg:  # Kimi K2.x multimodal wrapper
             cfg = {**cfg["text_config"]}
         names = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in REQUIRED_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"from_hf_config: the config lacks the required key(s) {missing}")
+        for k in cfg:
+            close = [] if k in names or k in OTHER_HF_KEYS else difflib.get_close_matches(k, names, 1, 0.8)
+            if close:
+                raise ValueError(f"from_hf_config: unknown key {k!r}: did you mean {close[0]!r}?")
         kw: dict[str, Any] = {k: cfg[k] for k in names if k in cfg and k not in ("rope_scaling", "rope_theta")}
         rp = cfg.get("rope_parameters") or {}
         rs = cfg.get("rope_scaling")
@@ -218,9 +261,10 @@ def load_config(name_or_path: str | os.PathLike | ModelArgs) -> ModelArgs:
     s = str(name_or_path)
     if s in PRESETS:
         return dataclasses.replace(PRESETS[s])
+    shipped = CONFIG_DIR / (s if s.endswith(".json") else s + ".json")
+    if os.sep not in s and "/" not in s and shipped.is_file():  # a shipped name: never a file of the cwd
+        return ModelArgs.from_hf_config(shipped)
     p = Path(s)
-    if not p.exists():
-        p = CONFIG_DIR / (s if s.endswith(".json") else s + ".json")
     if not p.exists():
         known = sorted(PRESETS) + sorted(q.stem for q in CONFIG_DIR.glob("*.json"))
         raise ValueError(f"config={s!r}: expected one of {known} or a path to a HF config.json")

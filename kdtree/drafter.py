@@ -30,6 +30,11 @@ from torch import nn
 from .model import MLP, RMSNorm, apply_rope
 
 
+DRAFTER_REQUIRED_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "vocab_size", "num_hidden_layers",
+                         "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                         "intermediate_size")
+
+
 @dataclass
 class DrafterArgs:
     block_size: int = 8
@@ -48,7 +53,15 @@ class DrafterArgs:
     max_position_embeddings: int = 2048
 
     def __post_init__(self):
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        ids = self.target_layer_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"DrafterArgs.target_layer_ids={ids!r}: expected a list of target layer indices (ints)")
+        self.target_layer_ids = tuple(ids)
+        for name in ("block_size", "mask_token_id"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"DrafterArgs.{name}={v!r}: expected an int")
         for name in ("vocab_size", "target_hidden_size", "num_hidden_layers", "hidden_size", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
@@ -96,10 +109,16 @@ class DrafterArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "DrafterArgs":
+        """From a DFlash drafter's config.json (its DFlash keys at the top or under dflash_config); the keys
+        that fix its shapes and its tie to the target are required."""
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("dflash_config", {}), dict):
+            raise ValueError(f"DrafterArgs.from_hf_config: expected a JSON object, got {type(cfg).__name__}")
         names = set(cls.__dataclass_fields__)
-        dflash = cfg.get("dflash_config", {})
-        kw = {k: v for k, v in {**cfg, **dflash}.items() if k in names}
-        return cls(**kw)
+        merged = {**cfg, **cfg.get("dflash_config", {})}
+        missing = [k for k in DRAFTER_REQUIRED_KEYS if k not in merged]
+        if missing:
+            raise ValueError(f"DrafterArgs.from_hf_config: the drafter config lacks the required key(s) {missing}")
+        return cls(**{k: v for k, v in merged.items() if k in names})
 
 
 class DraftAttention(nn.Module):

@@ -5,9 +5,12 @@ outputs/h200/) when a CUDA GPU is present, so a CPU run never overwrites a GPU r
 """
 from __future__ import annotations
 
+import ast
+import io
 import json
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import torch
@@ -59,19 +62,62 @@ def parse_value(text: str):
         return text
 
 
+RUNNER_PARAMETERS = ("device", "out_dir")  # set by run_lab (--device, --out-dir), never by -p
+
+
 def find_notebooks(names) -> list[Path]:
+    """Every notebooks/NN_*.ipynb, or each name resolved to exactly one notebook (a path, a file name with or
+    without .ipynb, or a prefix such as '03' that only one notebook starts with)."""
     if not names:
         return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     out = []
+    known = [q.name for q in sorted(NOTEBOOKS.glob("*.ipynb"))]
     for n in names:
         p = Path(n)
-        cands = [p, NOTEBOOKS / p, NOTEBOOKS / (p.name + ".ipynb")] + sorted(NOTEBOOKS.glob(f"{p.name}*.ipynb"))
-        hit = next((c for c in cands if c.is_file()), None)
-        if hit is None:
-            known = [q.name for q in sorted(NOTEBOOKS.glob("*.ipynb"))]
+        exact = next((c for c in (p, NOTEBOOKS / p, NOTEBOOKS / (p.name + ".ipynb"))
+                      if c.is_file() and c.suffix == ".ipynb"), None)
+        hits = [exact] if exact else sorted(NOTEBOOKS.glob(f"{p.name}*.ipynb"))
+        if not hits:
             raise FileNotFoundError(f"notebook {n!r} not found; expected one of {known}")
-        out.append(hit)
+        if len(hits) > 1:
+            raise ValueError(f"notebook {n!r} matches {[h.name for h in hits]}: name one of them")
+        out.append(hits[0])
     return out
+
+
+def declared_parameters(nb: Path) -> dict[str, str]:
+    """{name: its comment} of the notebook's cell tagged 'parameters' (top-level assignments)."""
+    cells = json.loads(nb.read_text())["cells"]
+    cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    if cell is None:
+        return {}
+    src = "".join(cell["source"])
+    comments = {t.start[0]: t.string.lstrip("# ").strip()
+                for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    out = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    out[t.id] = comments.get(node.lineno, "")
+    return out
+
+
+def check_parameters(nb: Path, params: dict) -> None:
+    """-p names the notebook declares (not the runner's own), and a value among the listed ones where the
+    parameter's comment starts with a list 'a | b | c' (notebook 03's stage). ValueError naming the parameter."""
+    declared = declared_parameters(nb)
+    for k, v in params.items():
+        if k in RUNNER_PARAMETERS:
+            raise ValueError(f"-p {k}: set by the runner (use --{k.replace('_', '-')})")
+        if k not in declared:
+            raise ValueError(f"-p {k}: {nb.name} declares no such parameter; it declares "
+                             f"{sorted(n for n in declared if n not in RUNNER_PARAMETERS)}")
+        m = re.match(r"([\w.-]+(?:\s*\|\s*[\w.-]+)+)", declared[k])
+        if m:
+            choices = [c.strip() for c in m.group(1).split("|")]
+            if not isinstance(v, str) or v not in choices:
+                raise ValueError(f"-p {k} {v!r}: expected one of {choices}")
 
 
 def executed_name(nb: Path, params: dict) -> str:
@@ -86,10 +132,13 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto", out_
     import papermill as pm
 
     device = pick_device(device)
+    nbs = find_notebooks(notebooks)
+    for nb in nbs:  # every notebook's parameters checked before anything runs or is written
+        check_parameters(nb, params or {})
     out = Path(out_dir) if out_dir else output_dir(device)
     out.mkdir(parents=True, exist_ok=True)
     done = []
-    for nb in find_notebooks(notebooks):
+    for nb in nbs:
         p = {"device": device, "out_dir": str(out.resolve()), **(params or {})}
         target = out / executed_name(nb, p)
         print(f"[kdtree lab] {nb.name} on {device} -> {target}", flush=True)
@@ -111,9 +160,14 @@ def main_lab(argv: list[str]) -> int:
     ap.add_argument("--out-dir", default=None, help="default: outputs/ on a CPU, outputs/<gpu>/ on a GPU")
     a = ap.parse_args(argv)
     params = {k: parse_value(v) for k, v in a.parameter}
+    from papermill.exceptions import PapermillExecutionError
     try:
         run_lab(a.notebooks, params, a.device, a.out_dir)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PapermillExecutionError as e:  # the failing cell's exception in a few lines, not the whole traceback
+        print(f"error: a notebook failed in cell {e.exec_count}: {e.ename}: {str(e.evalue)[:600]}\n"
+              "(the executed copy, with the full traceback, is in the output folder)", file=sys.stderr)
+        return 1
     return 0

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import TINY_B
 from .model import MLA, MLP, AbsentExpert, Int4Experts, MoE, Transformer
 
 
@@ -74,6 +75,24 @@ def _shard_mla(attn: MLA, rank: int, world: int) -> None:
     _keep_rows(attn.kv_b_proj, per_head(a.qk_nope_head_dim + a.v_head_dim))
     _keep_cols(attn.o_proj, per_head(a.v_head_dim))
     attn.args = dataclasses.replace(a, num_attention_heads=heads.numel())
+
+
+def check_shardable(args, world: int) -> None:
+    """ValueError naming the first size of `args` (ModelArgs) that `world` ranks cannot split evenly: heads,
+    the dense layers' intermediate size, routed experts, the shared experts' intermediate size. Needs no
+    process group: the dry-run calls it before spawning."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r}: expected an int >= 1")
+    sizes = [("num_attention_heads", args.num_attention_heads)]
+    if args.first_k_dense_replace:
+        sizes.append(("intermediate_size", args.intermediate_size))
+    if args.n_moe_layers:
+        sizes.append(("n_routed_experts", args.n_routed_experts))
+        if args.n_shared_experts:
+            sizes.append(("shared expert intermediate", args.moe_intermediate_size * args.n_shared_experts))
+    for what, n in sizes:
+        if n % world:
+            raise ValueError(f"world={world}: {what} = {n} is not divisible by it")
 
 
 def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
@@ -127,6 +146,9 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
 
 
 # ----------------------------------------------------------------------------- dry-run
+DRY_ARGS = dataclasses.replace(TINY_B, num_attention_heads=8)  # 8 heads, 16 experts: divisible up to world 8
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,7 +159,6 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
               int4: bool) -> None:
     import json
 
-    from .config import TINY_B
     from .decode import generate_ar, generate_ddtree
     from .drafter import OracleDrafter, build_drafter
     from .model import build_model
@@ -148,7 +169,7 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        args = dataclasses.replace(TINY_B, num_attention_heads=8)  # 8 heads, 16 experts: divisible up to world 8
+        args = DRY_ARGS
         ref = build_model(args, seed=1, device=dev)
         model = build_model(args, seed=1, device=dev)
         if int4:  # routed experts in the INT4 release format, sharded as stacked blocks
@@ -209,6 +230,7 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
         raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (one GPU per rank)")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world={world!r}: expected an int >= 1")
+    check_shardable(DRY_ARGS, world)
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are visible")
     with tempfile.TemporaryDirectory() as d:

@@ -3,8 +3,12 @@
 `load(dir)` reads a checkpoint written by transformers' `DeepseekV3ForCausalLM.save_pretrained` (or by
 `save` below) into a `kdtree.model.Transformer`. Every tensor is checked by name and shape first; a
 mismatch raises `CheckpointError` listing the missing, unexpected and mis-shaped tensors.
-Tensors of layers past num_hidden_layers (the multi-token-prediction layer real checkpoints ship) are
-skipped and reported in `Transformer.skipped_tensors`.
+Before any model is built, the config is checked against the tensors' names: the layers they hold must be
+num_hidden_layers, plus at most the config's `num_nextn_predict_layers` trailing ones (the
+multi-token-prediction layers real checkpoints ship: skipped and reported in `Transformer.skipped_tensors`),
+and each MoE layer must hold n_routed_experts experts. Floating-point weights must come from floating
+tensors and be finite (`allow_nonfinite=True` lets NaN / inf through, for debugging); shard files named by an
+index must lie inside the checkpoint folder. Every failure is a `CheckpointError` naming the file or tensor.
 
 Routed experts stored INT4 (compressed-tensors `pack-quantized`, as K2 checkpoints store them:
 `...experts.{j}.{gate,up,down}_proj.weight_packed / weight_scale / weight_shape`) load into
@@ -26,18 +30,47 @@ from .config import ModelArgs
 from .model import Int4Experts, MoE, Transformer
 
 _PACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight_packed$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
     pass
 
 
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object from path, or CheckpointError naming the file."""
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"load: no {what} at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"load: {path} is not a readable JSON file ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"load: {path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _inside(d: Path, name) -> Path:
+    """The regular file `name` of folder d; CheckpointError for a path that leaves d or is not a file."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"load: the shard name {name!r} is not a file name inside {d}")
+    f = d / name
+    if not f.resolve().is_relative_to(d.resolve()):
+        raise CheckpointError(f"load: the shard {name!r} resolves outside {d} (a link?)")
+    if not f.is_file():
+        raise CheckpointError(f"load: the index names {name!r}, which is not a file in {d}")
+    return f
+
+
 def _tensor_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [d / f for f in sorted(set(weight_map.values()))]
-    files = sorted(d.glob("*.safetensors"))
+        weight_map = _read_json(index, "index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"load: {index}: expected a non-empty 'weight_map' object")
+        return [_inside(d, f) for f in sorted(set(map(str, weight_map.values())))]
+    files = [_inside(d, f.name) for f in sorted(d.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(f"load: no *.safetensors (or model.safetensors.index.json) in {d}")
     return files
@@ -49,14 +82,59 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for f in _tensor_files(d):
-        if not f.exists():
-            raise CheckpointError(f"load: the index names {f.name}, which is not in {d}")
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if k in out:
-                    raise CheckpointError(f"load: tensor {k} is in both {where[k]} and {f.name} ({d})")
-                out[k], where[k] = fh.get_tensor(k), f.name
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    if k in out:
+                        raise CheckpointError(f"load: tensor {k} is in both {where[k]} and {f.name} ({d})")
+                    out[k], where[k] = fh.get_tensor(k), f.name
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types (header, dtype, truncation)
+            raise CheckpointError(f"load: {f} is not a readable safetensors file ({type(e).__name__}: {e})") \
+                from None
     return out
+
+
+def check_layout(found: dict[str, torch.Tensor], args: ModelArgs, nextn: int = 0, where: str = "checkpoint"):
+    """The config against the tensors' names, before any model is built: layers 0..num_hidden_layers-1 all
+    present, none past num_hidden_layers + nextn (the trailing multi-token-prediction layers), and in each MoE
+    layer experts 0..n_routed_experts-1. CheckpointError naming a tensor otherwise."""
+    L = args.num_hidden_layers
+    layers: dict[int, str] = {}
+    for k in found:
+        if m := _LAYER.match(k):
+            layers.setdefault(int(m.group(1)), k)
+    absent = [i for i in range(L) if i not in layers]
+    if absent:
+        held = f"layers 0..{max(layers)}" if layers else "no layer tensors"
+        raise CheckpointError(f"{where}: the config says num_hidden_layers={L} but the tensors hold {held} "
+                              f"(no tensor model.layers.{absent[0]}.*)")
+    past = sorted(i for i in layers if i >= L + nextn)
+    if past:
+        raise CheckpointError(f"{where}: tensor {layers[past[0]]} is past num_hidden_layers={L} + "
+                              f"num_nextn_predict_layers={nextn}: the config has fewer layers than the tensors")
+    experts: dict[int, set[int]] = {}
+    for k in found:
+        if (m := _EXPERT.match(k)) and int(m.group(1)) < L:
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    for i in range(args.first_k_dense_replace, L):
+        held = experts.get(i, set())
+        if held != set(range(args.n_routed_experts)):
+            desc = f"experts {min(held)}..{max(held)} ({len(held)})" if held else "no routed experts"
+            raise CheckpointError(f"{where}: layer {i} holds {desc}; the config says n_routed_experts="
+                                  f"{args.n_routed_experts}")
+
+
+def check_values(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], allow_nonfinite: bool,
+                 where: str = "checkpoint") -> None:
+    """Floating tensors of the model from floating tensors of the checkpoint, all finite unless allowed."""
+    for k, want in expected.items():
+        t = found[k]
+        if want.is_floating_point() and not t.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {k}: expected a floating-point tensor, found {t.dtype}")
+        if not allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: tensor {k} holds NaN or inf (allow_nonfinite=True loads it anyway)")
 
 
 def check_state_dict(expected: dict[str, torch.Size], found: dict[str, torch.Tensor], args: ModelArgs,
@@ -87,7 +165,8 @@ def check_state_dict(expected: dict[str, torch.Size], found: dict[str, torch.Ten
     return skipped
 
 
-def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs) -> dict[int, Int4Experts]:
+def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs, allow_nonfinite: bool = False
+                       ) -> dict[int, Int4Experts]:
     """Pop every pack-quantized routed-expert tensor from `found`; per layer, the stacked Int4Experts."""
     layers = sorted({int(m.group(1)) for k in found if (m := _PACKED.match(k))})
     out = {}
@@ -109,6 +188,9 @@ def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs) -> dict[
             for name, w in (("gate", g), ("up", u), ("down", d)):
                 if w.shape != want[name]:
                     raise CheckpointError(f"{pre}.{name}_proj.weight_shape: expected {want[name]}, found {w.shape}")
+                if not allow_nonfinite and not bool(torch.isfinite(w.scale).all()):
+                    raise CheckpointError(f"{pre}.{name}_proj.weight_scale holds NaN or inf "
+                                          "(allow_nonfinite=True loads it anyway)")
             w13.append(quant.Int4Weight(torch.cat([g.packed, u.packed]), torch.cat([g.scale, u.scale]),
                                         (2 * args.moe_intermediate_size, args.hidden_size)))
             w2.append(d)
@@ -123,16 +205,35 @@ def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs) -> dict[
     return out
 
 
+def _config(d: Path) -> tuple[dict, int]:
+    """config.json of d (Kimi's text_config unwrapped) and its num_nextn_predict_layers (0 when absent)."""
+    cfg = _read_json(d / "config.json", "config.json")
+    inner = cfg.get("text_config", cfg)
+    nextn = inner.get("num_nextn_predict_layers", 0) if isinstance(inner, dict) else 0
+    if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+        raise CheckpointError(f"load: {d / 'config.json'}: num_nextn_predict_layers={nextn!r}: expected an int >= 0")
+    return cfg, nextn
+
+
 def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: str = "absorb",
-         args: ModelArgs | None = None) -> Transformer:
+         args: ModelArgs | None = None, allow_nonfinite: bool = False) -> Transformer:
     """Load a hub-layout checkpoint directory into a Transformer (config from its config.json unless given).
-    INT4 routed experts stay packed (Int4Experts); `dtype` applies to the floating-point weights."""
+    INT4 routed experts stay packed (Int4Experts); `dtype` applies to the floating-point weights. Checked as
+    the module docstring says, before anything is built; allow_nonfinite: accept NaN / inf weights."""
     d = Path(path)
     if not d.is_dir():
         raise CheckpointError(f"load: {d} is not a directory")
-    args = args or ModelArgs.from_hf_config(d)
+    nextn = 0
+    if args is None or (d / "config.json").exists():
+        cfg, nextn = _config(d)
+        if args is None:
+            try:
+                args = ModelArgs.from_hf_config(cfg)
+            except ValueError as e:
+                raise CheckpointError(f"load: {d / 'config.json'}: {e}") from None
     found = read_state_dict(d)
-    int4 = _take_int4_experts(found, args)
+    check_layout(found, args, nextn, where=f"checkpoint {d}")
+    int4 = _take_int4_experts(found, args, allow_nonfinite)
     with torch.device("meta"):
         skeleton = Transformer(args, attn_impl)
         for i, ex in int4.items():
@@ -140,6 +241,8 @@ def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: 
                 ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale)))
     expected = {k: v.shape for k, v in skeleton.state_dict().items() if ".mlp.experts.w" not in k}
     skipped = check_state_dict(expected, found, args, where=f"checkpoint {d}")
+    check_values({k: v for k, v in skeleton.state_dict().items() if k in expected}, found, allow_nonfinite,
+                 where=f"checkpoint {d}")
     model = Transformer(args, attn_impl)
     for i, ex in int4.items():
         model.model.layers[i].mlp.experts = ex
@@ -208,16 +311,23 @@ def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     return d
 
 
-def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32):
-    """The drafter saved by save_drafter, attached to `target` (checked like load: names and shapes)."""
+def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32, allow_nonfinite: bool = False):
+    """The drafter saved by save_drafter, attached to `target` (checked like load: names, shapes, dtypes,
+    finite values)."""
     from .drafter import DFlashDrafter, DrafterArgs
     d = Path(path)
     if not (d / "config.json").is_file():
         raise CheckpointError(f"load_drafter: no config.json in {d}")
-    args = DrafterArgs.from_hf_config(json.loads((d / "config.json").read_text()))
+    try:
+        args = DrafterArgs.from_hf_config(_read_json(d / "config.json", "config.json"))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"load_drafter: {d / 'config.json'}: {e}") from None
     found = read_state_dict(d)
     drafter = DFlashDrafter(args)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
     check_state_dict(expected, found, ModelArgs(), where=f"drafter checkpoint {d}")
+    check_values(drafter.state_dict(), found, allow_nonfinite, where=f"drafter checkpoint {d}")
     drafter.load_state_dict({k: found[k] for k in expected}, strict=True)
     return drafter.to(device=target.device, dtype=dtype).eval().attach(target)

@@ -65,3 +65,44 @@ def test_unknown_config_name_lists_the_choices():
     with pytest.raises(ValueError, match="kimi-k2.6"):
         load_config("no-such-model")
     assert (CONFIG_DIR / "kimi-k2.6.json").exists()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rope_theta", float("inf"), "rope_theta=inf: expected a finite number > 1"),
+    ("rms_norm_eps", float("inf"), "rms_norm_eps=inf: expected a number in"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"),
+    ("routed_scaling_factor", float("nan"), "routed_scaling_factor=nan"),
+    ("rope_interleave", "false", "rope_interleave='false': expected true or false"),
+    ("norm_topk_prob", 1, "norm_topk_prob=1: expected true or false"),
+    ("tie_word_embeddings", True, "tie_word_embeddings=True: expected false"),
+    ("eos_token_id", 1024, r"eos_token_id=1024: expected null or a token id in \[0, vocab_size=1024\)"),
+    ("eos_token_id", True, "eos_token_id=True"),
+    ("q_lora_rank", True, "q_lora_rank=True"),
+    ("n_shared_experts", False, "n_shared_experts=False"),
+    ("rope_scaling", {"factor": float("inf"), "original_max_position_embeddings": 256}, "factor a finite"),
+    ("rope_scaling", {"factor": 4.0, "original_max_position_embeddings": 256.5}, "a positive int"),
+    ("rope_scaling", {"factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": float("nan")},
+     "beta_fast a finite number"),
+    ("rope_scaling", {"factor": 4.0, "original_max_position_embeddings": 256, "mscale_al_dim": 1.0},
+     "not \\['mscale_al_dim'\\]"),
+])
+def test_model_args_refuse_what_the_model_cannot_honour(field, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        ModelArgs(**{field: value})
+
+
+def test_hf_configs_need_their_shape_keys_and_typos_are_named():
+    d = TINY_B.to_hf_config()
+    with pytest.raises(ValueError, match=r"lacks the required key\(s\) \['hidden_size'\]"):
+        ModelArgs.from_hf_config({k: v for k, v in d.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="unknown key 'rope_interleaved': did you mean 'rope_interleave'"):
+        ModelArgs.from_hf_config({**d, "rope_interleaved": False})
+    hub_extras = {"bos_token_id": 0, "head_dim": 64, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+    assert ModelArgs.from_hf_config({**d, **hub_extras}) == TINY_B
+
+
+def test_a_shipped_config_name_is_not_shadowed_by_a_file_in_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kimi-k2.6").write_text(json.dumps(TINY_A.to_hf_config()))
+    assert load_config("kimi-k2.6").num_hidden_layers == 61
+    assert load_config("./kimi-k2.6").num_hidden_layers == TINY_A.num_hidden_layers  # a path stays a path

@@ -127,3 +127,51 @@ def test_staged_runs_keep_their_own_executed_copy():
     assert lab.executed_name(nb, {"device": "cpu"}) == "03_train_pair.ipynb"
     assert lab.executed_name(nb, {"stage": "all"}) == "03_train_pair.ipynb"
     assert lab.executed_name(nb, {"stage": "drafter"}) == "03_train_pair-stage-drafter.ipynb"
+
+
+def test_lab_parameters_must_be_declared_and_in_range(tmp_path, capsys):
+    nb03 = lab.find_notebooks(["03"])[0]
+    lab.check_parameters(nb03, {"stage": "drafter", "n_prompts": 4})
+    for bad, needle in (({"stage": "../.."}, r"-p stage '\.\./\.\.': expected one of \['all', 'target'"),
+                        ({"out_dir": "/tmp/x"}, "-p out_dir: set by the runner"),
+                        ({"device": "cpu"}, "-p device: set by the runner"),
+                        ({"n_promts": 4}, "-p n_promts: 03_train_pair.ipynb declares no such parameter")):
+        with pytest.raises(ValueError, match=needle):
+            lab.check_parameters(nb03, bad)
+    out = tmp_path / "never"
+    assert lab.main_lab(["03", "--out-dir", str(out), "-p", "stage", "../.."]) == 2
+    assert not out.exists()  # refused before anything is written
+    assert "expected one of" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="matches .*: name one of them"):
+        lab.find_notebooks(["0"])
+    assert "block_size" in lab.declared_parameters(lab.find_notebooks(["00"])[0])  # papermill's parser misses it
+
+
+def test_a_failing_notebook_reports_its_cell_in_a_few_lines(tmp_path, capsys):
+    nb = tmp_path / "99_fails.ipynb"
+    cells = [{"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "execution_count": None,
+              "outputs": [],
+              "source": ['device = "auto"\n', 'out_dir = "."\n']},
+             {"cell_type": "code", "id": "f", "metadata": {}, "execution_count": None, "outputs": [],
+              "source": ['raise RuntimeError("the cause, stated")\n']}]
+    nb.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                                                        "display_name": "Python 3"}},
+                              "nbformat": 4, "nbformat_minor": 5}))
+    assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    msg = err[err.index("error:"):]  # after papermill's progress bar
+    assert "RuntimeError: the cause, stated" in msg and len(msg.strip().split("\n")) <= 3
+
+
+@pytest.mark.slow
+def test_staged_notebook_03_smoke_runs_share_their_checkpoints_on_a_cpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
+    for stage in ("target", "drafter", "measure"):
+        cmd = [sys.executable, "-m", "kdtree", "lab", "03", "--device", "cpu", "--out-dir", str(tmp_path),
+               "-p", "stage", stage]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (stage, r.stderr[-3000:])
+        assert (tmp_path / f"03_train_pair-stage-{stage}.ipynb").exists()
+    assert (tmp_path / "smoke_ckpt" / "target" / "config.json").exists()
+    assert (tmp_path / "smoke_ckpt" / "drafter" / "config.json").exists()
+    assert json.loads((tmp_path / "trained_pair.json").read_text())["measure"]

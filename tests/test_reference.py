@@ -80,10 +80,15 @@ def test_bad_tensors_are_named(tmp_path, edit, needle):
 
 
 def test_extra_layers_are_skipped_not_fatal(tmp_path):
-    """Real checkpoints carry a multi-token-prediction layer past num_hidden_layers."""
+    """Real checkpoints carry a multi-token-prediction layer past num_hidden_layers: skipped when the config
+    declares it (num_nextn_predict_layers), an error naming the tensor when it does not."""
     sd = _ckpt(tmp_path)
     sd["model.layers.4.eh_proj.weight"] = torch.zeros(2, 2)
     _rewrite(tmp_path, sd)
+    with pytest.raises(weights.CheckpointError, match=r"model\.layers\.4\.eh_proj\.weight is past num_hidden"):
+        weights.load(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     m = weights.load(tmp_path)
     assert m.skipped_tensors == ["model.layers.4.eh_proj.weight"]
 

@@ -113,3 +113,15 @@ def test_int4_expert_blocks_add_up_to_all_experts():
     assert ex.select(2, 4).select(1, 2).id_offset == 3
     with pytest.raises(ValueError, match="select"):
         ex.select(4, 4)
+
+
+def test_world_sizes_that_do_not_divide_are_refused_before_spawning(monkeypatch):
+    import torch.multiprocessing as mp
+    monkeypatch.setattr(mp, "spawn", lambda *a, **k: pytest.fail("spawned ranks for an impossible world"))
+    with pytest.raises(ValueError, match="world=3: num_attention_heads = 8 is not divisible"):
+        tp.dryrun(world=3)
+    with pytest.raises(ValueError, match="world=0"):
+        tp.dryrun(world=0)
+    tp.check_shardable(TINY_B, 4)
+    with pytest.raises(ValueError, match="n_routed_experts = 16"):
+        tp.check_shardable(TINY_B.replace(num_attention_heads=32), 32)
