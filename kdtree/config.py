@@ -27,9 +27,9 @@ CONFIG_DIR = _config_dir()
 
 _ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # keys a HF config must hold (they fix the tensors' shapes); the others default as the dataclass says
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-                 "n_routed_experts", "num_experts_per_tok", "num_attention_heads", "kv_lora_rank",
-                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                 "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "num_attention_heads",
+                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # keys of DeepSeek-V3 / Kimi configs the model does not use; an unknown key close to a field name is a typo
 OTHER_HF_KEYS = frozenset((
     "architectures", "model_type", "auto_map", "transformers_version", "torch_dtype", "dtype", "text_config",
@@ -134,7 +134,7 @@ class ModelArgs:
         for name in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
             need(isinstance(getattr(self, name), bool), name, "true or false (a JSON bool)")
         need(not self.tie_word_embeddings, "tie_word_embeddings",
-             "false: no DeepSeek-V3 / Kimi checkpoint ties lm_head to the embedding, and the model never does")
+             "false: no DeepSeek-V3 / Kimi checkpoint ties lm_head to the embedding, nor does the model")
         need(self.eos_token_id is None or (isinstance(self.eos_token_id, int) and not isinstance(
             self.eos_token_id, bool) and 0 <= self.eos_token_id < self.vocab_size), "eos_token_id",
              f"null or a token id in [0, vocab_size={self.vocab_size})")

@@ -56,7 +56,8 @@ class DrafterArgs:
         ids = self.target_layer_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"DrafterArgs.target_layer_ids={ids!r}: expected a list of target layer indices (ints)")
+            raise ValueError(f"DrafterArgs.target_layer_ids={ids!r}: expected a list of target layer "
+                             "indices (ints)")
         self.target_layer_ids = tuple(ids)
         for name in ("block_size", "mask_token_id"):
             v = getattr(self, name)
@@ -117,7 +118,8 @@ class DrafterArgs:
         merged = {**cfg, **cfg.get("dflash_config", {})}
         missing = [k for k in DRAFTER_REQUIRED_KEYS if k not in merged]
         if missing:
-            raise ValueError(f"DrafterArgs.from_hf_config: the drafter config lacks the required key(s) {missing}")
+            raise ValueError(f"DrafterArgs.from_hf_config: the drafter config lacks the required key(s) "
+                             f"{missing}")
         return cls(**{k: v for k, v in merged.items() if k in names})
 
 

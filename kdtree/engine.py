@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import golden
-from .model import Int4Experts, PagedMeta, Transformer
+from .model import Int4Experts, PagedMeta, Transformer, check_memory
 from .round_ops import GoldenOps, KernelOps, choose
 
 MODES = ("ar", "dflash", "ddtree")
@@ -347,8 +347,17 @@ class Engine:
         self.max_len = max_len
         self.pages_per_req = -(-max_len // page_size)
         self.kv_cap = self.pages_per_req * page_size
-        self.pages = PagePool(-(-max_tokens // page_size) + 1)
+        n_pages = -(-max_tokens // page_size) + 1
         a = model.args
+        need = (a.num_hidden_layers * n_pages * page_size * (a.kv_lora_rank + a.qk_rope_head_dim)
+                * torch.empty(0, dtype=model.cache_dtype).element_size())
+        if mode != "ar" and hasattr(drafter, "new_context"):
+            da = drafter.args
+            need += (2 * len(drafter.layers) * max_batch * da.num_key_value_heads
+                     * (self.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
+        check_memory(f"max_batch={max_batch}, max_len={max_len}, max_tokens={max_tokens} (the page pool and "
+                     "the drafter's context)", need, dev)
+        self.pages = PagePool(n_pages)
         self.pool = torch.zeros(a.num_hidden_layers, self.pages.n_pages * page_size,
                                 a.kv_lora_rank + a.qk_rope_head_dim, dtype=model.cache_dtype, device=dev)
         self.batched_drafter = mode != "ar" and hasattr(drafter, "new_context")

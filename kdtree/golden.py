@@ -55,10 +55,36 @@ def _as_logits(logits, name="logits") -> np.ndarray:
     return x
 
 
+MAX_BUDGET = 4096  # the golden path's ceiling: its [B + 1, B + 1] masks and Python heap stay small
+
+
 def _check_budget(budget) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
-        raise ValueError(f"budget={budget!r}: expected a positive int (number of draft nodes)")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget!r}: expected an int in [1, {MAX_BUDGET}] (number of draft nodes; "
+                         "the golden path's ceiling)")
     return int(budget)
+
+
+def _ids(name: str, a) -> np.ndarray:
+    """An integer array of token ids (>= 0), or a ValueError naming it (floats are never truncated)."""
+    a = np.asarray(a)
+    if a.size and (not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_):
+        raise ValueError(f"{name}: expected integer token ids, got dtype {a.dtype}")
+    if a.size and a.min() < 0:
+        raise ValueError(f"{name}: expected token ids >= 0, got {int(a.min())}")
+    return a
+
+
+def _check_parents(name: str, parents, n: int) -> np.ndarray:
+    """parents [n] integers with -1 <= parents[i] < i."""
+    p = np.asarray(parents)
+    if p.shape != (n,) or (p.size and (not np.issubdtype(p.dtype, np.integer) or p.dtype == np.bool_)):
+        raise ValueError(f"{name}: expected {n} integer parent indices, got {p.dtype} {p.shape}")
+    bad = np.flatnonzero((p < -1) | (p >= np.arange(n)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}: expected -1 <= parents[i] < i, got parents[{i}] = {int(p[i])}")
+    return p
 
 
 # ----------------------------------------------------------------------------- top-K + log-softmax
@@ -106,7 +132,7 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
     Returns the first `budget` finite-score prefixes in (-score, depth, parent index, rank) order
     (module docstring)."""
     budget = _check_budget(budget)
-    tt = np.asarray(top_tokens)
+    tt = _ids("top_tokens", top_tokens)
     lp = np.asarray(top_logprobs, dtype=np.float32)
     if tt.ndim != 2 or lp.shape != tt.shape or tt.shape[0] == 0 or tt.shape[1] == 0:
         raise ValueError(f"top_tokens/top_logprobs: expected equal non-empty shapes [L, K], got {tt.shape} and {lp.shape}")
@@ -167,9 +193,10 @@ class VerifyBlock:
 def ancestor_mask(parents) -> np.ndarray:
     """parents [N] (-1 = none, parents[i] < i) -> [N, N] bool, mask[i, j] = j is i or an ancestor of i."""
     p = np.asarray(parents)
+    if p.ndim != 1:
+        raise ValueError(f"parents: expected a 1-D array, got shape {p.shape}")
     N = p.shape[0]
-    if p.ndim != 1 or (p >= np.arange(N)).any() or (p < -1).any():
-        raise ValueError("parents: expected a 1-D array with -1 <= parents[i] < i")
+    _check_parents("parents", p, N)
     m = np.eye(N, dtype=bool)
     for i in range(N):
         if p[i] >= 0:
@@ -198,6 +225,17 @@ def compile_tree(tree: Tree, root_token: int, start_pos: int) -> VerifyBlock:
     if len(tree.parents) != n or len(tree.depths) != n:
         raise ValueError(f"tree: tokens, parents and depths of one length expected, got {n}, {len(tree.parents)}, "
                          f"{len(tree.depths)}")
+    _ids("tree.tokens", tree.tokens)
+    par = _check_parents("tree.parents", tree.parents, n)
+    dep = np.asarray(tree.depths)
+    want = np.ones(n, np.int64)
+    for i in range(n):
+        if par[i] >= 0:
+            want[i] = want[par[i]] + 1
+    if n and (not np.issubdtype(dep.dtype, np.integer) or (dep != want).any()):
+        i = int(np.flatnonzero(dep != want)[0]) if np.issubdtype(dep.dtype, np.integer) else 0
+        raise ValueError("tree.depths: expected each node one deeper than its parent (the root's children "
+                         f"at 1), got depths[{i}] = {dep[i].item()!r}, expected {int(want[i])}")
     tokens = np.concatenate([[root_token], tree.tokens]).astype(np.int64)
     positions = start_pos + np.concatenate([[0], tree.depths]).astype(np.int64)
     parents = np.concatenate([[-1], tree.parents + 1]).astype(np.int32)
@@ -222,6 +260,11 @@ def walk(tokens, parents, target_choice) -> tuple[np.ndarray, int]:
     if parents.shape != (N,) or choice.shape != (N,):
         raise ValueError(f"walk: expected tokens, parents, target_choice all of shape [{N}], got "
                          f"{tokens.shape}, {parents.shape}, {choice.shape}")
+    _ids("walk: tokens", tokens)
+    _ids("walk: target_choice", choice)
+    _check_parents("walk: parents", parents, N)
+    if N and parents[0] != -1:
+        raise ValueError(f"walk: row 0 is the root: expected parents[0] = -1, got {int(parents[0])}")
     children: dict[tuple[int, int], int] = {}
     for i in range(1, N):
         children.setdefault((int(parents[i]), int(tokens[i])), i)
@@ -233,7 +276,12 @@ def walk(tokens, parents, target_choice) -> tuple[np.ndarray, int]:
 
 def greedy_walk(tokens, parents, target_logits) -> tuple[np.ndarray, int]:
     """walk() with the target's argmax (lowest token id on ties) at every row; target_logits [N, V]."""
-    return walk(tokens, parents, np.asarray(target_logits).argmax(axis=-1))
+    x = np.asarray(target_logits)
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"target_logits: expected a float array [N, V], got {x.dtype} {x.shape}")
+    if np.isnan(x).any():
+        raise ValueError(f"target_logits: NaN at row {int(np.flatnonzero(np.isnan(x).any(-1))[0])}")
+    return walk(tokens, parents, x.argmax(axis=-1))
 
 
 def sampled_walk(tokens, parents, target_samples) -> tuple[np.ndarray, int]:
@@ -268,8 +316,13 @@ def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndar
 def compact_kv(cache, block_start: int, keep) -> tuple[np.ndarray, int]:
     """Gather semantics: out[block_start + j] = cache[block_start + keep[j]] for every j at once; all other
     rows unchanged. keep: strictly increasing indices into the block. Returns (out, new_length)."""
+    if isinstance(block_start, bool) or not isinstance(block_start, (int, np.integer)) or block_start < 0:
+        raise ValueError(f"block_start={block_start!r}: expected an int >= 0")
     c = np.array(cache, copy=True)
-    keep = np.asarray(keep, np.int64)
+    k = np.asarray(keep)
+    if k.size and (not np.issubdtype(k.dtype, np.integer) or k.dtype == np.bool_):
+        raise ValueError(f"compact_kv keep: expected integer row indices, got {k.dtype}")
+    keep = k.astype(np.int64)
     if keep.ndim != 1 or (keep.size > 1 and (np.diff(keep) <= 0).any()):
         raise ValueError("compact_kv keep: expected a strictly increasing 1-D index array")
     if keep.size and (keep[0] < 0 or block_start + keep[-1] >= c.shape[0]):

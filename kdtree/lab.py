@@ -105,7 +105,8 @@ def declared_parameters(nb: Path) -> dict[str, str]:
 
 def check_parameters(nb: Path, params: dict) -> None:
     """-p names the notebook declares (not the runner's own), and a value among the listed ones where the
-    parameter's comment starts with a list 'a | b | c' (notebook 03's stage). ValueError naming the parameter."""
+    parameter's comment starts with a list 'a | b | c' (notebook 03's stage). ValueError naming the
+    parameter."""
     declared = declared_parameters(nb)
     for k, v in params.items():
         if k in RUNNER_PARAMETERS:
@@ -166,7 +167,7 @@ def main_lab(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except PapermillExecutionError as e:  # the failing cell's exception in a few lines, not the whole traceback
+    except PapermillExecutionError as e:  # the failing cell's exception in a few lines, not the traceback
         print(f"error: a notebook failed in cell {e.exec_count}: {e.ename}: {str(e.evalue)[:600]}\n"
               "(the executed copy, with the full traceback, is in the output folder)", file=sys.stderr)
         return 1

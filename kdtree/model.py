@@ -21,6 +21,7 @@ All read the same latent cache and agree to rounding.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -350,6 +351,31 @@ class PagedMeta:
         return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, dense_moe)
 
 
+def free_bytes(device) -> int:
+    """Memory an allocation on `device` can take now: the GPU's free memory, or the host's available memory
+    (MemAvailable, else the physical total)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(what: str, nbytes: int, device) -> None:
+    """ValueError naming `what` (the arguments that size it) when nbytes exceeds what the device has free,
+    before anything is allocated."""
+    free = free_bytes(device)
+    if nbytes > free:
+        raise ValueError(f"{what}: needs {nbytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+                         f"free on {torch.device(device)}")
+
+
 class KVCache:
     """Per-layer latent cache: latent [layers, B, S_pad, kv_lora_rank + rope_dim], the normalized latent
     (`kv` view) then the rotated rope key (`pe` view). Rows are padded to whole pages of PAGE_SIZE, so that
@@ -365,6 +391,9 @@ class KVCache:
             raise ValueError(f"KVCache batch={batch!r}: expected a positive int")
         L, R = args.num_hidden_layers, args.kv_lora_rank
         s_pad = -(-max_len // self.PAGE_SIZE) * self.PAGE_SIZE
+        item = torch.empty(0, dtype=dtype).element_size()
+        check_memory(f"KVCache batch={batch}, max_len={max_len}",
+                     L * batch * s_pad * (R + args.qk_rope_head_dim) * item, device)
         self.latent = torch.zeros(L, batch, s_pad, R + args.qk_rope_head_dim, dtype=dtype, device=device)
         self.kv, self.pe = self.latent[..., :R], self.latent[..., R:]
         self.length = 0

@@ -114,11 +114,13 @@ def random_logits(rng: np.random.Generator, L: int, V: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def check_tree(logits: np.ndarray, budget: int) -> list[str]:
-    """All the properties of one tree; returns the list of violations (empty when all hold)."""
+def check_tree(logits: np.ndarray, budget: int, tree=None) -> list[str]:
+    """All the properties of one tree against the brute-force top-B prefixes of `logits`; returns the list of
+    violations (empty when all hold). tree: the tree to check (default: golden.build_tree's own)."""
     errs = []
     tt, lp = golden.topk_logprobs(logits, budget)
-    tree = golden.build_tree(tt, lp, budget)
+    if tree is None:
+        tree = golden.build_tree(tt, lp, budget)
     ranked = golden.all_prefixes_ranked(tt, lp)
     want = ranked[:budget]
     if tree.n != len(want):
@@ -140,7 +142,10 @@ def check_tree(logits: np.ndarray, budget: int) -> list[str]:
         errs.append("not prefix-closed")
     if tree.n and not np.all(np.isfinite(tree.scores)):
         errs.append("non-finite score in tree")
-    vb = golden.compile_tree(tree, 0, 10)
+    try:
+        vb = golden.compile_tree(tree, 0, 10)
+    except ValueError as e:
+        return errs + [f"compile_tree refuses it: {e}"]
     for i in range(vb.n):  # mask row = the path to the root
         anc, j = {i}, i
         while vb.parents[j] >= 0:

@@ -113,7 +113,8 @@ def check_layout(found: dict[str, torch.Tensor], args: ModelArgs, nextn: int = 0
     past = sorted(i for i in layers if i >= L + nextn)
     if past:
         raise CheckpointError(f"{where}: tensor {layers[past[0]]} is past num_hidden_layers={L} + "
-                              f"num_nextn_predict_layers={nextn}: the config has fewer layers than the tensors")
+                              f"num_nextn_predict_layers={nextn}: the config has fewer layers than the "
+                              "tensors")
     experts: dict[int, set[int]] = {}
     for k in found:
         if (m := _EXPERT.match(k)) and int(m.group(1)) < L:
@@ -134,7 +135,8 @@ def check_values(expected: dict[str, torch.Tensor], found: dict[str, torch.Tenso
         if want.is_floating_point() and not t.is_floating_point():
             raise CheckpointError(f"{where}: tensor {k}: expected a floating-point tensor, found {t.dtype}")
         if not allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{where}: tensor {k} holds NaN or inf (allow_nonfinite=True loads it anyway)")
+            raise CheckpointError(f"{where}: tensor {k} holds NaN or inf (allow_nonfinite=True loads it "
+                                  "anyway)")
 
 
 def check_state_dict(expected: dict[str, torch.Size], found: dict[str, torch.Tensor], args: ModelArgs,
@@ -211,7 +213,8 @@ def _config(d: Path) -> tuple[dict, int]:
     inner = cfg.get("text_config", cfg)
     nextn = inner.get("num_nextn_predict_layers", 0) if isinstance(inner, dict) else 0
     if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
-        raise CheckpointError(f"load: {d / 'config.json'}: num_nextn_predict_layers={nextn!r}: expected an int >= 0")
+        raise CheckpointError(f"load: {d / 'config.json'}: num_nextn_predict_layers={nextn!r}: expected an "
+                              "int >= 0")
     return cfg, nextn
 
 
@@ -311,7 +314,8 @@ def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     return d
 
 
-def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32, allow_nonfinite: bool = False):
+def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32,
+                 allow_nonfinite: bool = False):
     """The drafter saved by save_drafter, attached to `target` (checked like load: names, shapes, dtypes,
     finite values)."""
     from .drafter import DFlashDrafter, DrafterArgs

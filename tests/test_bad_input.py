@@ -214,3 +214,42 @@ def test_validate_refuses_a_check_over_nothing(tiny, call, needle):
 def test_validate_counts_take_numpy_ints():
     rep = validate.golden_property_checks(n_cases=np.int64(3))
     assert rep["cases"] == 3 and isinstance(rep["cases"], int) and not rep["failures"]
+
+
+def _tree(tokens, depths, parents):
+    n = len(tokens)
+    return golden.Tree(np.array(tokens), np.array(depths, np.int32), np.array(parents, np.int32),
+                       np.zeros(n, np.float32), np.zeros(n, np.int32))
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: golden.build_tree(np.array([[1.7, 2.0]]), np.log(np.array([[0.6, 0.4]])), 2), "integer token ids"),
+    (lambda: golden.build_tree(np.array([[1, -3]]), np.log(np.array([[0.6, 0.4]])), 2), "ids >= 0, got -3"),
+    (lambda: golden.ddtree(np.zeros((2, 8), np.float32), 10 ** 9), r"budget=1000000000: expected an int in \[1,"),
+    (lambda: golden.compile_tree(_tree([1, 2], [1, 2], [-1, 5]), 0, 0), r"parents\[1\] = 5"),
+    (lambda: golden.compile_tree(_tree([1, 2], [1, 3], [-1, 0]), 0, 0), r"depths\[1\] = 3, expected 2"),
+    (lambda: golden.compile_tree(_tree([1.5, 2], [1, 2], [-1, 0]), 0, 0), "integer token ids"),
+    (lambda: golden.compile_tree(_tree([-1, 2], [1, 2], [-1, 0]), 0, 0), "ids >= 0"),
+    (lambda: golden.walk(np.array([0, 3]), np.array([-1, 2]), np.array([3, 1])), r"parents\[1\] = 2"),
+    (lambda: golden.walk(np.array([0, -3]), np.array([-1, 0]), np.array([3, 1])), "ids >= 0"),
+    (lambda: golden.walk(np.array([0, 3]), np.array([0, 0]), np.array([3, 1])), r"parents\[0\]"),
+    (lambda: golden.greedy_walk(np.array([0, 3]), np.array([-1, 0]), np.array([[np.nan, 1.0], [0.0, 1.0]])),
+     "NaN at row 0"),
+    (lambda: golden.compact_kv(np.ones((8, 2)), -2, [0, 1]), "block_start=-2"),
+    (lambda: golden.compact_kv(np.ones((8, 2)), 2, [0.0, 1.5]), "integer row indices"),
+    (lambda: golden.ancestor_mask(np.array([-1.0, 0.0])), "integer parent indices"),
+])
+def test_golden_functions_refuse_what_they_would_truncate_or_misread(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+def test_huge_caches_are_refused_before_allocation():
+    """A pool or cache larger than the free memory: a clear error naming the sizes, nothing allocated."""
+    from kdtree.engine import Engine
+    from kdtree.model import KVCache
+    m = _model()
+    with pytest.raises(ValueError, match=r"max_tokens=1000000000000 .*needs .* GiB, more than the"):
+        Engine(m, mode="ar", max_batch=2, max_len=256, max_tokens=10 ** 12)
+    with pytest.raises(ValueError, match=r"KVCache batch=1000000, max_len=2048: needs .* GiB"):
+        KVCache(m.args, 10 ** 6, 2048)

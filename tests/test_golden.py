@@ -59,9 +59,16 @@ def test_check_tree_can_fail():
     """The brute-force check notices a tree that is not the top-B set."""
     x = np.log(np.array([[0.6, 0.4], [0.9, 0.1]], np.float32))
     good = golden.ddtree(x, 3)
-    assert check_tree(x, 3) == []
+    assert check_tree(x, 3) == [] and check_tree(x, 3, good) == []
     # top-3: (a), (a,a), (b)  — scores ln .6, ln .54, ln .4
     assert good.tokens.tolist() == [0, 0, 1] and good.parents.tolist() == [-1, 0, -1]
+    swapped = golden.Tree(good.tokens[[0, 2, 1]], good.depths[[0, 2, 1]], np.array([-1, -1, 0], np.int32),
+                          good.scores[[0, 2, 1]], good.ranks[[0, 2, 1]])  # (b) before (a,a): wrong order
+    assert "tree != the top-B prefixes" in " ".join(check_tree(x, 3, swapped))
+    short = golden.Tree(good.tokens[:2], good.depths[:2], good.parents[:2], good.scores[:2], good.ranks[:2])
+    assert any("size 2 != 3" in e for e in check_tree(x, 3, short))
+    deep = golden.Tree(good.tokens, np.array([1, 3, 1], np.int32), good.parents, good.scores, good.ranks)
+    assert any("depth" in e for e in check_tree(x, 3, deep))
 
 
 def test_topk_sorts_by_logprob_then_token_id():
