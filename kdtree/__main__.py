@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--backend", default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
         ap.add_argument("--int4", action="store_true", help="routed experts in the INT4 release format")
         a = ap.parse_args(rest)
-        from .tp import dryrun
+        from .tp import DRY_ARGS, check_shardable, dryrun
         try:
+            check_shardable(DRY_ARGS, a.world)
+            print(f"tp dry-run: {a.world} local ranks over {a.backend} (each shards, decodes, serves a batch) ...",
+                  flush=True)
             ranks = dryrun(a.world, a.backend, int4=a.int4)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)

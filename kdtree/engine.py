@@ -355,8 +355,10 @@ class Engine:
             da = drafter.args
             need += (2 * len(drafter.layers) * max_batch * da.num_key_value_heads
                      * (self.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
-        check_memory(f"max_batch={max_batch}, max_len={max_len}, max_tokens={max_tokens} (the page pool and "
-                     "the drafter's context)", need, dev)
+        if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
+            need += max_batch * rows * self.kv_cap * 4
+        check_memory(f"max_batch={max_batch}, max_len={max_len}, max_tokens={max_tokens}, {rows} verify rows "
+                     "(the page pool, the drafter's context, the verify block's mask)", need, dev)
         self.pages = PagePool(n_pages)
         self.pool = torch.zeros(a.num_hidden_layers, self.pages.n_pages * page_size,
                                 a.kv_lora_rank + a.qk_rope_head_dim, dtype=model.cache_dtype, device=dev)

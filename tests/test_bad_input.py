@@ -249,7 +249,19 @@ def test_huge_caches_are_refused_before_allocation():
     from kdtree.engine import Engine
     from kdtree.model import KVCache
     m = _model()
-    with pytest.raises(ValueError, match=r"max_tokens=1000000000000 .*needs .* GiB, more than the"):
+    with pytest.raises(ValueError, match=r"max_tokens=1000000000000, .*needs .* GiB, more than the"):
         Engine(m, mode="ar", max_batch=2, max_len=256, max_tokens=10 ** 12)
     with pytest.raises(ValueError, match=r"KVCache batch=1000000, max_len=2048: needs .* GiB"):
         KVCache(m.args, 10 ** 6, 2048)
+
+
+def test_numpy_scalars_are_taken_and_bools_refused_by_the_generate_wrappers():
+    m = _model()
+    p = [3, 5, 7]
+    a = decode.generate_ar(m, p, np.int64(4)).tokens
+    assert a == decode.generate_ar(m, p, 4).tokens
+    assert len(decode.generate_ar(m, p, 4, temperature=np.float32(0.7), seed=np.int64(3)).tokens) == 4
+    with pytest.raises(ValueError, match="temperature=True"):
+        decode.generate_ar(m, p, 4, temperature=True)
+    with pytest.raises(ValueError, match="max_new_tokens=True"):
+        decode.generate_ar(m, p, True)
