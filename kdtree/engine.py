@@ -360,6 +360,7 @@ class Engine:
         check_memory(f"max_batch={max_batch}, max_len={max_len}, max_tokens={max_tokens}, {rows} verify rows "
                      "(the page pool, the drafter's context, the verify block's mask)", need, dev)
         self.pages = PagePool(n_pages)
+        model.prepare_paged()   # fused projections and stacked experts from the weights as they are now
         self.pool = torch.zeros(a.num_hidden_layers, self.pages.n_pages * page_size,
                                 a.kv_lora_rank + a.qk_rope_head_dim, dtype=model.cache_dtype, device=dev)
         self.batched_drafter = mode != "ar" and hasattr(drafter, "new_context")

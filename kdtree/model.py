@@ -31,6 +31,7 @@ from torch import nn
 from .config import ModelArgs, yarn_mscale
 
 ATTN_IMPLS = ("naive", "absorb", "kernel")
+RANK_TOPK_MAX = 64  # Gate.dense_weights: top-k by ranks ([N, E, E] comparisons) up to this many experts
 
 
 # ----------------------------------------------------------------------------- small modules
@@ -113,10 +114,12 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts), persistent=True)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+    def forward(self, x: torch.Tensor, scores=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64). scores: the sigmoid scores [N, E] when
+        the caller computed them (MoE._dense, whose expert GEMM carries the router's rows in float32)."""
         a = self.args
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        if scores is None:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
         if a.n_group > 1:
             grouped = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)  # [N, G, E/G]
@@ -130,6 +133,25 @@ class Gate(nn.Module):
         if a.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * a.routed_scaling_factor, idx
+
+    def dense_weights(self, x: torch.Tensor, scores=None) -> torch.Tensor:
+        """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and 0
+        elsewhere. Without groups and with at most RANK_TOPK_MAX experts the top-k is taken by ranks (expert i
+        is chosen when fewer than k experts beat it, ties to the lower id, as topk's order on distinct scores):
+        elementwise work a compiler fuses into one kernel, where topk, gather and scatter are several."""
+        a, E = self.args, self.args.n_routed_experts
+        if a.n_group > 1 or E > RANK_TOPK_MAX:
+            w, idx = self(x, scores)
+            return torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+        if scores is None:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        c = scores + self.e_score_correction_bias.float()
+        j = torch.arange(E, device=x.device)
+        beats = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (j[None, :] < j[:, None]))
+        w = torch.where(beats.sum(-1) < a.num_experts_per_tok, scores, 0.0)   # [N, E]
+        if a.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * a.routed_scaling_factor
 
 
 class Int4Experts(nn.Module):
@@ -256,41 +278,61 @@ class MoE(nn.Module):
             self.experts = Int4Experts.from_mlps(self.experts)
 
     def stacked(self):
-        """(own expert ids int64 [E'], w13 [E' * 2I, D], w2 [E' * I, D]) of the MLP experts this rank holds, stacked
-        once and kept (the dense path's weights; a second copy of the routed experts): w13 rows e * 2I + j are
-        expert e's gate (j < I) and up rows, w2 row e * I + i is column i of expert e's down projection."""
+        """The dense path's weights, stacked once and kept (a second copy of the MLP experts; refreshed by
+        `Transformer.prepare_paged`): (own [E'] int64 ids of the routed experts this rank holds,
+        w13 [(E' + S) * 2I (+ E), D], w2 [(E' + S) * I, D], S). Slot s < E' is routed expert own[s], slot E' + c
+        chunk c of the shared expert (its intermediate cut into S slices of I; S = 0 when it is not a multiple
+        of I, and the shared expert then runs apart); w13 rows s * 2I + j are slot s's gate (j < I) and up rows,
+        w2 row s * I + i column i of its down projection. In float32 the router's E rows follow in w13 (one
+        GEMM for the router and the experts)."""
         st = getattr(self, "_stacked", None)
         w0 = next(m for m in self.experts if isinstance(m, MLP)).gate_proj.weight
         if st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
             own = [e for e, m in enumerate(self.experts) if isinstance(m, MLP)]
-            w13 = torch.cat([torch.cat([self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight])
-                             for e in own]).detach()
-            w2 = torch.cat([self.experts[e].down_proj.weight.t() for e in own]).detach().contiguous()
-            st = self._stacked = (torch.tensor(own, device=w0.device), w13, w2)
+            mlps = [(self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight,
+                     self.experts[e].down_proj.weight) for e in own]
+            S, sh, I = 0, self.shared_experts, w0.shape[0]
+            if sh is not None and sh.gate_proj.weight.shape[0] % I == 0:   # (a TP shard's slice may not be)
+                S = sh.gate_proj.weight.shape[0] // I
+                mlps += [(sh.gate_proj.weight[c * I:(c + 1) * I], sh.up_proj.weight[c * I:(c + 1) * I],
+                          sh.down_proj.weight[:, c * I:(c + 1) * I]) for c in range(S)]
+            w13 = torch.cat([torch.cat([g, u]) for g, u, _ in mlps]
+                            + ([self.gate.weight.to(w0.dtype)] if w0.dtype == torch.float32 else [])).detach()
+            w2 = torch.cat([d.t() for _, _, d in mlps]).detach().contiguous()
+            st = self._stacked = (torch.tensor(own, device=w0.device), w13, w2, S)
         return st
 
-    def _dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every held expert over every token as two plain GEMMs, the router's weights (0 where not routed)
-        applied between them: y = (w * silu(x W_gate) * (x W_up)) W_down summed over experts. Fixed shapes, no host
-        reads, no atomics (capturable and deterministic). x [N, D] -> float32 [N, D]."""
-        own, w13, w2 = self.stacked()
-        E, I = own.numel(), w2.shape[0] // own.numel()
-        comb = torch.zeros(x.shape[0], self.args.n_routed_experts, dtype=torch.float32, device=x.device)
-        comb.scatter_(1, idx, weights.float())                       # [N, E]
-        gu = F.linear(x, w13).view(-1, E, 2 * I)                     # [N, E', 2I]
-        h = F.silu(gu[..., :I]) * gu[..., I:] * comb[:, own, None].to(x.dtype)   # [N, E', I]
-        return (h.reshape(-1, E * I) @ w2).float()                   # [N, D]
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Every held expert and the shared expert over every token as two plain GEMMs, the routing's weights
+        (0 where not routed, 1 for the shared expert) applied between them: y = sum over slots of
+        w * (silu(x W_gate) * (x W_up)) W_down. Fixed shapes, no host reads, no atomics (capturable and
+        deterministic). x [N, D] -> [N, D] in x's dtype, the shared expert included."""
+        own, w13, w2, S = self.stacked()
+        E, N = self.args.n_routed_experts, x.shape[0]
+        n_slots = own.numel() + S
+        I = w2.shape[0] // n_slots
+        gu = F.linear(x, w13)                                          # [N, slots * 2I (+ E)]
+        scores = gu[:, n_slots * 2 * I:].sigmoid() if gu.shape[1] > n_slots * 2 * I else None
+        comb = self.gate.dense_weights(x, scores)                     # [N, E]
+        if own.numel() < E:
+            comb = comb[:, own]                                        # [N, E']
+        if S:
+            comb = torch.cat([comb, comb.new_ones(N, S)], 1)           # [N, slots]
+        gu = gu[:, :n_slots * 2 * I].view(N, n_slots, 2 * I)
+        h = F.silu(gu[..., :I]) * gu[..., I:] * comb[..., None].to(x.dtype)   # [N, slots, I]
+        y = h.reshape(N, n_slots * I) @ w2                             # [N, D]
+        return y if S or self.shared_experts is None else y + self.shared_experts(x)
 
     def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """x [..., D]. dense: the MLP experts by `_dense` (the engine's path on a GPU) instead of a loop over the
         routed experts with host reads; INT4 experts always take Int4Experts.forward."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
+        if dense and not isinstance(self.experts, Int4Experts):
+            return self._dense(x).view(shape)
         weights, idx = self.gate(x)  # [N, k]
         if isinstance(self.experts, Int4Experts):
             y = self.experts(x, weights, idx)
-        elif dense:
-            y = self._dense(x, weights, idx)
         else:
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             counts = torch.bincount(idx.flatten(), minlength=self.args.n_routed_experts).tolist()
@@ -480,14 +522,21 @@ class MLA(nn.Module):
         a = self.args
         B, T, _ = x.shape
         H, Dn, R = a.num_attention_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        paged = isinstance(start, PagedMeta)
+        qkv_a = getattr(self, "qkv_a", None) if paged else None   # Transformer.prepare_paged's fused weight
+        if qkv_a is not None:   # q_a_proj and kv_a_proj_with_mqa as one GEMM
+            q, kv_pe = F.linear(x, qkv_a).split([a.q_lora_rank, R + a.qk_rope_head_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        else:
+            q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            kv_pe = self.kv_a_proj_with_mqa(x)
         q = q.view(B, T, H, a.qk_head_dim)
         q_nope, q_pe = q.split([Dn, a.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], a.rope_interleave)  # [B, T, H, P]
-        kv, k_pe = self.kv_a_proj_with_mqa(x).split([R, a.qk_rope_head_dim], dim=-1)
+        kv, k_pe = kv_pe.split([R, a.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)  # [B, T, R]
         k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
-        if isinstance(start, PagedMeta):
+        if paged:
             return self._paged(x, q_nope, q_pe, kv, k_pe, latent, start, attn_impl)
         latent[:, start:start + T, :R] = kv.detach() if torch.is_grad_enabled() else kv
         latent[:, start:start + T, R:] = k_pe.detach() if torch.is_grad_enabled() else k_pe
@@ -510,11 +559,13 @@ class MLA(nn.Module):
             kern = (pool, meta.page_table, meta.seq_len, meta.mask_words)
             return self._attend(x, q_nope, q_pe, None, None, None, attn_impl, kern, meta.kv_cap)
         ctx = pool.view(-1, meta.page_size, pool.shape[-1])[meta.page_table].view(B, meta.kv_cap, -1)
-        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None, meta.kv_cap)
+        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None, meta.kv_cap,
+                            ctx)
 
-    def _attend(self, x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S):
+    def _attend(self, x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S, ctx=None):
         """Attention of the block's queries over S keys: kv_all [B, S, R], pe_all [B, S, P], bias [B, T, S];
-        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words) instead."""
+        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words) instead.
+        ctx: [B, S, R + P] whose slices kv_all and pe_all are (absorb then scores latent and rope in one GEMM)."""
         a = self.args
         B, T, _ = x.shape
         H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
@@ -539,8 +590,11 @@ class MLA(nn.Module):
         elif attn_impl == "absorb":
             w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
-            scores = (torch.einsum("bthr,bsr->bhts", q_lat, kv_all)
-                      + torch.einsum("bthp,bsp->bhts", q_pe, pe_all)) * scale
+            if ctx is not None:  # [B, T, H, R + P] . [B, S, R + P]
+                scores = torch.einsum("bthc,bsc->bhts", torch.cat([q_lat, q_pe], -1), ctx) * scale
+            else:
+                scores = (torch.einsum("bthr,bsr->bhts", q_lat, kv_all)
+                          + torch.einsum("bthp,bsp->bhts", q_pe, pe_all)) * scale
             p = (scores.float() + bias[:, None]).softmax(-1).to(x.dtype)
             o_lat = torch.einsum("bhts,bsr->bthr", p, kv_all)  # [B, T, H, R]
             o = torch.einsum("bthr,hdr->bthd", o_lat, w[:, Dn:])  # [B, T, H, Dv]
@@ -750,12 +804,29 @@ class Transformer(nn.Module):
 
 
     @torch.no_grad()
+    def prepare_paged(self) -> "Transformer":
+        """(Re)build the fused weights forward_paged uses: each MLA's q_a_proj and kv_a_proj_with_mqa rows as one
+        [q_lora + R + P, D] matrix, each MoE's stacked dense-path experts (MoE.stacked). Copies, not views: call
+        again after the weights change (kdtree.engine.Engine does at construction). Returns self."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if attn.args.q_lora_rank is not None:
+                attn.qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]).detach()
+            if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, Int4Experts):
+                layer.mlp._stacked = None
+                layer.mlp.stacked()
+        self._paged_ready = (self.device, self.dtype)
+        return self
+
+    @torch.no_grad()
     def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: PagedMeta, hidden_layers=(),
                       logits_for=None) -> ForwardOutput:
         """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared page
         pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
         meta.slots of every layer; no value checks and no host reads (graph-capturable).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
+        if getattr(self, "_paged_ready", None) != (self.device, self.dtype):
+            self.prepare_paged()
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(meta.positions, h.dtype)
         hidden = {}

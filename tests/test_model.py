@@ -1,10 +1,13 @@
 """The MLA + MoE model: attention paths agree, the cache is exact, tree verify and compaction are right."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from kdtree import golden
-from kdtree.model import KVCache, build_model, rope_inv_freq
+from kdtree.config import TINY_A, TINY_B
+from kdtree.model import KVCache, MoE, build_model, rope_inv_freq
 from kdtree.validate import rel_err
 
 
@@ -177,3 +180,37 @@ def test_attn_impl_switch_rejects_unknown(tiny):
     with pytest.raises(ValueError, match="attn_impl"):
         model.attn_impl = "flash"
     assert model.attn_impl in ("naive", "absorb")
+
+
+@pytest.mark.parametrize("args", [TINY_A, TINY_B], ids=["tiny-a", "tiny-b (groups)"])
+@pytest.mark.parametrize("shared", [1, 2], ids=["1 shared", "2 shared"])
+def test_dense_moe_equals_the_routed_loop(args, shared):
+    """The engine's dense MoE (every expert and the shared expert in two GEMMs, router rows in the first, top-k
+    by ranks) == the routed loop, on fresh inputs; the rank top-k picks topk's experts exactly."""
+    args = dataclasses.replace(args, n_shared_experts=shared)
+    m = build_model(args, seed=int(torch.randint(1 << 30, ())))
+    moe = next(layer.mlp for layer in m.model.layers if isinstance(layer.mlp, MoE))
+    m.prepare_paged()
+    _, w13, w2, S = moe.stacked()
+    assert S == shared
+    for _ in range(3):
+        x = torch.randn(13, args.hidden_size)
+        w, idx = moe.gate(x)
+        comb = torch.zeros(13, args.n_routed_experts).scatter_(1, idx, w)
+        assert torch.equal(moe.gate.dense_weights(x), comb)
+        ref, got = moe(x).double(), moe(x, dense=True).double()
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_dense_moe_checker_fails_on_a_wrong_routing():
+    """The comparison above can fail: the shared expert's slot in the stacked weights scaled."""
+    m = build_model(TINY_A, seed=3)
+    moe = next(layer.mlp for layer in m.model.layers if isinstance(layer.mlp, MoE))
+    m.prepare_paged()
+    x = torch.randn(13, TINY_A.hidden_size)
+    ref = moe(x).double()
+    _, w13, _, _ = moe.stacked()
+    I, E = TINY_A.moe_intermediate_size, TINY_A.n_routed_experts
+    w13[E * 2 * I:(E + 1) * 2 * I] *= 2
+    got = moe(x, dense=True).double()
+    assert (got - ref).abs().max() > 1e-3 * ref.abs().max()
