@@ -220,6 +220,80 @@ def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = N
     return n * itemsize
 
 
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> dict:
+    """Device-to-device copy bandwidth: a buffer of nbytes copied `repeats` times after a warm-up, timed with CUDA
+    events; bytes moved = read + written. {"bytes_per_s" (median), "max_bytes_per_s"}."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes_per_s": 2 * nbytes / statistics.median(times), "max_bytes_per_s": 2 * nbytes / min(times)}
+
+
+def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: int = 64, max_new: int = 64,
+              hf: bool = True, compile: bool = True, paths=("grouped", "dense"), log=print) -> dict:
+    """AR at batch 1 on the mid-size config (random bf16 weights, seed 0; the kernel attention path) through the
+    engine per MoE path (the first also compiled), against its weight-bytes floor (decode_weight_bytes over the copy bandwidth measured
+    here) and transformers' generate on the very same weights (a checkpoint written to a temporary folder)."""
+    import tempfile
+
+    from .config import load_config
+    from .model import build_model
+    from .validate import random_prompts
+    args = load_config(config)
+    t0 = time.perf_counter()
+    model = build_model(args, seed=0, dtype=torch.bfloat16, device="cuda")
+    model.attn_impl = "kernel"
+    rec = {"config": str(config), "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16",
+           "attn_impl": "kernel", "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
+           "build_s": time.perf_counter() - t0, "compile": compile}
+    bw = copy_bandwidth()
+    wb = decode_weight_bytes(args, 2)
+    rec.update(copy_bandwidth=bw, weight_bytes=wb, floor_s=wb / bw["bytes_per_s"])
+    prompts = random_prompts(args, n_prompts, seed=7, min_len=prompt_len, max_len=prompt_len)
+    max_len = 1 << int(np.ceil(np.log2(prompt_len + max_new + 2)))
+    outs = {}
+    for path in paths:
+        for comp in ((False, True) if compile and path == paths[0] else (False,)):
+            t0 = time.perf_counter()
+            e = Engine(model, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False, moe=path, compile=comp)
+            warm = time.perf_counter() - t0
+            run_engine(e, prompts[:1], 8)
+            r = run_engine(e, prompts, max_new)
+            outs[(path, comp)] = r.pop("outputs")
+            r.update(moe=path, compiled=comp, warmup_s=warm, ms_per_token=1e3 * r["round_wall_median_s"],
+                     floor_fraction=rec["floor_s"] / r["round_wall_median_s"],
+                     round_wall_over_gpu_span=r["round_wall_median_s"] / r["round_gpu_span_median_s"])
+            if path == paths[0] and comp == compile:
+                r["stage_kernels"] = stage_kernels(e, prompts[0])
+            rec.setdefault("engine", []).append(r)
+            log(f"mid AR moe={path} compiled={comp}: {r['ms_per_token']:.3f} ms/token, "
+                f"{100 * r['floor_fraction']:.0f} % of the floor {1e3 * rec['floor_s']:.3f} ms")
+            del e
+            torch.cuda.empty_cache()
+    first = next(iter(outs.values()))
+    rec["paths_agree"] = {f"{p}{' compiled' if c else ''}": o == first for (p, c), o in outs.items()}
+    if hf:
+        with tempfile.TemporaryDirectory() as d:
+            weights.save(model, d, dtype=torch.bfloat16)
+            del model
+            torch.cuda.empty_cache()
+            rec["hf"] = hf_generate(Path(d), torch.bfloat16, prompts, max_new)
+        rec["hf_equals_engine"] = rec["hf"].pop("outputs") == first
+    best = min(rec["engine"], key=lambda r: r["round_wall_median_s"])
+    rec["best"] = {k: best[k] for k in ("moe", "compiled", "ms_per_token", "floor_fraction", "tok_per_s")}
+    return rec
+
+
 def _target(name, measured, goal, higher=True, **kw):
     met = measured is not None and (measured >= goal if higher else measured <= goal)
     return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
@@ -227,9 +301,10 @@ def _target(name, measured, goal, higher=True, **kw):
 
 def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
-        compile: bool = True, batched_compile: bool | None = None) -> dict:
+        compile: bool = True, batched_compile: bool | None = None, mid: bool = True) -> dict:
     """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile:
-    the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile)."""
+    the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile);
+    mid: the mid-size model's section (mid_model) last."""
     from .oracle import oracle_ar
     if not torch.cuda.is_available():
         raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the GPU)")
@@ -370,9 +445,22 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             (out / "engine.json").write_text(json.dumps({**rec, "targets": targets}, indent=1))
             del e
             torch.cuda.empty_cache()
+    if mid:
+        rec["mid"] = m = mid_model(hf=hf, n_prompts=2 if quick else 4, max_new=32 if quick else 64)
+        targets += mid_targets(m)
     rec["targets"] = targets
     (out / "engine.json").write_text(json.dumps(rec, indent=1))
     return rec
+
+
+def mid_targets(m: dict) -> list[dict]:
+    best = m["best"]
+    out = [_target("Mid-size AR batch 1 (bf16): fraction of the weight-bytes floor", best["floor_fraction"], 0.5,
+                   moe=best["moe"], compiled=best["compiled"])]
+    if "hf" in m:
+        out.append(_target("Mid-size AR batch 1 (bf16): x HF generate on the same weights (info)",
+                           best["tok_per_s"] / m["hf"]["tok_per_s"], 1.0))
+    return out
 
 
 def summary(rec: dict) -> str:
@@ -421,6 +509,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--batched-eager", action="store_true", help="batched engines without torch.compile")
+    ap.add_argument("--no-mid", action="store_true", help="leave out the mid-size model's section")
+    ap.add_argument("--mid-only", action="store_true", help="only the mid-size model (DIR/engine_mid.json)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench_engine needs a CUDA GPU: none is visible on this machine")
@@ -431,8 +521,16 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us (min {r['min_s'] * 1e6:.1f})")
         return
+    if a.mid_only:
+        m = mid_model(hf=not a.no_hf, n_prompts=2 if a.quick else 4, max_new=32 if a.quick else 64)
+        m["targets"] = mid_targets(m)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "engine_mid.json").write_text(json.dumps(m, indent=1))
+        for t in m["targets"]:
+            print(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")
+        return
     rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets),
-              batches=tuple(a.batches), batched_compile=False if a.batched_eager else None)
+              batches=tuple(a.batches), batched_compile=False if a.batched_eager else None, mid=not a.no_mid)
     print(summary(rec))
 
 

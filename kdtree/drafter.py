@@ -163,14 +163,20 @@ class DraftAttention(nn.Module):
     def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
         """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block states;
         kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T) this
-        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)."""
+        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v); with
+        DFlashDrafter.prepare_buffered's fused weight, q, k and v come from one GEMM."""
         a = self.a
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, a.num_attention_heads, a.head_dim))
+        H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        if getattr(self, "qkv", None) is not None:
+            q, k, v = F.linear(x, self.qkv).split([H * hd, Hk * hd, Hk * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(B, T, H, hd))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
-        k, v = self.kv(x, cos, sin)
-        kbuf[:, :, C:C + T] = k
-        vbuf[:, :, C:C + T] = v
+        k = apply_rope(self.k_norm(k.view(B, T, Hk, hd)), cos[:, :, None], sin[:, :, None], interleave=False)
+        kbuf[:, :, C:C + T] = k.transpose(1, 2)
+        vbuf[:, :, C:C + T] = v.view(B, T, Hk, hd).transpose(1, 2)
         col = torch.arange(C + T, device=x.device)
         seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
         o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=seen[:, None, None, :], enable_gqa=True)
@@ -275,7 +281,39 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------- the engine's batched, preallocated path
     def new_context(self, batch: int, max_len: int) -> "DraftContext":
+        self.prepare_buffered()
         return DraftContext(self, batch, max_len)
+
+    @torch.no_grad()
+    def prepare_buffered(self) -> "DFlashDrafter":
+        """(Re)build the fused weights of the engine's path (draft, extend): each layer's q/k/v projections as
+        one [(H + 2 Hk) hd, D] matrix (k/v rows also used alone by extend), its MLP's gate and up rows as one
+        [2I, D] matrix. Copies: new_context calls it, so an engine built after the weights change uses them."""
+        for layer in self.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            at.qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).detach()
+            mlp.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        return self
+
+    @staticmethod
+    def _kv(at, x, cos, sin):
+        """DraftAttention.kv with k and v in one GEMM (the k/v rows of prepare_buffered's matrix) when it ran."""
+        a, (B, T, _) = at.a, x.shape
+        if getattr(at, "qkv", None) is None:
+            return at.kv(x, cos, sin)
+        Hk, hd = a.num_key_value_heads, a.head_dim
+        k, v = F.linear(x, at.qkv[a.num_attention_heads * hd:]).view(B, T, 2 * Hk, hd).split(Hk, dim=2)
+        k = apply_rope(at.k_norm(k), cos[:, :, None], sin[:, :, None], interleave=False)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def _mlp(mlp, x):
+        """The SwiGLU MLP with gate and up in one GEMM when prepare_buffered ran."""
+        gu = getattr(mlp, "gate_up", None)
+        if gu is None:
+            return mlp(x)
+        g, u = F.linear(x, gu).chunk(2, dim=-1)
+        return mlp.down_proj(F.silu(g) * u)
 
     @torch.no_grad()
     def draft(self, ctx: "DraftContext", root: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
@@ -291,7 +329,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len, ctx.max_len)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype)).float()
 
     @torch.no_grad()
@@ -306,7 +344,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(ctx_len.long()[:, None] + j, x.dtype)
         col = torch.where(j < count[:, None], ctx_len.long()[:, None] + j, ctx.max_len + j % self.args.block_size)
         for i, layer in enumerate(self.layers):
-            kk, vv = layer.self_attn.kv(x, cos, sin)                                      # [B, Hk, A, hd]
+            kk, vv = self._kv(layer.self_attn, x, cos, sin)                               # [B, Hk, A, hd]
             idx = col[:, None, :, None].expand_as(kk)
             ctx.k[i][slot:slot + B].scatter_(2, idx, kk)
             ctx.v[i][slot:slot + B].scatter_(2, idx, vv)

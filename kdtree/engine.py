@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
 from . import golden
-from .model import Int4Experts, PagedMeta, Transformer, check_memory
+from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
 from .round_ops import GoldenOps, KernelOps, choose
 
 MODES = ("ar", "dflash", "ddtree")
@@ -244,6 +245,32 @@ class Request:
     t0: float = 0.0
 
 
+def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
+    """The MoE path of the engine's forward (model.MOE_PATHS), checked; None picks: "dense" (every expert in two
+    GEMMs: capturable, batch-invariant) when deterministic, on a GPU outside bf16, under TP or with at most 4k
+    routed experts for top-k; "grouped" (torch's grouped GEMM over the chosen experts) on a GPU in bf16 beyond
+    that; "loop" (host-driven grouping, fewest FLOPs) on the CPU."""
+    a, dev = model.args, model.device
+    sharded = getattr(model, "tp", None) is not None
+    grouped_ok = (hasattr(torch, "_grouped_mm") and not sharded
+                  and (dev.type != "cuda" or model.dtype == torch.bfloat16))
+    many = a.n_routed_experts > 4 * a.num_experts_per_tok
+    if moe is None:
+        if deterministic or (dev.type == "cuda" and not (grouped_ok and many)):
+            return "dense"
+        return "grouped" if dev.type == "cuda" else "loop"
+    if moe not in MOE_PATHS:
+        raise ValueError(f"moe={moe!r}: expected one of {MOE_PATHS} or None (the engine picks)")
+    if deterministic and moe != "dense":
+        raise ValueError(f"moe={moe!r} with deterministic=True: only 'dense' is batch-invariant")
+    if moe == "grouped" and not grouped_ok:
+        why = ("this torch has no _grouped_mm" if not hasattr(torch, "_grouped_mm") else
+               "a tensor-parallel rank holds only some experts" if sharded else
+               f"torch's grouped GEMM on a GPU takes bfloat16 (the model is {model.dtype})")
+        raise ValueError(f"moe='grouped': {why}")
+    return moe
+
+
 def _buckets(max_batch: int) -> tuple[int, ...]:
     b, out = 1, []
     while b < max_batch:
@@ -273,13 +300,14 @@ class Engine:
     (each GEMM's shape, hence its kernel and summation order) does not depend on how many requests share its
     round: its tokens and logits are bitwise the same alone or in a full batch (the MoE runs densely on the
     CPU too). The default rounds repeat bitwise for the same batch, but a request's rounding may change with
-    its batch mates (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts."""
+    its batch mates (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts.
+    moe: the path of MLP experts, "dense" | "grouped" | "loop" (default: chosen by `_moe_path`)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                  graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
                  buckets=None, graph_sampling: bool = True, compile: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, moe: str | None = None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         if mode not in MODES:
@@ -337,6 +365,7 @@ class Engine:
                                  "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
             buckets = (max_batch,)
         self.deterministic = deterministic
+        moe = _moe_path(model, moe, deterministic)
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         self.model, self.drafter, self.mode, self.budget, self.backend = model, drafter, mode, budget, backend
         self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
@@ -360,16 +389,14 @@ class Engine:
         check_memory(f"max_batch={max_batch}, max_len={max_len}, max_tokens={max_tokens}, {rows} verify rows "
                      "(the page pool, the drafter's context, the verify block's mask)", need, dev)
         self.pages = PagePool(n_pages)
-        model.prepare_paged()   # fused projections and stacked experts from the weights as they are now
+        model.prepare_paged(moe)   # fused projections and stacked experts from the weights as they are now
         self.pool = torch.zeros(a.num_hidden_layers, self.pages.n_pages * page_size,
                                 a.kv_lora_rank + a.qk_rope_head_dim, dtype=model.cache_dtype, device=dev)
         self.batched_drafter = mode != "ar" and hasattr(drafter, "new_context")
         self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if mode != "ar" else ()
         self.ctx = drafter.new_context(max_batch, self.kv_cap) if self.batched_drafter else None
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
-        # the MoE over every expert in two fixed-shape GEMMs (no host reads: capturable; a token's arithmetic
-        # independent of its batch mates' routing); on the CPU the grouped path, unless deterministic
-        self.dense_moe = dev.type == "cuda" or deterministic
+        self.moe = moe
         self.compiled = bool(compile)
         if compile:  # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
             import torch._dynamo.config as dc
@@ -510,7 +537,7 @@ class Engine:
             start = torch.tensor([c0], device=dev)
             mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
             meta = PagedMeta.build(self.page_table[s:s + 1], start, start[:, None] + torch.arange(T, device=dev),
-                                   mask, self.page_size, self.model.attn_impl, self.dense_moe)
+                                   mask, self.page_size, self.model.attn_impl, self.moe)
             with _blas(dev, T):
                 out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta,
                                                self.layers, logits_for=[-1])
@@ -579,6 +606,9 @@ class Engine:
                 return "INT4 experts outside bf16 take the host-driven reference path"
         if getattr(self.model, "tp", None) is not None:
             return "tensor-parallel ranks run eagerly"
+        if self.moe == "loop" and any(isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
+                                      for layer in self.model.model.layers):
+            return "moe='loop' reads the routing on the host"
         return None
 
     def _bucket(self, n: int) -> int:
@@ -614,7 +644,7 @@ class Engine:
         logit of the request finite)."""
         lens = self.lens[:b]
         meta = PagedMeta.build(self.page_table[:b], lens, positions, mask, self.page_size,
-                               self.model.attn_impl, self.dense_moe, mask_words)
+                               self.model.attn_impl, self.moe, mask_words)
         out = self.model.forward_paged(tokens.long(), self.pool, meta, self.layers)
         choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
         feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]

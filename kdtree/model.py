@@ -31,6 +31,7 @@ from torch import nn
 from .config import ModelArgs, yarn_mscale
 
 ATTN_IMPLS = ("naive", "absorb", "kernel")
+MOE_PATHS = ("loop", "dense", "grouped")  # MoE.forward's paths for MLP experts
 RANK_TOPK_MAX = 64  # Gate.dense_weights: top-k by ranks ([N, E, E] comparisons) up to this many experts
 
 
@@ -323,13 +324,46 @@ class MoE(nn.Module):
         y = h.reshape(N, n_slots * I) @ w2                             # [N, D]
         return y if S or self.shared_experts is None else y + self.shared_experts(x)
 
-    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        """x [..., D]. dense: the MLP experts by `_dense` (the engine's path on a GPU) instead of a loop over the
-        routed experts with host reads; INT4 experts always take Int4Experts.forward."""
+    def grouped(self):
+        """The grouped path's weights (refreshed by `Transformer.prepare_paged`): w13 [E, 2I, D] (gate rows then
+        up rows per expert) and w2 [E, D, I], stacked once and kept (a second copy of the experts)."""
+        st = getattr(self, "_grouped_w", None)
+        w0 = self.experts[0].gate_proj.weight
+        if st is None or st[0].device != w0.device or st[0].dtype != w0.dtype:
+            w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts]).detach()
+            w2 = torch.stack([m.down_proj.weight for m in self.experts]).detach()
+            st = self._grouped_w = (w13, w2)
+        return st
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts as two grouped GEMMs over the (token, expert) pairs sorted by expert (torch's
+        _grouped_mm: per-group sizes read on the device, so no host reads and capturable; an expert no token
+        chose is not read), combined by un-permuting and summing each token's k rows (no atomics), plus the
+        shared expert. x [N, D] -> [N, D]. Needs every routed expert on this rank."""
+        N, k = x.shape[0], self.args.num_experts_per_tok
+        w13, w2 = self.grouped()
+        I = w2.shape[2]
+        weights, idx = self.gate(x)                                    # [N, k]
+        flat = idx.flatten()                                           # [N k]
+        order = flat.argsort(stable=True)                              # pairs by expert
+        counts = (flat[:, None] == torch.arange(w13.shape[0], device=x.device)).sum(0)   # [E]
+        offs = counts.cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)           # [N k, 2I]
+        h = F.silu(gu[:, :I]) * gu[:, I:] * weights.flatten()[order, None].to(x.dtype)
+        ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                         # [N k, D]
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, k, -1).sum(1)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    def forward(self, x: torch.Tensor, path: str = "loop") -> torch.Tensor:
+        """x [..., D]. path (MLP experts; INT4 experts always take Int4Experts.forward): "loop" over the routed
+        experts with host reads, "dense" every expert by `_dense` (capturable, batch-invariant), "grouped" the
+        routed pairs by `_grouped` (capturable, reads only the chosen experts)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
-        if dense and not isinstance(self.experts, Int4Experts):
+        if path == "dense" and not isinstance(self.experts, Int4Experts):
             return self._dense(x).view(shape)
+        if path == "grouped" and not isinstance(self.experts, Int4Experts):
+            return self._grouped(x).view(shape)
         weights, idx = self.gate(x)  # [N, k]
         if isinstance(self.experts, Int4Experts):
             y = self.experts(x, weights, idx)
@@ -362,10 +396,10 @@ class PagedMeta:
     bias: torch.Tensor | None         # float32 [B, T, kv_cap]: 0 visible, -inf not (torch attention paths)
     kv_cap: int                       # P * page_size: keys a request can hold
     page_size: int
-    dense_moe: bool = False           # MoE MLP experts by MoE._dense (fixed shapes, no host reads)
+    moe: str = "loop"                 # the MoE's path for MLP experts: "loop" | "dense" | "grouped" (MoE.forward)
 
     @classmethod
-    def build(cls, page_table, cache_len, positions, mask, page_size: int, attn_impl: str, dense_moe: bool = False,
+    def build(cls, page_table, cache_len, positions, mask, page_size: int, attn_impl: str, moe: str = "loop",
               mask_words=None) -> "PagedMeta":
         """page_table int32 [B, P]; cache_len int [B] rows cached before the block; positions int [B, T];
         mask bool [B, T, T] (block row i sees block row j); mask_words: its packed bits when already known."""
@@ -390,7 +424,7 @@ class PagedMeta:
             seen = mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_cap))   # [B, T, S]
             vis = (rel < 0)[:, None] | (seen & (rel < T)[:, None])
             bias = torch.zeros(B, T, kv_cap, device=dev).masked_fill(~vis, float("-inf"))
-        return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, dense_moe)
+        return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, moe)
 
 
 def free_bytes(device) -> int:
@@ -616,8 +650,9 @@ class Block(nn.Module):
         """start: the cached length (KVCache path) or a PagedMeta (latent is then the layer's page pool)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, latent, start, bias, attn_impl, kern)
         h = self.post_attention_layernorm(x)
-        dense = isinstance(start, PagedMeta) and start.dense_moe
-        return x + (self.mlp(h, dense=True) if dense and isinstance(self.mlp, MoE) else self.mlp(h))
+        if isinstance(self.mlp, MoE):
+            return x + self.mlp(h, start.moe if isinstance(start, PagedMeta) else "loop")
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -804,18 +839,25 @@ class Transformer(nn.Module):
 
 
     @torch.no_grad()
-    def prepare_paged(self) -> "Transformer":
+    def prepare_paged(self, moe: str = "dense") -> "Transformer":
         """(Re)build the fused weights forward_paged uses: each MLA's q_a_proj and kv_a_proj_with_mqa rows as one
-        [q_lora + R + P, D] matrix, each MoE's stacked dense-path experts (MoE.stacked). Copies, not views: call
-        again after the weights change (kdtree.engine.Engine does at construction). Returns self."""
+        [q_lora + R + P, D] matrix, and for moe "dense" / "grouped" each MoE's stacked experts (MoE.stacked /
+        MoE.grouped; the other path's copy is dropped). Copies, not views: call again after the weights change
+        (kdtree.engine.Engine does at construction). Returns self."""
+        if moe not in MOE_PATHS:
+            raise ValueError(f"moe={moe!r}: expected one of {MOE_PATHS}")
         for layer in self.model.layers:
             attn = layer.self_attn
             if attn.args.q_lora_rank is not None:
                 attn.qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]).detach()
-            if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, Int4Experts):
-                layer.mlp._stacked = None
-                layer.mlp.stacked()
-        self._paged_ready = (self.device, self.dtype)
+            mlp = layer.mlp
+            if isinstance(mlp, MoE) and not isinstance(mlp.experts, Int4Experts):
+                mlp._stacked = mlp._grouped_w = None
+                if moe == "dense":
+                    mlp.stacked()
+                elif moe == "grouped":
+                    mlp.grouped()
+        self._paged_ready = (self.device, self.dtype, moe)
         return self
 
     @torch.no_grad()
@@ -825,8 +867,8 @@ class Transformer(nn.Module):
         pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
         meta.slots of every layer; no value checks and no host reads (graph-capturable).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
-        if getattr(self, "_paged_ready", None) != (self.device, self.dtype):
-            self.prepare_paged()
+        if getattr(self, "_paged_ready", None) != (self.device, self.dtype, meta.moe):
+            self.prepare_paged(meta.moe)
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(meta.positions, h.dtype)
         hidden = {}

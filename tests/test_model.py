@@ -186,11 +186,11 @@ def test_attn_impl_switch_rejects_unknown(tiny):
 @pytest.mark.parametrize("shared", [1, 2], ids=["1 shared", "2 shared"])
 def test_dense_moe_equals_the_routed_loop(args, shared):
     """The engine's dense MoE (every expert and the shared expert in two GEMMs, router rows in the first, top-k
-    by ranks) == the routed loop, on fresh inputs; the rank top-k picks topk's experts exactly."""
+    by ranks) and grouped MoE == the routed loop, on fresh inputs; the rank top-k picks topk's experts exactly."""
     args = dataclasses.replace(args, n_shared_experts=shared)
     m = build_model(args, seed=int(torch.randint(1 << 30, ())))
     moe = next(layer.mlp for layer in m.model.layers if isinstance(layer.mlp, MoE))
-    m.prepare_paged()
+    m.prepare_paged("dense")
     _, w13, w2, S = moe.stacked()
     assert S == shared
     for _ in range(3):
@@ -198,8 +198,11 @@ def test_dense_moe_equals_the_routed_loop(args, shared):
         w, idx = moe.gate(x)
         comb = torch.zeros(13, args.n_routed_experts).scatter_(1, idx, w)
         assert torch.equal(moe.gate.dense_weights(x), comb)
-        ref, got = moe(x).double(), moe(x, dense=True).double()
+        ref, got = moe(x).double(), moe(x, "dense").double()
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        if hasattr(torch, "_grouped_mm"):
+            got = moe(x, "grouped").double()
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_dense_moe_checker_fails_on_a_wrong_routing():
@@ -212,5 +215,5 @@ def test_dense_moe_checker_fails_on_a_wrong_routing():
     _, w13, _, _ = moe.stacked()
     I, E = TINY_A.moe_intermediate_size, TINY_A.n_routed_experts
     w13[E * 2 * I:(E + 1) * 2 * I] *= 2
-    got = moe(x, dense=True).double()
+    got = moe(x, "dense").double()
     assert (got - ref).abs().max() > 1e-3 * ref.abs().max()
