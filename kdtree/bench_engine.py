@@ -448,6 +448,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     if mid:
         rec["mid"] = m = mid_model(hf=hf, n_prompts=2 if quick else 4, max_new=32 if quick else 64)
         targets += mid_targets(m)
+    elif (out / "engine_mid.json").exists():  # the mid-size section run apart (--mid-only), its own floor
+        rec["mid"] = m = json.loads((out / "engine_mid.json").read_text())
+        rec["mid"]["from"] = "engine_mid.json"
+        targets += mid_targets(m)
     rec["targets"] = targets
     (out / "engine.json").write_text(json.dumps(rec, indent=1))
     return rec

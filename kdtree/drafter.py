@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import MLP, RMSNorm, apply_rope
+from .model import MLP, RMSNorm, _refresh, apply_rope
 
 
 DRAFTER_REQUIRED_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "vocab_size", "num_hidden_layers",
@@ -288,11 +288,14 @@ class DFlashDrafter(nn.Module):
     def prepare_buffered(self) -> "DFlashDrafter":
         """(Re)build the fused weights of the engine's path (draft, extend): each layer's q/k/v projections as
         one [(H + 2 Hk) hd, D] matrix (k/v rows also used alone by extend), its MLP's gate and up rows as one
-        [2I, D] matrix. Copies: new_context calls it, so an engine built after the weights change uses them."""
+        [2I, D] matrix. Copies, refreshed in place (graphs captured earlier stay valid and see the new values):
+        new_context calls it, so an engine built after the weights change uses them."""
         for layer in self.layers:
             at, mlp = layer.self_attn, layer.mlp
-            at.qkv = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).detach()
-            mlp.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            at.qkv = _refresh(getattr(at, "qkv", None), torch.cat([at.q_proj.weight, at.k_proj.weight,
+                                                                    at.v_proj.weight]))
+            mlp.gate_up = _refresh(getattr(mlp, "gate_up", None), torch.cat([mlp.gate_proj.weight,
+                                                                            mlp.up_proj.weight]))
         return self
 
     @staticmethod

@@ -245,7 +245,8 @@ class Int4Experts(nn.Module):
             idx = torch.where((idx >= 0) & (idx < E), idx, torch.full_like(idx, -1))
         if x.is_cuda and x.dtype == torch.bfloat16:
             from . import kernels
-            return kernels.moe_int4(x.contiguous(), idx, weights.float(), self.kernel_weights(), check_values=False)
+            return _launch(kernels.moe_int4, x.contiguous(), idx, weights.float(), self.kernel_weights(),
+                           check_values=False)
         I = self.w13_packed.shape[1] // 2
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx[idx >= 0]).tolist():
@@ -254,6 +255,22 @@ class Int4Experts(nn.Module):
             gu = x[tok].float() @ w13.T
             y.index_add_(0, tok, ((F.silu(gu[:, :I]) * gu[:, I:]) @ w2.T) * weights[tok, slot, None].float())
         return y
+
+
+@torch.compiler.disable
+def _launch(fn, *args, **kw):
+    """A kdtree.kernels call (CuPy launches on torch's stream) run outside torch.compile's graphs: dynamo must
+    not trace the launch plumbing; the compiled code around it stays compiled."""
+    return fn(*args, **kw)
+
+
+def _refresh(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """A derived weight kept across calls: `new` copied into `old` when it can hold it (same shape, dtype and
+    device: memory a captured CUDA graph may read stays valid), else `new` itself. Returns the kept tensor."""
+    new = new.detach()
+    if old is not None and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device:
+        return old.copy_(new)
+    return new.contiguous()
 
 
 class AbsentExpert(nn.Module):
@@ -278,9 +295,9 @@ class MoE(nn.Module):
         if not isinstance(self.experts, Int4Experts):
             self.experts = Int4Experts.from_mlps(self.experts)
 
-    def stacked(self):
-        """The dense path's weights, stacked once and kept (a second copy of the MLP experts; refreshed by
-        `Transformer.prepare_paged`): (own [E'] int64 ids of the routed experts this rank holds,
+    def stacked(self, refresh: bool = False):
+        """The dense path's weights, stacked once and kept (a second copy of the MLP experts; refresh: copied
+        again from the experts, in place where the shapes allow, as `Transformer.prepare_paged` does): (own [E'] int64 ids of the routed experts this rank holds,
         w13 [(E' + S) * 2I (+ E), D], w2 [(E' + S) * I, D], S). Slot s < E' is routed expert own[s], slot E' + c
         chunk c of the shared expert (its intermediate cut into S slices of I; S = 0 when it is not a multiple
         of I, and the shared expert then runs apart); w13 rows s * 2I + j are slot s's gate (j < I) and up rows,
@@ -288,7 +305,7 @@ class MoE(nn.Module):
         GEMM for the router and the experts)."""
         st = getattr(self, "_stacked", None)
         w0 = next(m for m in self.experts if isinstance(m, MLP)).gate_proj.weight
-        if st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
+        if refresh or st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
             own = [e for e, m in enumerate(self.experts) if isinstance(m, MLP)]
             mlps = [(self.experts[e].gate_proj.weight, self.experts[e].up_proj.weight,
                      self.experts[e].down_proj.weight) for e in own]
@@ -299,8 +316,10 @@ class MoE(nn.Module):
                           sh.down_proj.weight[:, c * I:(c + 1) * I]) for c in range(S)]
             w13 = torch.cat([torch.cat([g, u]) for g, u, _ in mlps]
                             + ([self.gate.weight.to(w0.dtype)] if w0.dtype == torch.float32 else [])).detach()
-            w2 = torch.cat([d.t() for _, _, d in mlps]).detach().contiguous()
-            st = self._stacked = (torch.tensor(own, device=w0.device), w13, w2, S)
+            w2 = torch.cat([d.t() for _, _, d in mlps])
+            old = st if st is not None and st[3] == S else (None,) * 4
+            st = self._stacked = (torch.tensor(own, device=w0.device) if old[0] is None else old[0],
+                                  _refresh(old[1], w13), _refresh(old[2], w2), S)
         return st
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,15 +343,16 @@ class MoE(nn.Module):
         y = h.reshape(N, n_slots * I) @ w2                             # [N, D]
         return y if S or self.shared_experts is None else y + self.shared_experts(x)
 
-    def grouped(self):
-        """The grouped path's weights (refreshed by `Transformer.prepare_paged`): w13 [E, 2I, D] (gate rows then
-        up rows per expert) and w2 [E, D, I], stacked once and kept (a second copy of the experts)."""
+    def grouped(self, refresh: bool = False):
+        """The grouped path's weights: w13 [E, 2I, D] (gate rows then up rows per expert) and w2 [E, D, I],
+        stacked once and kept (a second copy of the experts; refresh as in `stacked`)."""
         st = getattr(self, "_grouped_w", None)
         w0 = self.experts[0].gate_proj.weight
-        if st is None or st[0].device != w0.device or st[0].dtype != w0.dtype:
-            w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts]).detach()
-            w2 = torch.stack([m.down_proj.weight for m in self.experts]).detach()
-            st = self._grouped_w = (w13, w2)
+        if refresh or st is None or st[0].device != w0.device or st[0].dtype != w0.dtype:
+            w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self.experts])
+            w2 = torch.stack([m.down_proj.weight for m in self.experts])
+            old = st or (None, None)
+            st = self._grouped_w = (_refresh(old[0], w13), _refresh(old[1], w2))
         return st
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -610,8 +630,8 @@ class MLA(nn.Module):
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
             qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
             rows, page_table, seq_len, words = kern
-            o_lat, _ = kernels.verify_attn(qk, rows, page_table, seq_len, words, scale,
-                                           page_size=KVCache.PAGE_SIZE, check_values=False, max_seq_len=S)
+            o_lat, _ = _launch(kernels.verify_attn, qk, rows, page_table, seq_len, words, scale,
+                               page_size=KVCache.PAGE_SIZE, check_values=False, max_seq_len=S)
             o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
         elif attn_impl == "naive":
             kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)
@@ -840,24 +860,25 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def prepare_paged(self, moe: str = "dense") -> "Transformer":
-        """(Re)build the fused weights forward_paged uses: each MLA's q_a_proj and kv_a_proj_with_mqa rows as one
-        [q_lora + R + P, D] matrix, and for moe "dense" / "grouped" each MoE's stacked experts (MoE.stacked /
-        MoE.grouped; the other path's copy is dropped). Copies, not views: call again after the weights change
+        """Build or refresh the fused weights forward_paged uses: each MLA's q_a_proj and kv_a_proj_with_mqa
+        rows as one [q_lora + R + P, D] matrix, and for moe "dense" / "grouped" each MoE's stacked experts
+        (MoE.stacked / MoE.grouped). Copies of the weights, refreshed in place (CUDA graphs captured earlier
+        keep reading valid memory and see the new values): call again after the weights change
         (kdtree.engine.Engine does at construction). Returns self."""
         if moe not in MOE_PATHS:
             raise ValueError(f"moe={moe!r}: expected one of {MOE_PATHS}")
         for layer in self.model.layers:
             attn = layer.self_attn
             if attn.args.q_lora_rank is not None:
-                attn.qkv_a = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]).detach()
+                attn.qkv_a = _refresh(getattr(attn, "qkv_a", None),
+                                      torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]))
             mlp = layer.mlp
             if isinstance(mlp, MoE) and not isinstance(mlp.experts, Int4Experts):
-                mlp._stacked = mlp._grouped_w = None
                 if moe == "dense":
-                    mlp.stacked()
+                    mlp.stacked(refresh=True)
                 elif moe == "grouped":
-                    mlp.grouped()
-        self._paged_ready = (self.device, self.dtype, moe)
+                    mlp.grouped(refresh=True)
+        self._paged_ready = getattr(self, "_paged_ready", set()) | {(self.device, self.dtype, moe)}
         return self
 
     @torch.no_grad()
@@ -867,7 +888,7 @@ class Transformer(nn.Module):
         pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
         meta.slots of every layer; no value checks and no host reads (graph-capturable).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
-        if getattr(self, "_paged_ready", None) != (self.device, self.dtype, meta.moe):
+        if (self.device, self.dtype, meta.moe) not in getattr(self, "_paged_ready", ()):
             self.prepare_paged(meta.moe)
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(meta.positions, h.dtype)

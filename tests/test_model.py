@@ -217,3 +217,31 @@ def test_dense_moe_checker_fails_on_a_wrong_routing():
     w13[E * 2 * I:(E + 1) * 2 * I] *= 2
     got = moe(x, "dense").double()
     assert (got - ref).abs().max() > 1e-3 * ref.abs().max()
+
+
+def test_fused_weights_are_refreshed_in_place():
+    """prepare_paged keeps its fused copies in the same memory (a CUDA graph captured by an earlier engine reads
+    them) and copies changed weights into them; the drafter's prepare_buffered likewise."""
+    from kdtree.drafter import build_drafter
+    m = build_model(TINY_B, seed=4)
+    d = build_drafter(m, block_size=4)
+    m.prepare_paged("dense")
+    m.prepare_paged("grouped")
+    d.prepare_buffered()
+    attn, moe = m.model.layers[0].self_attn, next(la.mlp for la in m.model.layers if isinstance(la.mlp, MoE))
+    at = d.layers[0].self_attn
+    kept = [attn.qkv_a, *moe.stacked()[1:3], *moe.grouped(), at.qkv]
+    with torch.no_grad():
+        attn.q_a_proj.weight.add_(1.0)
+        moe.experts[0].gate_proj.weight.add_(1.0)
+        at.q_proj.weight.add_(1.0)
+    m.prepare_paged("dense")
+    m.prepare_paged("grouped")
+    d.prepare_buffered()
+    now = [attn.qkv_a, *moe.stacked()[1:3], *moe.grouped(), at.qkv]
+    assert all(a is b for a, b in zip(kept, now))
+    q_lora, I = TINY_B.q_lora_rank, TINY_B.moe_intermediate_size
+    assert torch.equal(attn.qkv_a[:q_lora], attn.q_a_proj.weight)
+    assert torch.equal(moe.stacked()[1][:I], moe.experts[0].gate_proj.weight)
+    assert torch.equal(moe.grouped()[0][0, :I], moe.experts[0].gate_proj.weight)
+    assert torch.equal(at.qkv[:at.q_proj.weight.shape[0]], at.q_proj.weight)
