@@ -86,10 +86,11 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
             "top": sorted(top.items(), key=lambda kv: -kv[1])[:15]}
 
 
-def stage_kernels(engine: Engine, prompt, rounds: int = 5) -> dict:
+def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25) -> dict:
     """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
-    "gpu_s"}} plus the totals; the engine must be idle (one request is served and finished here)."""
+    "gpu_s"}} plus the totals and "top_kernels" (the costliest kernels by name: stage, launches and GPU seconds a
+    round); the engine must be idle (one request is served and finished here)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     room = engine.max_len - len(prompt) - engine.lookahead
     engine.add_request(prompt, min(3 * engine.max_accept + 2, room))
@@ -126,14 +127,21 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5) -> dict:
             ks += kernels(c)
         return ks
     out = {s: {"kernels": 0, "gpu_s": 0.0} for s in order}
+    by_name: dict = {}
     for ev in prof.events():
         if ev.name.startswith("stage:") and ev.device_type == torch.autograd.DeviceType.CPU:
             ks = [k for k in kernels(ev) if not k[1].startswith(("Memcpy", "Memset"))]
             row = out[ev.name[6:]]
             row["kernels"] += len(ks) / rounds
             row["gpu_s"] += sum(k[0] for k in ks) * 1e-6 / rounds
-    out["total"] = {"kernels": sum(r["kernels"] for r in out.values()),
-                    "gpu_s": sum(r["gpu_s"] for r in out.values())}
+            for dur, name in ks:
+                c = by_name.setdefault((ev.name[6:], name[:80]), [0.0, 0.0])
+                c[0] += 1 / rounds
+                c[1] += dur * 1e-6 / rounds
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top_kernels]
+    out["top_kernels"] = [{"stage": st, "kernel": n, "per_round": c, "gpu_s": t} for (st, n), (c, t) in top]
+    stages = [out[st] for st in order]
+    out["total"] = {"kernels": sum(r["kernels"] for r in stages), "gpu_s": sum(r["gpu_s"] for r in stages)}
     engine.run()
     return out
 
@@ -488,7 +496,8 @@ def summary(rec: dict) -> str:
         st = r.get("stage_kernels")
         if st:
             lines.append(f"stages {r['mode']} B={r['budget']}: " + ", ".join(
-                f"{k} {v['kernels']:.0f} kernels {1e6 * v['gpu_s']:.0f} us" for k, v in st.items()))
+                f"{k} {v['kernels']:.0f} kernels {1e6 * v['gpu_s']:.0f} us" for k, v in st.items()
+                if k != "top_kernels"))
     dc = rec.get("deterministic_cost")
     if dc:
         lines.append(f"deterministic=True, one request, max_batch {dc['max_batch']}: "

@@ -32,7 +32,8 @@ from .config import ModelArgs, yarn_mscale
 
 ATTN_IMPLS = ("naive", "absorb", "kernel")
 MOE_PATHS = ("loop", "dense", "grouped")  # MoE.forward's paths for MLP experts
-RANK_TOPK_MAX = 64  # Gate.dense_weights: top-k by ranks ([N, E, E] comparisons) up to this many experts
+GATHER_PAIRS_MAX = 16  # MoE._gathered: (token, expert) pairs up to which compiled grouped rounds take it
+RANK_TOPK_MAX = 64  # Gate._ranks: top-k by ranks ([N, E, E] comparisons) up to this many experts
 
 
 # ----------------------------------------------------------------------------- small modules
@@ -135,21 +136,45 @@ class Gate(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * a.routed_scaling_factor, idx
 
-    def dense_weights(self, x: torch.Tensor, scores=None) -> torch.Tensor:
-        """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and 0
-        elsewhere. Without groups and with at most RANK_TOPK_MAX experts the top-k is taken by ranks (expert i
-        is chosen when fewer than k experts beat it, ties to the lower id, as topk's order on distinct scores):
-        elementwise work a compiler fuses into one kernel, where topk, gather and scatter are several."""
+    def _ranks(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """Each expert's rank by selection score (0 the best, ties to the lower id, as topk orders distinct
+        scores): int [N, E] from [N, E] comparisons, elementwise work a compiler fuses into one kernel where topk
+        takes several. None with groups or more than RANK_TOPK_MAX experts (then topk)."""
         a, E = self.args, self.args.n_routed_experts
         if a.n_group > 1 or E > RANK_TOPK_MAX:
-            w, idx = self(x, scores)
-            return torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+            return None
+        c = scores + self.e_score_correction_bias.float()
+        j = torch.arange(E, device=scores.device)
+        beats = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (j[None, :] < j[:, None]))
+        return beats.sum(-1)                                                            # [N, E]
+
+    def route(self, x: torch.Tensor, scores=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's (weights [N, k], ids [N, k]) with the top-k taken by `_ranks` where it applies (the engine's
+        grouped path; forward itself keeps topk, the oracle's)."""
+        a = self.args
         if scores is None:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        c = scores + self.e_score_correction_bias.float()
-        j = torch.arange(E, device=x.device)
-        beats = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (j[None, :] < j[:, None]))
-        w = torch.where(beats.sum(-1) < a.num_experts_per_tok, scores, 0.0)   # [N, E]
+        rank = self._ranks(scores)
+        if rank is None:
+            return self(x, scores)
+        r = torch.arange(a.num_experts_per_tok, device=x.device)
+        idx = (rank[:, None, :] == r[None, :, None]).to(torch.int32).argmax(-1)          # [N, k]: rank r's expert
+        w = scores.gather(1, idx)
+        if a.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * a.routed_scaling_factor, idx
+
+    def dense_weights(self, x: torch.Tensor, scores=None) -> torch.Tensor:
+        """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and 0
+        elsewhere (the top-k by `_ranks` where it applies)."""
+        a, E = self.args, self.args.n_routed_experts
+        if scores is None:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        rank = self._ranks(scores)
+        if rank is None:
+            w, idx = self(x, scores)
+            return torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
+        w = torch.where(rank < a.num_experts_per_tok, scores, 0.0)   # [N, E]
         if a.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * a.routed_scaling_factor
@@ -361,9 +386,11 @@ class MoE(nn.Module):
         chose is not read), combined by un-permuting and summing each token's k rows (no atomics), plus the
         shared expert. x [N, D] -> [N, D]. Needs every routed expert on this rank."""
         N, k = x.shape[0], self.args.num_experts_per_tok
+        if N * k <= GATHER_PAIRS_MAX and torch.compiler.is_compiling():
+            return self._gathered(x)
         w13, w2 = self.grouped()
         I = w2.shape[2]
-        weights, idx = self.gate(x)                                    # [N, k]
+        weights, idx = self.gate.route(x)                              # [N, k]
         flat = idx.flatten()                                           # [N k]
         order = flat.argsort(stable=True)                              # pairs by expert
         counts = (flat[:, None] == torch.arange(w13.shape[0], device=x.device)).sum(0)   # [E]
@@ -372,6 +399,23 @@ class MoE(nn.Module):
         h = F.silu(gu[:, :I]) * gu[:, I:] * weights.flatten()[order, None].to(x.dtype)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                         # [N k, D]
         y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, k, -1).sum(1)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """The grouped path for a few (token, expert) pairs (decode; chosen under torch.compile): each pair's
+        projections as an elementwise product summed over the input dim, the chosen expert's rows indexed in
+        place, which the compiler turns into reductions reading the chosen experts' weights directly (no sort, no
+        grouped GEMM set-up; eagerly it would build the [pairs, 2I, D] product). x [N, D] -> [N, D]."""
+        N, k = x.shape[0], self.args.num_experts_per_tok
+        w13, w2 = self.grouped()
+        I = w2.shape[2]
+        weights, idx = self.gate.route(x)                              # [N, k]
+        e = idx.flatten()                                              # [N k], pair p = n k + j
+        xp = x[:, None, :].expand(N, k, x.shape[1]).reshape(N * k, 1, -1)             # [N k, 1, D]
+        gu = (xp * w13[e]).sum(-1, dtype=torch.float32)                                 # [N k, 2I]
+        h = F.silu(gu[:, :I]) * gu[:, I:] * weights.flatten()[:, None]                  # [N k, I] float32
+        ys = (h.to(x.dtype)[:, None, :] * w2[e]).sum(-1, dtype=torch.float32)          # [N k, D]
+        y = ys.view(N, k, -1).sum(1).to(x.dtype)
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
     def forward(self, x: torch.Tensor, path: str = "loop") -> torch.Tensor:

@@ -1,4 +1,6 @@
 """The engine on the GPU: CUDA-graphed rounds against the oracle loop, graphs on == off, batching."""
+import gc
+
 import pytest
 import torch
 
@@ -85,6 +87,7 @@ def test_memory_is_flat_over_many_rounds(pair):
     for p in prompts[:8]:
         e.add_request(p, 40)
     e.run()
+    gc.collect()  # earlier tests' engines (reference cycles) freed now, not in the middle of the measurement
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     for i, p in enumerate(prompts[8:]):
@@ -92,6 +95,7 @@ def test_memory_is_flat_over_many_rounds(pair):
         if i % 2:
             e.step()
     e.run()
+    gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base
     assert e.free_pages == e.pages.capacity

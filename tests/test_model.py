@@ -198,11 +198,15 @@ def test_dense_moe_equals_the_routed_loop(args, shared):
         w, idx = moe.gate(x)
         comb = torch.zeros(13, args.n_routed_experts).scatter_(1, idx, w)
         assert torch.equal(moe.gate.dense_weights(x), comb)
+        w2_, idx2 = moe.gate.route(x)
+        assert torch.equal(idx2, idx) and torch.equal(w2_, w)
         ref, got = moe(x).double(), moe(x, "dense").double()
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
         if hasattr(torch, "_grouped_mm"):
             got = moe(x, "grouped").double()
             assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        got = moe._gathered(x[:5]).double()  # (the compiled decode form, run eagerly here)
+        assert (got - ref[:5]).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_dense_moe_checker_fails_on_a_wrong_routing():
