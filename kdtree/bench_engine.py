@@ -89,8 +89,8 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
 def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25) -> dict:
     """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
-    "gpu_s"}} plus the totals and "top_kernels" (the costliest kernels by name: stage, launches and GPU seconds a
-    round); the engine must be idle (one request is served and finished here)."""
+    "gpu_s"}} plus the totals and "top_kernels" (the costliest kernels by name: stage, launches and GPU
+    seconds a round); the engine must be idle (one request is served and finished here)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     room = engine.max_len - len(prompt) - engine.lookahead
     engine.add_request(prompt, min(3 * engine.max_accept + 2, room))
@@ -229,8 +229,8 @@ def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = N
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> dict:
-    """Device-to-device copy bandwidth: a buffer of nbytes copied `repeats` times after a warm-up, timed with CUDA
-    events; bytes moved = read + written. {"bytes_per_s" (median), "max_bytes_per_s"}."""
+    """Device-to-device copy bandwidth: a buffer of nbytes copied `repeats` times after a warm-up, timed with
+    CUDA events; bytes moved = read + written. {"bytes_per_s" (median), "max_bytes_per_s"}."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -249,9 +249,10 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> dict:
 
 def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: int = 64, max_new: int = 64,
               hf: bool = True, compile: bool = True, paths=("grouped", "dense"), log=print) -> dict:
-    """AR at batch 1 on the mid-size config (random bf16 weights, seed 0; the kernel attention path) through the
-    engine per MoE path (the first also compiled), against its weight-bytes floor (decode_weight_bytes over the copy bandwidth measured
-    here) and transformers' generate on the very same weights (a checkpoint written to a temporary folder)."""
+    """AR at batch 1 on the mid-size config (random bf16 weights, seed 0; the kernel attention path) through
+    the engine per MoE path (the first also compiled), against its weight-bytes floor (decode_weight_bytes
+    over the copy bandwidth measured here) and transformers' generate on the very same weights (a checkpoint
+    written to a temporary folder)."""
     import tempfile
 
     from .config import load_config
@@ -273,7 +274,8 @@ def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: in
     for path in paths:
         for comp in ((False, True) if compile and path == paths[0] else (False,)):
             t0 = time.perf_counter()
-            e = Engine(model, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False, moe=path, compile=comp)
+            e = Engine(model, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False, moe=path,
+                       compile=comp)
             warm = time.perf_counter() - t0
             run_engine(e, prompts[:1], 8)
             r = run_engine(e, prompts, max_new)
@@ -467,8 +469,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
 
 def mid_targets(m: dict) -> list[dict]:
     best = m["best"]
-    out = [_target("Mid-size AR batch 1 (bf16): fraction of the weight-bytes floor", best["floor_fraction"], 0.5,
-                   moe=best["moe"], compiled=best["compiled"])]
+    out = [_target("Mid-size AR batch 1 (bf16): fraction of the weight-bytes floor", best["floor_fraction"],
+                   0.5, moe=best["moe"], compiled=best["compiled"])]
     if "hf" in m:
         out.append(_target("Mid-size AR batch 1 (bf16): x HF generate on the same weights (info)",
                            best["tok_per_s"] / m["hf"]["tok_per_s"], 1.0))

@@ -288,8 +288,8 @@ class DFlashDrafter(nn.Module):
     def prepare_buffered(self) -> "DFlashDrafter":
         """(Re)build the fused weights of the engine's path (draft, extend): each layer's q/k/v projections as
         one [(H + 2 Hk) hd, D] matrix (k/v rows also used alone by extend), its MLP's gate and up rows as one
-        [2I, D] matrix. Copies, refreshed in place (graphs captured earlier stay valid and see the new values):
-        new_context calls it, so an engine built after the weights change uses them."""
+        [2I, D] matrix. Copies, refreshed in place (graphs captured earlier stay valid and see the new
+        values): new_context calls it, so an engine built after the weights change uses them."""
         for layer in self.layers:
             at, mlp = layer.self_attn, layer.mlp
             at.qkv = _refresh(getattr(at, "qkv", None), torch.cat([at.q_proj.weight, at.k_proj.weight,
@@ -300,7 +300,7 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def _kv(at, x, cos, sin):
-        """DraftAttention.kv with k and v in one GEMM (the k/v rows of prepare_buffered's matrix) when it ran."""
+        """DraftAttention.kv, k and v in one GEMM (the k/v rows of prepare_buffered's matrix) when it ran."""
         a, (B, T, _) = at.a, x.shape
         if getattr(at, "qkv", None) is None:
             return at.kv(x, cos, sin)

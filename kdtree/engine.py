@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import golden
+from . import checks, golden
 from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
 from .round_ops import GoldenOps, KernelOps, choose
 
@@ -102,56 +102,33 @@ class GenerationResult:
 
 
 # ----------------------------------------------------------------------------- argument checks
-def _is_id(t) -> bool:
-    """A token id's type: a Python or numpy int, not a bool."""
-    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
-
-
 def check_prompt(prompt, vocab_size: int) -> list[int]:
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        t = torch.as_tensor(prompt)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
-                t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1)):
-            raise ValueError(f"prompt: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
-                             f"{tuple(t.shape)}")
-        prompt = t.flatten().tolist()
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"prompt: expected a sequence of integer token ids, got {type(prompt).__name__}")
-    prompt = list(prompt)
-    bad = next((t for t in prompt if not _is_id(t)), None)
-    if bad is not None:
-        raise ValueError(f"prompt: expected integer token ids, got {bad!r} ({type(bad).__name__})")
-    prompt = [int(t) for t in prompt]
-    if not prompt:
-        raise ValueError("prompt: expected at least one token")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt: expected token ids in [0, {vocab_size}), got [{min(prompt)}, {max(prompt)}]")
-    return prompt
+    return checks.token_list("prompt", prompt, vocab_size)
 
 
 def check_max_new(max_new_tokens) -> int:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive int")
-    return int(max_new_tokens)
+    return checks.positive_int("max_new_tokens", max_new_tokens)
 
 
 def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
-            or not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
-    return float(temperature)
+    return checks.finite_float("temperature", temperature, lo=0.0)
 
 
 def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+    seed = checks.int_in("seed", seed, 0, note=" (below 2**63)")
+    if seed >= 2**63:
         raise ValueError(f"seed={seed!r}: expected an int >= 0 (below 2**63)")
-    return int(seed)
+    return seed
 
 
 def check_stop(stop_tokens) -> set[int]:
     """stop_tokens: an iterable of token ids (None: none)."""
-    toks = list(stop_tokens) if stop_tokens is not None else []
-    if not all(_is_id(t) for t in toks):
+    if stop_tokens is None:
+        return set()
+    if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
+    toks = list(stop_tokens)
+    if not all(checks.is_int(t) for t in toks):
         raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
     return {int(t) for t in toks}
 
@@ -246,10 +223,10 @@ class Request:
 
 
 def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
-    """The MoE path of the engine's forward (model.MOE_PATHS), checked; None picks: "dense" (every expert in two
-    GEMMs: capturable, batch-invariant) when deterministic, on a GPU outside bf16, under TP or with at most 4k
-    routed experts for top-k; "grouped" (torch's grouped GEMM over the chosen experts) on a GPU in bf16 beyond
-    that; "loop" (host-driven grouping, fewest FLOPs) on the CPU."""
+    """The MoE path of the engine's forward (model.MOE_PATHS), checked; None picks: "dense" (every expert in
+    two GEMMs: capturable, batch-invariant) when deterministic, on a GPU outside bf16, under TP or with at
+    most 4k routed experts for top-k; "grouped" (torch's grouped GEMM over the chosen experts) on a GPU in
+    bf16 beyond that; "loop" (host-driven grouping, fewest FLOPs) on the CPU."""
     a, dev = model.args, model.device
     sharded = getattr(model, "tp", None) is not None
     grouped_ok = (hasattr(torch, "_grouped_mm") and not sharded
@@ -310,13 +287,11 @@ class Engine:
                  deterministic: bool = False, moe: str | None = None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+        checks.one_of("mode", mode, MODES)
         dev = model.device
         if backend is None:
             backend = "kernel" if dev.type == "cuda" else "golden"
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        checks.one_of("backend", backend, BACKENDS)
         if backend == "kernel" and dev.type != "cuda":
             raise ValueError("backend='kernel' needs the model on a CUDA device")
         if mode == "ar":
@@ -330,24 +305,21 @@ class Engine:
                 raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
         elif budget is not None:
             raise ValueError(f"budget={budget!r}: only mode='ddtree' takes a budget")
-        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name}={v!r}: expected a positive int")
+        max_batch = checks.positive_int("max_batch", max_batch)
+        prefill_chunk = checks.positive_int("prefill_chunk", prefill_chunk)
         if page_size != 64:
             raise ValueError(f"page_size={page_size!r}: the latent cache's pages are 64 rows (the attention kernel's)")
         mpe = model.args.max_position_embeddings
-        max_len = mpe if max_len is None else max_len
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= mpe:
-            raise ValueError(f"max_len={max_len!r}: expected an int in [1, max_position_embeddings={mpe}]")
+        max_len = checks.int_in("max_len", mpe if max_len is None else max_len, 1, mpe,
+                                f" (max_position_embeddings={mpe})")
         max_tokens = max_batch * max_len if max_tokens is None else max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens!r}: expected a positive int (the pool's rows)")
+        max_tokens = checks.positive_int("max_tokens", max_tokens, note=" (the pool's rows)")
         ok = buckets is None or (isinstance(buckets, (list, tuple)) and buckets and all(
-            isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= max_batch for x in buckets)
-            and max(buckets) == max_batch)
+            checks.is_int(x) and 1 <= x <= max_batch for x in buckets) and max(buckets) == max_batch)
         if not ok:
             raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] including "
                              "max_batch")
+        buckets = None if buckets is None else [int(x) for x in buckets]
         rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1
         cap = -(-max_len // page_size) * page_size
         if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):

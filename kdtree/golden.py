@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
+
 
 # ----------------------------------------------------------------------------- argument checks
 def _as_logits(logits, name="logits") -> np.ndarray:
@@ -59,20 +61,13 @@ MAX_BUDGET = 4096  # the golden path's ceiling: its [B + 1, B + 1] masks and Pyt
 
 
 def _check_budget(budget) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget={budget!r}: expected an int in [1, {MAX_BUDGET}] (number of draft nodes; "
-                         "the golden path's ceiling)")
-    return int(budget)
+    return checks.int_in("budget", budget, 1, MAX_BUDGET,
+                         " (number of draft nodes; the golden path's ceiling)")
 
 
 def _ids(name: str, a) -> np.ndarray:
     """An integer array of token ids (>= 0), or a ValueError naming it (floats are never truncated)."""
-    a = np.asarray(a)
-    if a.size and (not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_):
-        raise ValueError(f"{name}: expected integer token ids, got dtype {a.dtype}")
-    if a.size and a.min() < 0:
-        raise ValueError(f"{name}: expected token ids >= 0, got {int(a.min())}")
-    return a
+    return checks.id_array(name, a)
 
 
 def _check_parents(name: str, parents, n: int) -> np.ndarray:
@@ -102,8 +97,7 @@ def topk_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
     logit descending (so by log-probability, which is monotone in it), ties by token id ascending.
     k is clipped to V. Ordering by the logit, not by the rounded log-probability, keeps two logits that
     round to one log-probability in logit order."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
-        raise ValueError(f"k={k!r}: expected a positive int")
+    k = checks.positive_int("k", k)
     lp = log_softmax(logits)
     x = _as_logits(logits) + np.float32(0.0)  # -0.0 -> +0.0
     L, V = lp.shape
@@ -217,10 +211,8 @@ def pack_mask_bits(mask) -> np.ndarray:
 
 def compile_tree(tree: Tree, root_token: int, start_pos: int) -> VerifyBlock:
     """Tree + root -> the verify block: tokens, position ids (start_pos + depth), parents, ancestor mask."""
-    if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
-        raise ValueError(f"start_pos={start_pos!r}: expected an int >= 0 (the root's position)")
-    if isinstance(root_token, bool) or not isinstance(root_token, (int, np.integer)) or root_token < 0:
-        raise ValueError(f"root_token={root_token!r}: expected a token id (an int >= 0)")
+    start_pos = checks.int_in("start_pos", start_pos, 0, note=" (the root's position)")
+    root_token = checks.int_in("root_token", root_token, 0, note=" (a token id)")
     n = len(tree.tokens)
     if len(tree.parents) != n or len(tree.depths) != n:
         raise ValueError(f"tree: tokens, parents and depths of one length expected, got {n}, {len(tree.parents)}, "
@@ -316,8 +308,7 @@ def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndar
 def compact_kv(cache, block_start: int, keep) -> tuple[np.ndarray, int]:
     """Gather semantics: out[block_start + j] = cache[block_start + keep[j]] for every j at once; all other
     rows unchanged. keep: strictly increasing indices into the block. Returns (out, new_length)."""
-    if isinstance(block_start, bool) or not isinstance(block_start, (int, np.integer)) or block_start < 0:
-        raise ValueError(f"block_start={block_start!r}: expected an int >= 0")
+    block_start = checks.int_in("block_start", block_start, 0)
     c = np.array(cache, copy=True)
     k = np.asarray(keep)
     if k.size and (not np.issubdtype(k.dtype, np.integer) or k.dtype == np.bool_):

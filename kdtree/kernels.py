@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import checks
+
 MAX_BUDGET = 1024
 MAX_VOCAB = 262144         # MAX_CHUNK * MAX_CANDIDATES / MAX_BUDGET
 MAX_DEPTH = 63
@@ -164,21 +166,11 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
 
 def _need(name: str, t, dtypes, ndim=None, shape=None, contiguous=True) -> None:
     """Type, dtype, rank, shape, contiguity, then device (so the first four are checkable on a CPU)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous())")
+    checks.tensor(name, t, dtypes, ndim=ndim, shape=shape, contiguous=contiguous)
 
 
 def _need_page_size(page_size) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise ValueError(f"page_size={page_size!r}: expected a positive int")
+    checks.positive_int("page_size", page_size)
 
 
 def _on_one_gpu(**tensors) -> None:
@@ -197,9 +189,7 @@ def _on_one_gpu(**tensors) -> None:
 
 
 def _check_budget(budget) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget={budget!r}: expected an int in [1, {MAX_BUDGET}]")
-    return int(budget)
+    return checks.int_in("budget", budget, 1, MAX_BUDGET)
 
 
 def check_logit_values(logits: torch.Tensor, name: str = "logits") -> None:
@@ -252,8 +242,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, check_values: bool = True):
     V = logits.shape[-1]
     if V > MAX_VOCAB:
         raise ValueError(f"logits: vocabulary {V} exceeds the supported maximum {MAX_VOCAB}")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_BUDGET:
-        raise ValueError(f"k={k!r}: expected an int in [1, {MAX_BUDGET}]")
+    k = checks.int_in("k", k, 1, MAX_BUDGET)
     _on_one_gpu(logits=logits)
     if check_values:
         check_logit_values(logits)
@@ -490,9 +479,8 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     Returns out bf16 [b, N, H, 512], lse fp32 [b, N, H]."""
     if impl is not None and impl not in VERIFY_IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {VERIFY_IMPLS} or None")
-    if n_splits is not None and (isinstance(n_splits, bool) or not isinstance(n_splits, (int, np.integer))
-                                 or not 1 <= n_splits <= MAX_SPLITS):
-        raise ValueError(f"n_splits={n_splits!r}: expected None or an int in [1, {MAX_SPLITS}]")
+    if n_splits is not None:
+        n_splits = checks.int_in("n_splits", n_splits, 1, MAX_SPLITS, " (or None)")
     _need("q", q, (torch.bfloat16,), ndim=4)
     b, N, H, Dq = q.shape
     if Dq != D_QK:
@@ -517,10 +505,7 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
     max_keys = page_table.shape[1] * page_size
     keys = max_keys  # what the context splits are sized for
     if max_seq_len is not None:
-        if (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer))
-                or not N <= max_seq_len <= max_keys):
-            raise ValueError(f"max_seq_len={max_seq_len!r}: expected an int in [N={N}, {max_keys}] (pages x page_size)")
-        keys = int(max_seq_len)
+        keys = checks.int_in("max_seq_len", max_seq_len, N, max_keys, f" (N={N} to pages x page_size)")
     _on_one_gpu(q=q, cache=cache, page_table=page_table, seq_len=seq_len, mask=mask)
     _check_pages(page_table, cache.shape[0] // page_size, check_values)
     if mask.dtype == torch.bool:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import checks
 from .config import ModelArgs, yarn_mscale
 
 ATTN_IMPLS = ("naive", "absorb", "kernel")
@@ -138,19 +139,20 @@ class Gate(nn.Module):
 
     def _ranks(self, scores: torch.Tensor) -> torch.Tensor | None:
         """Each expert's rank by selection score (0 the best, ties to the lower id, as topk orders distinct
-        scores): int [N, E] from [N, E] comparisons, elementwise work a compiler fuses into one kernel where topk
-        takes several. None with groups or more than RANK_TOPK_MAX experts (then topk)."""
+        scores): int [N, E] from [N, E] comparisons, elementwise work a compiler fuses into one kernel where
+        topk takes several. None with groups or more than RANK_TOPK_MAX experts (then topk)."""
         a, E = self.args, self.args.n_routed_experts
         if a.n_group > 1 or E > RANK_TOPK_MAX:
             return None
         c = scores + self.e_score_correction_bias.float()
         j = torch.arange(E, device=scores.device)
-        beats = (c[:, None, :] > c[:, :, None]) | ((c[:, None, :] == c[:, :, None]) & (j[None, :] < j[:, None]))
+        ci, cj = c[:, :, None], c[:, None, :]                                           # [N, E(i), E(j)]
+        beats = (cj > ci) | ((cj == ci) & (j[None, :] < j[:, None]))
         return beats.sum(-1)                                                            # [N, E]
 
     def route(self, x: torch.Tensor, scores=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's (weights [N, k], ids [N, k]) with the top-k taken by `_ranks` where it applies (the engine's
-        grouped path; forward itself keeps topk, the oracle's)."""
+        """forward's (weights [N, k], ids [N, k]) with the top-k taken by `_ranks` where it applies (the
+        engine's grouped path; forward itself keeps topk, the oracle's)."""
         a = self.args
         if scores is None:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
@@ -158,15 +160,15 @@ class Gate(nn.Module):
         if rank is None:
             return self(x, scores)
         r = torch.arange(a.num_experts_per_tok, device=x.device)
-        idx = (rank[:, None, :] == r[None, :, None]).to(torch.int32).argmax(-1)          # [N, k]: rank r's expert
+        idx = (rank[:, None, :] == r[None, :, None]).to(torch.int32).argmax(-1)   # [N, k]: rank r's expert
         w = scores.gather(1, idx)
         if a.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * a.routed_scaling_factor, idx
 
     def dense_weights(self, x: torch.Tensor, scores=None) -> torch.Tensor:
-        """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and 0
-        elsewhere (the top-k by `_ranks` where it applies)."""
+        """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and
+        0 elsewhere (the top-k by `_ranks` where it applies)."""
         a, E = self.args, self.args.n_routed_experts
         if scores is None:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
@@ -322,12 +324,13 @@ class MoE(nn.Module):
 
     def stacked(self, refresh: bool = False):
         """The dense path's weights, stacked once and kept (a second copy of the MLP experts; refresh: copied
-        again from the experts, in place where the shapes allow, as `Transformer.prepare_paged` does): (own [E'] int64 ids of the routed experts this rank holds,
-        w13 [(E' + S) * 2I (+ E), D], w2 [(E' + S) * I, D], S). Slot s < E' is routed expert own[s], slot E' + c
-        chunk c of the shared expert (its intermediate cut into S slices of I; S = 0 when it is not a multiple
-        of I, and the shared expert then runs apart); w13 rows s * 2I + j are slot s's gate (j < I) and up rows,
-        w2 row s * I + i column i of its down projection. In float32 the router's E rows follow in w13 (one
-        GEMM for the router and the experts)."""
+        again from the experts, in place where the shapes allow, as `Transformer.prepare_paged` does): (own
+        [E'] int64 ids of the routed experts this rank holds, w13 [(E' + S) * 2I (+ E), D], w2 [(E' + S) * I,
+        D], S). Slot s < E' is routed expert own[s], slot E' + c chunk c of the shared expert (its
+        intermediate cut into S slices of I; S = 0 when it is not a multiple of I, and the shared expert then
+        runs apart); w13 rows s * 2I + j are slot s's gate (j < I) and up rows, w2 row s * I + i column i of
+        its down projection. In float32 the router's E rows follow in w13 (one GEMM for the router and the
+        experts)."""
         st = getattr(self, "_stacked", None)
         w0 = next(m for m in self.experts if isinstance(m, MLP)).gate_proj.weight
         if refresh or st is None or st[1].device != w0.device or st[1].dtype != w0.dtype:
@@ -404,8 +407,8 @@ class MoE(nn.Module):
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         """The grouped path for a few (token, expert) pairs (decode; chosen under torch.compile): each pair's
         projections as an elementwise product summed over the input dim, the chosen expert's rows indexed in
-        place, which the compiler turns into reductions reading the chosen experts' weights directly (no sort, no
-        grouped GEMM set-up; eagerly it would build the [pairs, 2I, D] product). x [N, D] -> [N, D]."""
+        place, which the compiler turns into reductions reading the chosen experts' weights directly (no sort,
+        no grouped GEMM set-up; eagerly it would build the [pairs, 2I, D] product). x [N, D] -> [N, D]."""
         N, k = x.shape[0], self.args.num_experts_per_tok
         w13, w2 = self.grouped()
         I = w2.shape[2]
@@ -419,9 +422,9 @@ class MoE(nn.Module):
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
     def forward(self, x: torch.Tensor, path: str = "loop") -> torch.Tensor:
-        """x [..., D]. path (MLP experts; INT4 experts always take Int4Experts.forward): "loop" over the routed
-        experts with host reads, "dense" every expert by `_dense` (capturable, batch-invariant), "grouped" the
-        routed pairs by `_grouped` (capturable, reads only the chosen experts)."""
+        """x [..., D]. path (MLP experts; INT4 experts always take Int4Experts.forward): "loop" over the
+        routed experts with host reads, "dense" every expert by `_dense` (capturable, batch-invariant),
+        "grouped" the routed pairs by `_grouped` (capturable, reads only the chosen experts)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         if path == "dense" and not isinstance(self.experts, Int4Experts):
@@ -460,7 +463,7 @@ class PagedMeta:
     bias: torch.Tensor | None         # float32 [B, T, kv_cap]: 0 visible, -inf not (torch attention paths)
     kv_cap: int                       # P * page_size: keys a request can hold
     page_size: int
-    moe: str = "loop"                 # the MoE's path for MLP experts: "loop" | "dense" | "grouped" (MoE.forward)
+    moe: str = "loop"                 # MoE.forward's path for MLP experts: "loop" | "dense" | "grouped"
 
     @classmethod
     def build(cls, page_table, cache_len, positions, mask, page_size: int, attn_impl: str, moe: str = "loop",
@@ -525,10 +528,8 @@ class KVCache:
     PAGE_SIZE = 64
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
-            raise ValueError(f"KVCache max_len={max_len!r}: expected a positive int (rows of the cache)")
-        if not (isinstance(batch, int) and batch > 0):
-            raise ValueError(f"KVCache batch={batch!r}: expected a positive int")
+        max_len = checks.positive_int("KVCache max_len", max_len, note=" (rows of the cache)")
+        batch = checks.positive_int("KVCache batch", batch)
         L, R = args.num_hidden_layers, args.kv_lora_rank
         s_pad = -(-max_len // self.PAGE_SIZE) * self.PAGE_SIZE
         item = torch.empty(0, dtype=dtype).element_size()
@@ -588,8 +589,7 @@ class KVCache:
         self.block = None
 
     def truncate(self, length: int) -> None:
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
-            raise ValueError(f"truncate length={length!r}: expected an int in [0, {self.length}]")
+        length = checks.int_in("truncate length", length, 0, self.length)
         self.length, self.block = length, None
 
 
@@ -626,7 +626,8 @@ class MLA(nn.Module):
             q, kv_pe = F.linear(x, qkv_a).split([a.q_lora_rank, R + a.qk_rope_head_dim], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q))
         else:
-            q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = (self.q_proj(x) if a.q_lora_rank is None
+                 else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))))
             kv_pe = self.kv_a_proj_with_mqa(x)
         q = q.view(B, T, H, a.qk_head_dim)
         q_nope, q_pe = q.split([Dn, a.qk_rope_head_dim], dim=-1)
@@ -657,13 +658,14 @@ class MLA(nn.Module):
             kern = (pool, meta.page_table, meta.seq_len, meta.mask_words)
             return self._attend(x, q_nope, q_pe, None, None, None, attn_impl, kern, meta.kv_cap)
         ctx = pool.view(-1, meta.page_size, pool.shape[-1])[meta.page_table].view(B, meta.kv_cap, -1)
-        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None, meta.kv_cap,
-                            ctx)
+        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None,
+                            meta.kv_cap, ctx)
 
     def _attend(self, x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S, ctx=None):
         """Attention of the block's queries over S keys: kv_all [B, S, R], pe_all [B, S, P], bias [B, T, S];
-        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words) instead.
-        ctx: [B, S, R + P] whose slices kv_all and pe_all are (absorb then scores latent and rope in one GEMM)."""
+        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words)
+        instead. ctx: [B, S, R + P] whose slices kv_all and pe_all are (absorb then scores latent and rope in
+        one GEMM)."""
         a = self.args
         B, T, _ = x.shape
         H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
@@ -795,14 +797,10 @@ class Transformer(nn.Module):
     def _check(self, tokens, cache, position_ids, mask):
         """Validate every argument before anything is written; return (B, T, position_ids [B,T], mask [B,T,T])."""
         a = self.args
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"tokens: expected an int tensor [batch, T], got "
-                             f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
+        checks.tensor("tokens [batch, T]", tokens, (torch.int32, torch.int64), ndim=2, device=self.device)
         B, T = tokens.shape
         if T == 0 or B == 0:
             raise ValueError(f"tokens: expected a non-empty [batch, T], got {tuple(tokens.shape)}")
-        if tokens.device != self.device:
-            raise ValueError(f"tokens: expected device {self.device}, got {tokens.device}")
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= a.vocab_size:
             raise ValueError(f"tokens: expected ids in [0, vocab_size={a.vocab_size}), got [{lo}, {hi}]")

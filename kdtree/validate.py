@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import golden
+from . import checks, golden
 from .config import ModelArgs
 from .decode import generate_ddtree, generate_dflash
 from .oracle import oracle_ar, oracle_ddtree, oracle_dflash  # noqa: F401  (the tests' independent loop)
@@ -25,9 +25,7 @@ from .model import Transformer
 def _count(name: str, v) -> int:
     """A count a check runs over: a positive int (a numpy int too, never a bool), else a ValueError (a check
     over nothing would report a pass)."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ValueError(f"{name}={v!r}: expected a positive int (a check over nothing proves nothing)")
-    return int(v)
+    return checks.positive_int(name, v, note=" (a check over nothing proves nothing)")
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

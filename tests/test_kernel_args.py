@@ -74,7 +74,7 @@ def test_verify_attn_rejects():
     with pytest.raises(ValueError, match="impl='flash': expected one of"):
         K.verify_attn(q, cache, pt, sl, m, 0.1, impl="flash")
     for bad in (0, K.MAX_SPLITS + 1, 2.0, True):
-        with pytest.raises(ValueError, match="n_splits=.*expected None or an int in"):
+        with pytest.raises(ValueError, match=r"n_splits=.*expected an int in \[1, 128\] \(or None\)"):
             K.verify_attn(q, cache, pt, sl, m, 0.1, n_splits=bad)
     for bad in (0, -64, 64.0, True):
         with pytest.raises(ValueError, match="page_size=.*expected a positive int"):
@@ -82,7 +82,7 @@ def test_verify_attn_rejects():
     with pytest.raises(ValueError, match="q: expected a non-empty"):
         K.verify_attn(q[:, :0].contiguous(), cache, pt, sl, m, 0.1)
     for bad in (1, 129, 64.0):  # N = 2, two pages of 64 rows
-        with pytest.raises(ValueError, match="max_seq_len=.*expected an int in \\[N=2, 128\\]"):
+        with pytest.raises(ValueError, match=r"max_seq_len=.*expected an int in \[2, 128\] \(N=2"):
             K.verify_attn(q, cache, pt, sl, m, 0.1, max_seq_len=bad)
 
 

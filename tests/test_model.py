@@ -185,8 +185,9 @@ def test_attn_impl_switch_rejects_unknown(tiny):
 @pytest.mark.parametrize("args", [TINY_A, TINY_B], ids=["tiny-a", "tiny-b (groups)"])
 @pytest.mark.parametrize("shared", [1, 2], ids=["1 shared", "2 shared"])
 def test_dense_moe_equals_the_routed_loop(args, shared):
-    """The engine's dense MoE (every expert and the shared expert in two GEMMs, router rows in the first, top-k
-    by ranks) and grouped MoE == the routed loop, on fresh inputs; the rank top-k picks topk's experts exactly."""
+    """The engine's dense MoE (every expert and the shared expert in two GEMMs, router rows in the first,
+    top-k by ranks) and grouped MoE == the routed loop, on fresh inputs; the rank top-k picks topk's experts
+    exactly."""
     args = dataclasses.replace(args, n_shared_experts=shared)
     m = build_model(args, seed=int(torch.randint(1 << 30, ())))
     moe = next(layer.mlp for layer in m.model.layers if isinstance(layer.mlp, MoE))
@@ -224,8 +225,8 @@ def test_dense_moe_checker_fails_on_a_wrong_routing():
 
 
 def test_fused_weights_are_refreshed_in_place():
-    """prepare_paged keeps its fused copies in the same memory (a CUDA graph captured by an earlier engine reads
-    them) and copies changed weights into them; the drafter's prepare_buffered likewise."""
+    """prepare_paged keeps its fused copies in the same memory (a CUDA graph captured by an earlier engine
+    reads them) and copies changed weights into them; the drafter's prepare_buffered likewise."""
     from kdtree.drafter import build_drafter
     m = build_model(TINY_B, seed=4)
     d = build_drafter(m, block_size=4)
