@@ -326,3 +326,18 @@ def test_deterministic_rounds_are_batch_invariant(pair):
         Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, deterministic=True, buckets=(1, 4))
     with pytest.raises(ValueError, match="deterministic="):
         Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, deterministic=1)
+
+
+def test_moe_path_defaults_and_refusals(tiny):
+    """The engine's MoE path: the host loop on the CPU, dense when deterministic; bad names refused."""
+    from kdtree.engine import _moe_path
+    _, args, model = tiny
+    assert _moe_path(model, None, False) == "loop"
+    assert _moe_path(model, None, True) == "dense"
+    assert Engine(model, max_batch=2, max_len=64, deterministic=True).moe == "dense"
+    for moe in ("loop", "dense"):
+        assert _moe_path(model, moe, False) == moe
+    with pytest.raises(ValueError, match=r"moe='loop' with deterministic=True"):
+        _moe_path(model, "loop", True)
+    with pytest.raises(ValueError, match=r"moe=3: expected one of"):
+        _moe_path(model, 3, False)
