@@ -304,9 +304,12 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
 
 def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     """A DFlash drafter as config.json (DFlashDraftModel keys) + model.safetensors (its own weights: the
-    embedding and lm_head are the target's and are not written)."""
+    embedding and lm_head are the target's and are not written). A calibration table already in the folder
+    is removed: it was measured on other weights (python -m kdtree.calibration measures it again)."""
+    from .calibration import FILE
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
+    (d / FILE).unlink(missing_ok=True)
     sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.state_dict().items()}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -317,7 +320,7 @@ def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
 def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32,
                  allow_nonfinite: bool = False):
     """The drafter saved by save_drafter, attached to `target` (checked like load: names, shapes, dtypes,
-    finite values)."""
+    finite values); `drafter.calibration` is the folder's calibration table (kdtree.calibration) or None."""
     from .drafter import DFlashDrafter, DrafterArgs
     d = Path(path)
     if not (d / "config.json").is_file():
@@ -334,4 +337,9 @@ def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float
     check_state_dict(expected, found, ModelArgs(), where=f"drafter checkpoint {d}")
     check_values(drafter.state_dict(), found, allow_nonfinite, where=f"drafter checkpoint {d}")
     drafter.load_state_dict({k: found[k] for k in expected}, strict=True)
+    from .calibration import Calibration
+    try:  # the acceptance calibration measured on held-out data (kdtree.calibration), when stored
+        drafter.calibration = Calibration.load(d)
+    except ValueError as e:
+        raise CheckpointError(f"load_drafter: {e}") from None
     return drafter.to(device=target.device, dtype=dtype).eval().attach(target)

@@ -1,0 +1,219 @@
+"""The drafter's calibration: predicted against realized acceptance of draft-tree nodes.
+
+A DDTree node's predicted acceptance is its prefix probability under the drafter, exp(score) (the summed
+log-probability of its path, `golden.Tree.scores`). Under greedy verification a node is accepted when every
+token on its path is the target's choice below its parent; the round emits 1 + (accepted nodes) tokens.
+`measure` runs DDTree rounds through the engine on held-out prompts and records, per depth and per bin of
+predicted probability, how many nodes there were, their summed prediction and how many were accepted;
+`Calibration.correct` maps a prediction to the realized rate of its bin (pooled so it never decreases with the
+prediction: pool-adjacent-violators per depth, weighted by counts); `expected_tokens` gives a best-first tree's
+expected emitted tokens for every truncation B. The table is stored beside the drafter as `calibration.json`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import checks, golden
+
+FILE = "calibration.json"
+EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)  # bins of predicted probability
+MIN_COUNT = 20  # a bin with fewer nodes keeps the drafter's own prediction
+
+
+@dataclass
+class Calibration:
+    """Per depth d (row d - 1) and bin j (EDGES[j] <= p < EDGES[j + 1], p = 1 in the last): counts, summed
+    predictions and accepted nodes; budget and prompts of the measurement."""
+    edges: list
+    count: list      # [L][bins] int
+    predicted: list  # [L][bins] float: summed predictions
+    accepted: list   # [L][bins] int
+    budget: int = 0
+    prompts: int = 0
+
+    @classmethod
+    def empty(cls, depths: int, edges=EDGES) -> "Calibration":
+        nb = len(edges) - 1
+        return cls(list(edges), [[0] * nb for _ in range(depths)], [[0.0] * nb for _ in range(depths)],
+                   [[0] * nb for _ in range(depths)])
+
+    @property
+    def depths(self) -> int:
+        return len(self.count)
+
+    def _bins(self, p: np.ndarray) -> np.ndarray:
+        return np.clip(np.searchsorted(np.asarray(self.edges), p, side="right") - 1, 0, len(self.edges) - 2)
+
+    def add(self, scores, depths, accepted) -> None:
+        """Record nodes: scores [n] log-probabilities, depths [n] in 1..L, accepted [n] bool."""
+        p = np.exp(np.asarray(scores, np.float64))
+        d = np.asarray(depths) - 1
+        j = self._bins(p)
+        for di, ji, pi, ai in zip(d, j, p, np.asarray(accepted, bool)):
+            self.count[di][ji] += 1
+            self.predicted[di][ji] += float(pi)
+            self.accepted[di][ji] += int(ai)
+
+    def rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean prediction, realized rate) [L, bins]; NaN where a bin is empty."""
+        c = np.asarray(self.count, np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.asarray(self.predicted) / c, np.asarray(self.accepted) / c
+
+    def _pooled(self) -> np.ndarray:
+        """Realized rates [L, bins] made non-decreasing along the bins (pool-adjacent-violators, weighted
+        by counts); NaN for bins under MIN_COUNT nodes."""
+        out = np.full((self.depths, len(self.edges) - 1), np.nan)
+        for d in range(self.depths):
+            blocks = []  # [rate, weight, bins]
+            for j, (n, a) in enumerate(zip(self.count[d], self.accepted[d])):
+                if n < MIN_COUNT:
+                    continue
+                blocks.append([a / n, n, [j]])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    r2, w2, j2 = blocks.pop()
+                    r1, w1, j1 = blocks.pop()
+                    blocks.append([(r1 * w1 + r2 * w2) / (w1 + w2), w1 + w2, j1 + j2])
+            for r, _, js in blocks:
+                out[d, js] = r
+        return out
+
+    def correct(self, scores, depths) -> np.ndarray:
+        """Calibrated acceptance of nodes: scores [n] log-probabilities, depths [n] -> [n] in [0, 1] (the
+        pooled realized rate of the node's bin; its own prediction where the bin holds too few nodes or the
+        depth lies beyond the table)."""
+        p = np.exp(np.asarray(scores, np.float64))
+        d = np.asarray(depths, np.int64) - 1
+        pooled = self._pooled()
+        q = p.copy()
+        inside = (d >= 0) & (d < self.depths)
+        j = self._bins(p)
+        got = pooled[np.clip(d, 0, self.depths - 1), j]
+        use = inside & np.isfinite(got)
+        q[use] = got[use]
+        return q
+
+    def expected_tokens(self, tree: golden.Tree) -> np.ndarray:
+        """Expected emitted tokens of the tree's first B nodes for B = 0..n: 1 + the calibrated acceptances
+        summed in best-first order (a prefix of a best-first tree is the B-node tree). float64 [n + 1]."""
+        q = self.correct(tree.scores, tree.depths) if tree.n else np.zeros(0)
+        return 1.0 + np.concatenate([[0.0], np.cumsum(q)])
+
+    # ------------------------------------------------------------- storage
+    def save(self, folder) -> Path:
+        path = Path(folder) / FILE
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder) -> "Calibration | None":
+        """The calibration stored in `folder` (a drafter checkpoint), None when there is none."""
+        path = Path(folder) / FILE
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            cal = cls(**raw)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path}: not a calibration table ({e})") from None
+        nb = len(cal.edges) - 1
+        shapes_ok = nb >= 1 and all(len(r) == nb for t in (cal.count, cal.predicted, cal.accepted) for r in t) \
+            and len(cal.count) == len(cal.predicted) == len(cal.accepted) >= 1
+        if not shapes_ok or list(cal.edges) != sorted(cal.edges) or any(
+                a > n or a < 0 for rc, ra in zip(cal.count, cal.accepted) for n, a in zip(rc, ra)):
+            raise ValueError(f"{path}: inconsistent calibration table (edges ascending, [depths][bins] tables, "
+                             "0 <= accepted <= count)")
+        return cal
+
+
+def node_acceptance(block: golden.VerifyBlock, choice) -> np.ndarray:
+    """Greedy acceptance of every tree node of a verify block: choice [N] the target's token after each row.
+    Row 0 is the root (accepted); row i is accepted when its parent row is and it is the parent's choice.
+    Returns bool [N - 1] for the nodes (rows 1..N-1)."""
+    ok = np.zeros(block.n, bool)
+    ok[0] = True
+    for i in range(1, block.n):
+        p = block.parents[i]
+        ok[i] = ok[p] and block.tokens[i] == choice[p]
+    return ok[1:]
+
+
+def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, progress: bool = False
+            ) -> Calibration:
+    """DDTree rounds at `budget` over `prompts` (one request at a time through the engine on the host's
+    golden tree steps; greedy), every node of every round recorded. The engine's own tokens and accept lengths
+    are unchanged by the recording (checked: accepted nodes + 1 == each round's accept length)."""
+    from .engine import Engine
+    from .round_ops import GoldenOps
+    budget = checks.int_in("budget", budget, 1, golden.MAX_BUDGET)
+    max_new_tokens = checks.positive_int("max_new_tokens", max_new_tokens)
+    prompts = [checks.token_list(f"prompts[{i}]", p, target.args.vocab_size) for i, p in enumerate(prompts)]
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt (a calibration over nothing proves nothing)")
+    cal = Calibration.empty(drafter.block_size - 1)
+    cal.budget, cal.prompts = budget, len(prompts)
+
+    class Recording(GoldenOps):
+        def _tree(self, draft, root, start):
+            logits = draft.float().cpu().numpy()
+            self.trees = [golden.ddtree(logits[i], self.budget) for i in range(logits.shape[0])]
+            self.blocks = [golden.compile_tree(t, int(r), int(s))
+                           for t, r, s in zip(self.trees, root.tolist(), start.tolist())]
+            return super()._tree(draft, root, start)
+
+        def walk(self, tokens, parents, choice, max_accept: int):
+            acc, n, bonus = super().walk(tokens, parents, choice, max_accept)
+            c = choice.cpu().numpy()
+            for i, (tree, blk) in enumerate(zip(self.trees, self.blocks)):
+                ok = node_acceptance(blk, c[i])
+                if int(ok.sum()) + 1 != int(n[i]):
+                    raise RuntimeError(f"calibration: {int(ok.sum())} accepted nodes but the walk accepted "
+                                       f"{int(n[i])} rows")
+                cal.add(tree.scores, tree.depths, ok)
+            return acc, n, bonus
+
+    need = max(len(p) for p in prompts) + max_new_tokens + budget + 2
+    e = Engine(target, drafter, mode="ddtree", budget=budget, max_batch=1, backend="golden", graphs=False,
+               max_len=min(target.args.max_position_embeddings, need))
+    e.ops = Recording("ddtree", budget, e.page_size)
+    e._build = e.ops.build
+    for i, p in enumerate(prompts):
+        e.generate([p], max_new_tokens)
+        if progress:
+            print(f"\rcalibration: prompt {i + 1}/{len(prompts)}", end="", flush=True)
+    if progress:
+        print()
+    return cal
+
+
+def main(argv=None) -> None:
+    """python -m kdtree.calibration [--ckpt data/trained] [--prompts 16] [--max-new 64] [--budget 64]: measure
+    the pair's drafter on held-out prompts (notebook 02's split) and store the table beside the drafter."""
+    import argparse
+
+    from . import weights
+    from .bench_engine import heldout_prompts
+    ap = argparse.ArgumentParser(description="measure a drafter's calibration and store it beside the drafter")
+    ap.add_argument("--ckpt", default="data/trained", help="folder holding target/ and drafter/")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=64)
+    a = ap.parse_args(argv)
+    ckpt = Path(a.ckpt)
+    t = weights.load(ckpt / "target").eval()
+    d = weights.load_drafter(ckpt / "drafter", t)
+    cal = measure(t, d, heldout_prompts(a.prompts, a.prompt_len), a.max_new, a.budget, progress=True)
+    path = cal.save(ckpt / "drafter")
+    pred, real = cal.rates()
+    print(f"{path}: {int(np.sum(cal.count))} nodes; realized / predicted by depth: " + ", ".join(
+        f"{np.nansum(np.asarray(cal.accepted)[i]) / max(1.0, np.nansum(np.asarray(cal.predicted)[i])):.2f}"
+        for i in range(cal.depths)))
+
+
+if __name__ == "__main__":
+    main()

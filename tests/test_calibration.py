@@ -1,0 +1,120 @@
+"""The drafter's calibration table: its statistics, the correction, storage, and a measurement on the trained pair
+that agrees with the engine's own accept lengths."""
+import json
+
+import numpy as np
+import pytest
+
+from kdtree import golden, weights
+from kdtree.calibration import FILE, MIN_COUNT, Calibration, measure, node_acceptance
+from kdtree.validate import random_prompts
+
+
+def _synthetic(shrink: float, n: int = 20000, seed=None) -> tuple[Calibration, np.ndarray, np.ndarray]:
+    """Nodes whose true acceptance is shrink * their prediction; returns the table and held-back nodes."""
+    rng = np.random.default_rng(seed)
+    cal = Calibration.empty(4)
+    p = rng.uniform(0.001, 1.0, n)
+    d = rng.integers(1, 5, n)
+    cal.add(np.log(p), d, rng.random(n) < shrink * p)
+    q = rng.uniform(0.05, 0.95, 500)
+    return cal, q, rng.integers(1, 5, 500)
+
+
+def _bin_means(cal: Calibration, q, d) -> np.ndarray:
+    """The mean prediction of each value's bin: what a bin-wise correction can give back at best."""
+    pred, _ = cal.rates()
+    return pred[d - 1, cal._bins(q)]
+
+
+def test_a_calibrated_drafter_is_left_as_it_is():
+    cal, q, d = _synthetic(1.0)
+    assert np.abs(cal.correct(np.log(q), d) - _bin_means(cal, q, d)).max() < 0.08
+
+
+def test_an_overconfident_drafter_is_corrected_and_the_check_can_fail():
+    """Realized acceptance half the prediction: the corrected values track it; the uncorrected ones fail the
+    same comparison (the check can fail)."""
+    cal, q, d = _synthetic(0.5)
+    want = 0.5 * _bin_means(cal, q, d)
+    assert np.abs(cal.correct(np.log(q), d) - want).max() < 0.08
+    assert np.abs(_bin_means(cal, q, d) - want).max() >= 0.08
+    pred, real = cal.rates()
+    assert np.nanmax(np.abs(real - 0.5 * pred)) < 0.1
+
+
+def test_pooled_rates_never_decrease_and_sparse_bins_keep_the_prediction():
+    cal = Calibration.empty(1)
+    j = 5  # edges[5] = 0.1 <= p < 0.2
+    cal.count[0][j], cal.predicted[0][j], cal.accepted[0][j] = 100, 15.0, 60       # 0.6
+    cal.count[0][j + 1], cal.predicted[0][j + 1], cal.accepted[0][j + 1] = 100, 27.0, 40  # 0.4: pooled to 0.5
+    q = cal.correct(np.log([0.15, 0.25, 0.6]), [1, 1, 1])
+    assert np.allclose(q, [0.5, 0.5, 0.6])  # the third bin is empty: its own prediction
+    cal.count[0][j] = MIN_COUNT - 1
+    cal.accepted[0][j] = 1
+    assert np.isclose(cal.correct(np.log([0.15]), [1])[0], 0.15)
+    assert np.isclose(cal.correct(np.log([0.15]), [3])[0], 0.15)  # a depth beyond the table
+
+
+def test_node_acceptance_follows_the_target_down_the_tree():
+    tree = golden.Tree(np.array([5, 6, 7, 8]), np.array([1, 1, 2, 2], np.int32), np.array([-1, -1, 0, 1], np.int32),
+                       np.log(np.array([0.5, 0.3, 0.2, 0.1], np.float32)), np.zeros(4, np.int32))
+    blk = golden.compile_tree(tree, 9, 10)
+    choice = np.array([6, 0, 8, 0, 0])  # root chooses 6 (node 1), node 1 chooses 8 (node 3)
+    assert node_acceptance(blk, choice).tolist() == [False, True, False, True]
+    cal = Calibration.empty(2)
+    assert np.allclose(cal.expected_tokens(tree), 1 + np.concatenate([[0], np.cumsum([0.5, 0.3, 0.2, 0.1])]),
+                       atol=1e-6)
+
+
+def test_storage_round_trip_and_bad_files(tmp_path):
+    cal, _, _ = _synthetic(0.7, n=2000, seed=1)
+    cal.save(tmp_path)
+    back = Calibration.load(tmp_path)
+    assert back == cal
+    assert Calibration.load(tmp_path / "nowhere") is None
+    (tmp_path / FILE).write_text("{")
+    with pytest.raises(ValueError, match="not a calibration table"):
+        Calibration.load(tmp_path)
+    raw = json.loads(json.dumps(cal.__dict__))
+    raw["accepted"][0][0] = raw["count"][0][0] + 1
+    (tmp_path / FILE).write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="inconsistent calibration table"):
+        Calibration.load(tmp_path)
+
+
+def test_measure_on_the_trained_pair_agrees_with_the_engine():
+    """Every round's accepted nodes + 1 equal its accept length (checked inside measure); the table counts
+    every node of every round, and the drafter's top nodes are accepted more often than its bottom ones."""
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    prompts = random_prompts(t.args, 2, seed=11, min_len=20, max_len=40)
+    cal = measure(t, d, prompts, 24, budget=16)
+    n = np.asarray(cal.count)
+    assert cal.prompts == 2 and cal.budget == 16 and n.sum() >= 16 * 2 * 24 // d.block_size
+    assert n.sum() % 16 == 0  # 16 nodes a round: the trained drafter's trees are full
+    pred, real = cal.rates()
+    hi, lo = n[:, -3:].sum(), n[:, :4].sum()
+    assert hi and lo
+    assert np.asarray(cal.accepted)[:, -3:].sum() / hi > np.asarray(cal.accepted)[:, :4].sum() / lo
+    with pytest.raises(ValueError, match="prompts: expected at least one prompt"):
+        measure(t, d, [], 8)
+    with pytest.raises(ValueError, match="budget=0"):
+        measure(t, d, prompts, 8, budget=0)
+
+
+def test_the_trained_drafter_carries_its_calibration(tmp_path):
+    """data/trained/drafter holds a table measured on held-out prompts; load_drafter attaches it, and a broken
+    one is a CheckpointError naming the file."""
+    import shutil
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    assert isinstance(d.calibration, Calibration) and d.calibration.depths == d.block_size - 1
+    assert np.sum(d.calibration.count) > 10000
+    shutil.copytree("data/trained/drafter", tmp_path / "drafter")
+    (tmp_path / "drafter" / FILE).write_text("[]")
+    with pytest.raises(weights.CheckpointError, match="calibration.json: not a calibration table"):
+        weights.load_drafter(tmp_path / "drafter", t)
+    weights.save_drafter(d, tmp_path / "drafter")  # new weights: the stale table goes
+    assert not (tmp_path / "drafter" / FILE).exists()
+    assert weights.load_drafter(tmp_path / "drafter", t).calibration is None
