@@ -158,17 +158,14 @@ def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, pro
     cal.budget, cal.prompts = budget, len(prompts)
 
     class Recording(GoldenOps):
-        def _tree(self, draft, root, start):
-            logits = draft.float().cpu().numpy()
-            self.trees = [golden.ddtree(logits[i], self.budget) for i in range(logits.shape[0])]
-            self.blocks = [golden.compile_tree(t, int(r), int(s))
-                           for t, r, s in zip(self.trees, root.tolist(), start.tolist())]
-            return super()._tree(draft, root, start)
+        def trees(self, logits, roots, starts):
+            self.last = super().trees(logits, roots, starts)   # the round's trees, kept for walk
+            return self.last
 
         def walk(self, tokens, parents, choice, max_accept: int):
             acc, n, bonus = super().walk(tokens, parents, choice, max_accept)
             c = choice.cpu().numpy()
-            for i, (tree, blk) in enumerate(zip(self.trees, self.blocks)):
+            for i, (tree, blk) in enumerate(self.last):
                 ok = node_acceptance(blk, c[i])
                 if int(ok.sum()) + 1 != int(n[i]):
                     raise RuntimeError(f"calibration: {int(ok.sum())} accepted nodes but the walk accepted "

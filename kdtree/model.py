@@ -117,12 +117,22 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts), persistent=True)
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> the sigmoid scores float32 [N, E] (computed in float32, as the reference does)."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
+
+    def _weights(self, w: torch.Tensor) -> torch.Tensor:
+        """Chosen experts' scores -> their combine weights (normalised when norm_topk_prob, scaled)."""
+        if self.args.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.args.routed_scaling_factor
+
     def forward(self, x: torch.Tensor, scores=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int64). scores: the sigmoid scores [N, E] when
         the caller computed them (MoE._dense, whose expert GEMM carries the router's rows in float32)."""
         a = self.args
         if scores is None:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+            scores = self.scores(x)  # [N, E]
         choice = scores + self.e_score_correction_bias.float()
         if a.n_group > 1:
             grouped = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)  # [N, G, E/G]
@@ -132,10 +142,7 @@ class Gate(nn.Module):
             choice = choice.masked_fill(~gmask.repeat_interleave(a.n_routed_experts // a.n_group, dim=1),
                                         float("-inf"))
         idx = choice.topk(a.num_experts_per_tok, dim=-1).indices  # [N, k]
-        w = scores.gather(1, idx)
-        if a.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * a.routed_scaling_factor, idx
+        return self._weights(scores.gather(1, idx)), idx
 
     def _ranks(self, scores: torch.Tensor) -> torch.Tensor | None:
         """Each expert's rank by selection score (0 the best, ties to the lower id, as topk orders distinct
@@ -153,33 +160,25 @@ class Gate(nn.Module):
     def route(self, x: torch.Tensor, scores=None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's (weights [N, k], ids [N, k]) with the top-k taken by `_ranks` where it applies (the
         engine's grouped path; forward itself keeps topk, the oracle's)."""
-        a = self.args
         if scores is None:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+            scores = self.scores(x)  # [N, E]
         rank = self._ranks(scores)
         if rank is None:
             return self(x, scores)
-        r = torch.arange(a.num_experts_per_tok, device=x.device)
+        r = torch.arange(self.args.num_experts_per_tok, device=x.device)
         idx = (rank[:, None, :] == r[None, :, None]).to(torch.int32).argmax(-1)   # [N, k]: rank r's expert
-        w = scores.gather(1, idx)
-        if a.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * a.routed_scaling_factor, idx
+        return self._weights(scores.gather(1, idx)), idx
 
     def dense_weights(self, x: torch.Tensor, scores=None) -> torch.Tensor:
         """The routing as one weight per expert: x [N, D] -> float32 [N, E], forward's weights at its ids and
         0 elsewhere (the top-k by `_ranks` where it applies)."""
-        a, E = self.args, self.args.n_routed_experts
         if scores is None:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+            scores = self.scores(x)  # [N, E]
         rank = self._ranks(scores)
         if rank is None:
             w, idx = self(x, scores)
-            return torch.zeros(x.shape[0], E, dtype=torch.float32, device=x.device).scatter_(1, idx, w)
-        w = torch.where(rank < a.num_experts_per_tok, scores, 0.0)   # [N, E]
-        if a.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * a.routed_scaling_factor
+            return torch.zeros_like(scores).scatter_(1, idx, w)
+        return self._weights(torch.where(rank < self.args.num_experts_per_tok, scores, 0.0))   # [N, E]
 
 
 class Int4Experts(nn.Module):

@@ -117,17 +117,23 @@ class GoldenOps(TreeOps):
     """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request on
     the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
 
+    def trees(self, logits: np.ndarray, roots: list, starts: list) -> list:
+        """Each request's (golden.Tree, golden.VerifyBlock) from its draft logits [L, V], root and start."""
+        out = []
+        for lg, r, s in zip(logits, roots, starts):
+            t = golden.ddtree(lg, self.budget)
+            out.append((t, golden.compile_tree(t, r, s)))
+        return out
+
     def _tree(self, draft, root, start) -> VerifyBatch:
         N = self.budget + 1
-        logits = draft.float().cpu().numpy()
         roots, starts = root.tolist(), start.tolist()
         b = len(roots)
         toks = np.tile(np.array(roots, np.int64)[:, None], (1, N))
         pos = np.tile(np.array(starts, np.int64)[:, None], (1, N))
         par = np.full((b, N), -1, np.int32)
         mask = np.tile(np.eye(N, dtype=bool)[None], (b, 1, 1))
-        for i in range(b):
-            vb = golden.compile_tree(golden.ddtree(logits[i], self.budget), roots[i], starts[i])
+        for i, (_, vb) in enumerate(self.trees(draft.float().cpu().numpy(), roots, starts)):
             toks[i, :vb.n], pos[i, :vb.n], par[i, :vb.n], mask[i, :vb.n, :vb.n] = vb.tokens, vb.positions, \
                 vb.parents, vb.mask
         dev = root.device
