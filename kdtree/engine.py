@@ -42,9 +42,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import budget as auto_budget
 from . import checks, golden
 from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
-from .round_ops import GoldenOps, KernelOps, choose
+from .round_ops import GoldenOps, KernelOps, _chain, choose, truncate
 
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
@@ -56,6 +57,7 @@ STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stag
 # the H200 (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs
 # measured faster at batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round
 # with 520-row verify GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
+COST_REPS = 5  # budget="auto": graph replays per cost-table cell at start-up (their median)
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
 LARGE_GEMM_BLAS: str | None = "cublaslt"
@@ -220,6 +222,7 @@ class Request:
     slot: int = -1
     session: object = None            # a host drafter's session
     t0: float = 0.0
+    est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
 
 
 def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
@@ -256,6 +259,13 @@ def _buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(out) + (max_batch,)
 
 
+@dataclass
+class _Front:
+    """A drafting round's first phase (budget="auto"): the tree block at B_max and the chain's tokens [b, L]."""
+    blk: object
+    chain: torch.Tensor
+
+
 # ----------------------------------------------------------------------------- the engine
 class Engine:
     """Continuous-batching decode engine over one shared paged latent cache (module docstring).
@@ -278,13 +288,21 @@ class Engine:
     round: its tokens and logits are bitwise the same alone or in a full batch (the MoE runs densely on the
     CPU too). The default rounds repeat bitwise for the same batch, but a request's rounding may change with
     its batch mates (the bucket's GEMM shapes; on the CPU the MoE's grouping). Refused for INT4 experts.
-    moe: the path of MLP experts, "dense" | "grouped" | "loop" (default: chosen by `_moe_path`)."""
+    moe: the path of MLP experts, "dense" | "grouped" | "loop" (default: chosen by `_moe_path`).
+
+    budget="auto" (DDTree; `kdtree.budget`): each round verifies AR, the chain or the tree truncated to one
+    of `budgets` (default powers of two from 4 to max_budget = 256), whichever maximizes the round's
+    expected tokens per second: expected tokens from the draft's prefix probabilities through `calibration`
+    (default the drafter's stored table, `drafter.calibration`; False: the raw probabilities), cost from a
+    table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
+    rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                  graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
                  buckets=None, graph_sampling: bool = True, compile: bool = False,
-                 deterministic: bool = False, moe: str | None = None):
+                 deterministic: bool = False, moe: str | None = None, max_budget: int | None = None,
+                 budgets=None, decide: str = "previous", calibration=None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
@@ -299,7 +317,14 @@ class Engine:
                 raise ValueError("mode='ar' takes no drafter and no budget")
         else:
             check_drafter(model, drafter)
-        if mode == "ddtree":
+        auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
+        if not auto and (max_budget is not None or budgets is not None or decide != "previous"
+                         or calibration is not None):
+            raise ValueError("max_budget, budgets, decide and calibration: only budget='auto' takes them")
+        if auto:
+            cand = self._check_auto(backend, max_budget, budgets, decide, calibration)
+            budget = max(cand)
+        elif mode == "ddtree":
             budget = golden._check_budget(budget)
             if backend == "kernel" and budget > 1024:
                 raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
@@ -339,7 +364,9 @@ class Engine:
         self.deterministic = deterministic
         moe = _moe_path(model, moe, deterministic)
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
-        self.model, self.drafter, self.mode, self.budget, self.backend = model, drafter, mode, budget, backend
+        self.model, self.drafter, self.mode, self.backend = model, drafter, mode, backend
+        self.budget = "auto" if auto else budget   # the tree's nodes (auto: B_max, the tree each round builds)
+        self.max_budget = budget
         self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
         self.device = dev
         self.rows = rows   # N: verify rows per request
@@ -367,7 +394,7 @@ class Engine:
         self.batched_drafter = mode != "ar" and hasattr(drafter, "new_context")
         self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if mode != "ar" else ()
         self.ctx = drafter.new_context(max_batch, self.kv_cap) if self.batched_drafter else None
-        self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, budget, page_size)
+        self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, self.max_budget, page_size)
         self.moe = moe
         self.compiled = bool(compile)
         if compile:  # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
@@ -404,8 +431,50 @@ class Engine:
         self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
+        self.auto = None
+        if auto:
+            L = drafter.block_size - 1
+            plans = auto_budget.plans(L, cand)
+            cal = (getattr(drafter, "calibration", None) if calibration is None else
+                   None if calibration is False else calibration)
+            ctxs = (0,) if self.graph_reason else tuple(
+                c for c in auto_budget.CTX_BUCKETS if c + self.rows <= self.kv_cap)
+            costs = auto_budget.CostTable(ctxs)
+            self.auto = auto_budget.Policy(plans, costs, decide)
+            self.plans, self.costs, self.calibration = plans, costs, cal
+            self.acceptance = auto_budget.Acceptance(cal, L, dev)
+            self.est = torch.zeros(B, len(plans), dtype=torch.float32, device=dev)
+            self.est_host = torch.zeros(self.est.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
+            self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
+            self._fronts: dict = {}
         if self.graph_reason is None:
             self._capture()
+        if auto:
+            self._measure_costs()
+
+    def _check_auto(self, backend, max_budget, budgets, decide, calibration) -> tuple[int, ...]:
+        """budget="auto"'s arguments, checked; returns the candidate tree sizes (ascending)."""
+        from .calibration import Calibration
+        top = 1024 if backend == "kernel" else golden.MAX_BUDGET
+        if max_budget is not None:
+            max_budget = checks.int_in("max_budget", max_budget, 1, top, f" (the {backend} backend's ceiling)")
+        if budgets is None:
+            cand = auto_budget.default_budgets(256 if max_budget is None else max_budget)
+        else:
+            ok = isinstance(budgets, (list, tuple)) and len(budgets) > 0 and all(
+                checks.is_int(x) and 1 <= x <= (top if max_budget is None else max_budget) for x in budgets)
+            if not ok:
+                raise ValueError(f"budgets={budgets!r}: expected a non-empty list of tree sizes (ints) in "
+                                 f"[1, {top if max_budget is None else max_budget}]")
+            cand = tuple(sorted({int(x) for x in budgets}))
+            if max_budget is not None and max(cand) != max_budget:
+                raise ValueError(f"budgets={budgets!r}: the largest must be max_budget={max_budget} (the tree "
+                                 "each round builds), or leave max_budget out")
+        checks.one_of("decide", decide, auto_budget.DECIDE)
+        if not (calibration is None or calibration is False or isinstance(calibration, Calibration)):
+            raise ValueError(f"calibration={calibration!r}: expected a kdtree.calibration.Calibration, False "
+                             "(the drafter's raw probabilities) or None (the drafter's stored table)")
+        return cand
 
     # ------------------------------------------------------------- public API
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
@@ -586,29 +655,50 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _round(self, b: int, sampling: bool, clock=None) -> torch.Tensor:
+    def _round(self, b: int, sampling: bool, clock=None, plan=None, front: _Front | None = None) -> torch.Tensor:
         """One round over slots [0, b) on the device (no host reads unless the backend is golden or the drafter
-        is a host one). clock(stage) marks the end of a stage when profiling. Returns the verify logits
-        [b, N, V] float32 (inside a graph: its static output, rewritten by every replay)."""
+        is a host one). clock(stage) marks the end of a stage when profiling. budget="auto": the second phase
+        only, verifying `plan`'s block (`_front` drafted and built it; AR: the root alone). Returns the verify
+        logits [b, N, V] float32 (inside a graph: its static output, rewritten by every replay)."""
         mark = clock or (lambda stage: None)
         dev, A = self.device, self.max_accept
-        with _blas(dev, b * A):
-            draft = self._draft(b)
-        mark("draft")
-        blk = self._build(draft, self.root[:b], self.lens[:b])
-        mark("build")
-        with _blas(dev, b * self.rows):
+        root, lens = self.root[:b], self.lens[:b]
+        if plan is None:
+            with _blas(dev, b * A):
+                draft = self._draft(b)
+            mark("draft")
+            blk = self._build(draft, root, lens)
+            mark("build")
+        elif plan.kind == "ar":
+            blk = _chain(None, root, lens)
+        else:
+            blk = _chain(None, root, lens, front.chain) if plan.kind == "chain" else truncate(front.blk, plan.rows)
+        N = blk.tokens.shape[1]
+        with _blas(dev, b * N):
             logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask,
                                                          blk.mask_words, b, sampling)
         mark("verify")
         acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
         mark("walk")
-        if self.rows > 1:
+        if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
         with _blas(dev, b * A):
             self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b)
         mark("commit")
         return logits
+
+    def _front(self, b: int, clock=None) -> _Front:
+        """budget="auto", a drafting round's first phase over slots [0, b): draft, the tree at B_max, the chain,
+        and every plan's expected tokens into `est` [b, P]. No host reads (the golden backend's aside)."""
+        mark = clock or (lambda stage: None)
+        with _blas(self.device, b * self.max_accept):
+            draft = self._draft(b)                                                        # [b, L, V]
+        mark("draft")
+        blk = self._build(draft, self.root[:b], self.lens[:b])
+        top_lp, chain = draft.float().log_softmax(-1).max(-1)                             # [b, L]
+        self.est[:b] = auto_budget.expected(self.acceptance, blk.scores, blk.depths, top_lp, self.plans)
+        mark("build")
+        return _Front(blk, chain)
 
     def _verify_impl(self, tokens, positions, mask, mask_words, b: int, sampling: bool):
         """The target's forward over the blocks and its choice per row. tokens int32 [b, N] -> logits float32
@@ -652,6 +742,8 @@ class Engine:
         if self.batched_drafter:
             return self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
         rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
+        if not rows:  # a round on padding slots only (budget="auto"'s start-up timing)
+            return torch.zeros(b, self.max_accept - 1, self.model.args.vocab_size, device=self.device)
         d = torch.stack(rows)
         if b > len(rows):
             d = torch.cat([d, torch.zeros(b - len(rows), *d.shape[1:], device=self.device)])
@@ -664,16 +756,29 @@ class Engine:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         pool = None
+        def capture(key, fn):
+            nonlocal pool
+            for _ in range(2):
+                fn()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=side):
+                out = fn()
+            pool = g.pool() if pool is None else pool
+            self.graphs[key] = g
+            return out
+
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
+                if self.auto is not None:  # the front phase, then one graph per plan reading its outputs
+                    front = self._fronts[b] = capture(("front", b), lambda: self._front(b))
+                    self.graphs[("front", b)].replay()   # real blocks for the plans' warm-up rounds
                 for sampling in (False, True) if self.graph_sampling else (False,):
-                    for _ in range(2):
-                        self._round(b, sampling)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=side):
-                        self._graph_logits[(b, sampling)] = self._round(b, sampling)
-                    pool = g.pool() if pool is None else pool
-                    self.graphs[(b, sampling)] = g
+                    if self.auto is None:
+                        self._graph_logits[(b, sampling)] = capture((b, sampling), lambda: self._round(b, sampling))
+                        continue
+                    for i, plan in enumerate(self.plans):
+                        self._graph_logits[(b, sampling, i)] = capture(
+                            (b, sampling, i), lambda: self._round(b, sampling, plan=plan, front=front))
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out):
             t.zero_()
@@ -687,23 +792,32 @@ class Engine:
         b = self._bucket(n)
         sampling = any(r.temperature > 0 for r in self.active)
         t0 = time.perf_counter()
-        g = self.graphs.get((b, sampling))
         clock = _Clock(self.device)
-        if g is not None:
-            g.replay()
-            logits = self._graph_logits[(b, sampling)]
+        plan, info = None, None
+        if self.auto is not None:
+            logits, i, info = self._auto_round(b, n, sampling, clock)
+            plan, graph = self.plans[i], (b, sampling, i) in self.graphs
         else:
-            logits = self._round(b, sampling, clock)
+            g = self.graphs.get((b, sampling))
+            graph = g is not None
+            if g is not None:
+                g.replay()
+                logits = self._graph_logits[(b, sampling)]
+            else:
+                logits = self._round(b, sampling, clock)
         self.last_logits = logits[:n]
         clock("end")
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if info is not None and info["drafted"] and self.auto.decide == "previous":
+            self.est_host[:n].copy_(self.est[:n], non_blocking=True)
+        self._sync()
         host = self.out_host[:n].tolist()
         stages = clock.times()
         stages["round"] = time.perf_counter() - t0
         ids = [r.rid for r in self.active]  # the request in each row of last_logits
-        self.last_round = dict(stages, batch=n, bucket=b, graph=g is not None, ids=ids)
+        self.last_round = dict(stages, batch=n, bucket=b, graph=graph, ids=ids)
+        if info is not None:
+            self._auto_account(b, n, i, info, stages["round"])
         self.rounds += 1
         for i, (r, row) in enumerate(zip(list(self.active), host)):
             k, ok, new = row[0], row[1], row[2:2 + row[0]]
@@ -721,13 +835,135 @@ class Engine:
             r.length += k
             r.committed += new
             res.accept_lengths.append(k)
-            res.tree_sizes.append(self.rows)
+            res.tree_sizes.append(self.rows if plan is None else plan.rows)
             emitted[r.rid] = new[:max(0, r.max_new - len(res.tokens))]
             if finish(res.tokens, new, r.max_new, r.stop):
                 self._release(r)
         self._features = None
         if self.debug:
             self.check_state()
+
+    # ------------------------------------------------------------- budget="auto"
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _stamp(self):
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _secs(self, a, z) -> float:
+        return a.elapsed_time(z) * 1e-3 if self.device.type == "cuda" else z - a
+
+    def _phase(self, b: int, sampling: bool, i: int | None, front=None, clock=None):
+        """budget="auto": the front phase (i None; returns its _Front) or plan i's round (returns the logits),
+        replaying its graph when there is one."""
+        key = ("front", b) if i is None else (b, sampling, i)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return self._fronts[b] if i is None else self._graph_logits[key]
+        if i is None:
+            return self._front(b, clock)
+        return self._round(b, sampling, clock, plan=self.plans[i], front=front)
+
+    def _measure_costs(self) -> None:
+        """The cost table's start-up entries: every phase on padding slots (their lengths set to each context
+        bucket: they read and write only the scratch page), per batch bucket; the median of COST_REPS graph
+        replays (eager rounds: one after a warm-up)."""
+        t0 = time.perf_counter()
+        reps, warm = (COST_REPS, 0) if self.graphs else (1, 1)
+        for b in self.buckets:
+            for c, ctx in enumerate(self.costs.ctx_buckets):
+                self.lens[:b] = ctx
+                front = None
+                for i in [None] + list(range(len(self.plans))):
+                    marks = []
+                    for _ in range(warm + reps):
+                        a = self._stamp()
+                        out = self._phase(b, False, i, front)
+                        marks.append((a, self._stamp()))
+                    front = out if i is None else front
+                    self._sync()
+                    sec = float(np.median([self._secs(a, z) for a, z in marks[warm:]]))
+                    if i is None:
+                        self.costs.front[(b, c)] = sec
+                    else:
+                        self.costs.back[(b, i, c)] = sec
+        for t in (self.lens, self.root, self.out, self.est):
+            t.zero_()
+        self._sync()
+        self.warmup_s += time.perf_counter() - t0
+
+    def _estimates(self) -> np.ndarray | None:
+        """[n, P] expected tokens of the active requests from their last draft rounds (a request not drafted
+        yet: the mean of the requests so far); None before any request drafted."""
+        rows = [self._prior if r.est is None else r.est for r in self.active]
+        return None if any(x is None for x in rows) else np.stack(rows)
+
+    def _take_estimates(self, rows: np.ndarray) -> None:
+        for r, row in zip(self.active, rows):
+            r.est = row.copy()
+        m = rows.mean(0)
+        self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
+
+    def _agree(self, i: int | None) -> int | None:
+        """Under tensor parallelism every rank takes rank 0's decision."""
+        if getattr(self.model, "tp", None) is None:
+            return i
+        import torch.distributed as dist
+        group = getattr(self.model, "tp_group", None)
+        t = torch.tensor([-1 if i is None else i], device=self.device)
+        dist.broadcast(t, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        v = int(t.item())
+        return None if v < 0 else v
+
+    def _auto_round(self, b: int, n: int, sampling: bool, clock):
+        """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
+        _auto_account)."""
+        pol = self.auto
+        ctx = self.costs.ctx(sum(r.length for r in self.active) / n)
+        est = self._estimates()
+        if est is None:  # nothing drafted yet: draft; "previous" verifies the largest tree
+            i = None if pol.decide == "sync" else len(self.plans) - 1
+        else:
+            i = pol.before(b, est, ctx)
+        i = self._agree(i)
+        drafted = i is None or self.plans[i].kind != "ar"
+        marks, front = {}, None
+        if drafted:
+            marks["f0"] = self._stamp()
+            front = self._phase(b, sampling, None, clock=clock)
+            marks["f1"] = self._stamp()
+            if i is None:  # "sync": the fresh estimates to the host, then the block
+                self.est_host[:n].copy_(self.est[:n], non_blocking=True)
+                self._sync()
+                fresh = self.est_host[:n].numpy().copy()
+                self._take_estimates(fresh)
+                i = self._agree(pol.after(b, fresh, ctx))
+        marks["b0"] = self._stamp()
+        logits = self._phase(b, sampling, i, front, clock)
+        marks["b1"] = self._stamp()
+        return logits, i, dict(marks=marks, ctx=ctx, drafted=drafted)
+
+    def _auto_account(self, b: int, n: int, i: int, info: dict, wall: float) -> None:
+        """After the round's sync: its phases' times into the cost table, its estimates to the requests."""
+        m, c, costs = info["marks"], info["ctx"], self.costs
+        back = self._secs(m["b0"], m["b1"])
+        front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
+        costs.update(costs.back, (b, i, c), back)
+        if info["drafted"]:
+            costs.update(costs.front, (b, c), front)
+            if self.auto.decide == "previous":
+                self._take_estimates(self.est_host[:n].numpy())
+        host = max(0.0, wall - front - back)
+        costs.host = host if costs.samples == 0 else (1 - auto_budget.EMA) * costs.host + auto_budget.EMA * host
+        costs.samples += 1
+        self.auto.history.append((self.rounds, n, self.plans[i].name))
+        self.last_round["plan"] = self.plans[i].name
 
     def check_state(self) -> None:
         """The device state against the host's bookkeeping (reads the device; debug=True runs it every round):

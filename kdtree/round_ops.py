@@ -67,15 +67,31 @@ class VerifyBatch:
     parents: torch.Tensor     # int32 [b, N]
     mask: torch.Tensor | None         # bool [b, N, N]
     mask_words: torch.Tensor | None = None  # int32 [b, N, ceil(N/32)] when the builder packs it
+    depths: torch.Tensor | None = None      # int32 [b, N] of a tree block: 0 for the root and padding rows
+    scores: torch.Tensor | None = None      # float32 [b, N] of a tree block: the nodes' log prefix probabilities
 
 
-def _chain(draft: torch.Tensor | None, root: torch.Tensor, start: torch.Tensor) -> VerifyBatch:
-    """AR (draft None: the root alone) or the DFlash chain (argmax per depth), in torch ops (capturable)."""
+def truncate(blk: VerifyBatch, N: int) -> VerifyBatch:
+    """The first N rows of a best-first tree block: the block of the (N - 1)-node tree (a node's parent row
+    comes before it, so the rows keep their ancestors). Torch ops (capturable)."""
+    cut = (lambda t: None if t is None else t[:, :N].contiguous())
+    return VerifyBatch(cut(blk.tokens), cut(blk.positions), cut(blk.parents),
+                       None if blk.mask is None else blk.mask[:, :N, :N].contiguous(),
+                       None if blk.mask_words is None else blk.mask_words[:, :N, :-(-N // 32)].contiguous(),
+                       cut(blk.depths), cut(blk.scores))
+
+
+def _chain(draft: torch.Tensor | None, root: torch.Tensor, start: torch.Tensor,
+           chain: torch.Tensor | None = None) -> VerifyBatch:
+    """AR (draft and chain None: the root alone) or the DFlash chain (argmax per depth of draft [b, L, V], or
+    the chain's tokens [b, L] as given), in torch ops (capturable)."""
     b = root.shape[0]
     dev = root.device
     toks = root.to(torch.int32)[:, None]
     if draft is not None:
-        toks = torch.cat([toks, draft.argmax(-1).to(torch.int32)], 1)
+        chain = draft.argmax(-1)
+    if chain is not None:
+        toks = torch.cat([toks, chain.to(torch.int32)], 1)
     N = toks.shape[1]
     ar = torch.arange(N, device=dev)
     return VerifyBatch(toks, start.long()[:, None] + ar, (ar - 1).to(torch.int32)[None].expand(b, N).contiguous(),
@@ -132,13 +148,16 @@ class GoldenOps(TreeOps):
         toks = np.tile(np.array(roots, np.int64)[:, None], (1, N))
         pos = np.tile(np.array(starts, np.int64)[:, None], (1, N))
         par = np.full((b, N), -1, np.int32)
+        dep, sc = np.zeros((b, N), np.int32), np.zeros((b, N), np.float32)
         mask = np.tile(np.eye(N, dtype=bool)[None], (b, 1, 1))
-        for i, (_, vb) in enumerate(self.trees(draft.float().cpu().numpy(), roots, starts)):
+        for i, (t, vb) in enumerate(self.trees(draft.float().cpu().numpy(), roots, starts)):
             toks[i, :vb.n], pos[i, :vb.n], par[i, :vb.n], mask[i, :vb.n, :vb.n] = vb.tokens, vb.positions, \
                 vb.parents, vb.mask
+            dep[i, 1:vb.n], sc[i, 1:vb.n] = t.depths, t.scores
         dev = root.device
         return VerifyBatch(torch.from_numpy(toks).to(dev, torch.int32), torch.from_numpy(pos).to(dev),
-                           torch.from_numpy(par).to(dev), torch.from_numpy(mask).to(dev))
+                           torch.from_numpy(par).to(dev), torch.from_numpy(mask).to(dev), None,
+                           torch.from_numpy(dep).to(dev), torch.from_numpy(sc).to(dev))
 
     def walk(self, tokens, parents, choice, max_accept: int):
         t, p, c = tokens.cpu().numpy(), parents.cpu().numpy(), choice.cpu().numpy()
@@ -163,7 +182,7 @@ class KernelOps(TreeOps):
     def _tree(self, draft, root, start) -> VerifyBatch:
         from . import kernels
         tb = kernels.tree_build(draft.contiguous(), self.budget, root, start, check_values=False)
-        return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask)
+        return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask, tb.depths, tb.scores)
 
     def walk(self, tokens, parents, choice, max_accept: int):
         from . import kernels

@@ -45,6 +45,28 @@ def test_graphed_engine_equals_the_oracle_on_the_trained_pair(pair, mode, budget
     assert _serve(e, prompts, lens) == ref
 
 
+@pytest.mark.parametrize("decide", ["previous", "sync"])
+def test_auto_budget_graphed_equals_the_oracle(pair, decide):
+    """budget="auto" with CUDA graphs (a front graph per bucket, a graph per plan): every output equals the
+    oracle loop's; the start-up cost table holds every (bucket, plan, context) cell;
+    graphs on == off."""
+    t, d = pair
+    prompts = random_prompts(t.args, 8, seed=6, min_len=8, max_len=70)
+    lens = [16 + 9 * i for i in range(8)]
+    ref = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
+    kw = dict(mode="ddtree", budget="auto", max_budget=64, max_batch=4, max_len=4608, decide=decide)
+    g = Engine(t, d, **kw)
+    assert g.graph_reason is None and ("front", 4) in g.graphs and (4, False, len(g.plans) - 1) in g.graphs
+    ctxs = g.costs.ctx_buckets
+    assert ctxs == (0, 1024, 4096)
+    assert len(g.costs.back) == len(g.buckets) * len(g.plans) * len(ctxs)
+    assert all(0 < v < 1 for v in list(g.costs.back.values()) + list(g.costs.front.values()))
+    assert _serve(g, prompts, lens) == ref
+    assert g.costs.samples == g.rounds and len({h[2] for h in g.auto.history}) >= 1
+    e = Engine(t, d, graphs=False, **kw)
+    assert _serve(e, prompts, lens) == ref
+
+
 def test_host_drafter_and_golden_backend_on_the_gpu(pair):
     t, _ = pair
     prompts = random_prompts(t.args, 4, seed=9, min_len=8, max_len=40)

@@ -1,0 +1,153 @@
+"""End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench_e2e --out DIR` writes
+DIR/e2e.json.
+
+Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 windows), one run:
+per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch bucket), the engine's AR, the
+DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" and "sync"), each `repeats`
+times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
+spread, per-user tok/s, tau, whether the outputs equal the same run's AR outputs token for token, and for auto
+the plan each round chose. `compiled_ar`: the AR engine through torch.compile as well (the lab's best AR),
+so ratios against it sit beside the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from . import weights
+from .bench_engine import _target, heldout_prompts, run_engine
+from .engine import Engine
+
+BUDGETS = (4, 8, 16, 32, 64, 128, 256)
+
+
+def _cell(make, prompts, max_new: int, repeats: int) -> dict:
+    """One engine: built (timed: compile + capture + cost table), one warm-up run, `repeats` timed runs."""
+    t0 = time.perf_counter()
+    e = make()
+    build_s = time.perf_counter() - t0
+    run_engine(e, prompts, max_new)
+    runs = []
+    for _ in range(repeats):
+        h0 = len(e.auto.history) if e.auto is not None else 0
+        r = run_engine(e, prompts, max_new)
+        if e.auto is not None:
+            r["plans"] = [h[2] for h in e.auto.history[h0:]]
+        runs.append(r)
+    tps = [r["tok_per_s"] for r in runs]
+    mid = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+    out = {"tok_per_s": statistics.median(tps), "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
+           "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
+           "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],
+           "round_gpu_span_median_s": mid["round_gpu_span_median_s"], "build_s": build_s,
+           "warmup_s": e.warmup_s, "graphs": len(e.graphs), "outputs": mid["outputs"]}
+    if e.auto is not None:
+        out["plans"] = mid["plans"]
+        out["plan_counts"] = dict(Counter(mid["plans"]))
+        out["costs"] = e.costs.as_dict(e.plans)
+    return out
+
+
+def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n_prompts: int = 8,
+                 prompt_len: int = 64, max_new: int = 128, repeats: int = 3, compile: bool = False,
+                 decides=("previous", "sync"), progress: bool = True) -> dict:
+    """The trained pair's section (module docstring): {"cells": [...], "targets": [...], settings}."""
+    ckpt = Path(ckpt_dir)
+    target = weights.load(ckpt / "target", device="cuda").eval()
+    drafter = weights.load_drafter(ckpt / "drafter", target)
+    rec = {"checkpoint": str(ckpt), "prompt_len": prompt_len, "max_new_tokens": max_new, "repeats": repeats,
+           "compile": compile, "budgets": list(budgets), "dtype": str(target.dtype).replace("torch.", ""),
+           "calibration": drafter.calibration is not None, "cells": [], "targets": []}
+    max_len = prompt_len + max_new + max(budgets) + 72
+    for b in batches:
+        prompts = heldout_prompts(max(n_prompts, b), prompt_len, seed=2)[:max(n_prompts, b)]
+        common = dict(max_batch=b, max_len=max_len, buckets=(b,), graph_sampling=False)
+        specs = [("ar", None, None, compile), ("ar", None, None, True) if not compile else None,
+                 ("dflash", None, None, compile)]
+        specs += [("ddtree", B, None, compile) for B in budgets]
+        specs += [("ddtree", "auto", d, compile) for d in decides]
+        cells = []
+        for spec in [s for s in specs if s is not None]:
+            mode, budget, decide, comp = spec
+            kw = dict(common, mode=mode, compile=comp)
+            if budget is not None:
+                kw["budget"] = budget
+            if budget == "auto":
+                kw.update(budgets=tuple(budgets), decide=decide)
+            t0 = time.perf_counter()
+            cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), prompts, max_new,
+                         repeats)
+            cell.update(batch=b, mode=mode, budget=budget, decide=decide, compiled=comp,
+                        name=_name(mode, budget, decide, comp))
+            cells.append(cell)
+            if progress:
+                print(f"b={b:2d} {cell['name']:16s} {cell['tok_per_s']:8.0f} tok/s  tau {cell['tau'] or 0:.2f}  "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        ref = next(c for c in cells if c["mode"] == "ar" and c["compiled"] == compile)["outputs"]
+        for c in cells:
+            c["equals_ar"] = c.pop("outputs") == ref
+        rec["cells"] += cells
+        rec["targets"] += _targets(cells, b, compile)
+    return rec
+
+
+def _name(mode, budget, decide, compiled) -> str:
+    base = {"ar": "AR", "dflash": "DFlash"}.get(mode) or (f"auto ({decide})" if budget == "auto" else f"B={budget}")
+    return base + (" compiled" if compiled and mode == "ar" else "")
+
+
+def _targets(cells, b: int, compile: bool) -> list:
+    same = [c for c in cells if c["compiled"] == compile]
+    ar = next(c for c in same if c["mode"] == "ar")["tok_per_s"]
+    dfl = next(c for c in same if c["mode"] == "dflash")["tok_per_s"]
+    fixed = [c for c in same if c["mode"] == "ddtree" and c["budget"] != "auto"]
+    best = max(fixed, key=lambda c: c["tok_per_s"])
+    out = []
+    for c in (c for c in same if c["budget"] == "auto"):
+        out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget (B={best['budget']})",
+                           c["tok_per_s"] / best["tok_per_s"], 0.95))
+        out.append(_target(f"trained pair, batch {b}: {c['name']} / the better of AR and DFlash",
+                           c["tok_per_s"] / max(ar, dfl), 0.97))
+        comp = next((x for x in cells if x["mode"] == "ar" and x["compiled"]), None)
+        if comp is not None and not compile:
+            out.append(_target(f"trained pair, batch {b}: {c['name']} / AR compiled (info)",
+                               c["tok_per_s"] / comp["tok_per_s"], 1.0))
+    out.append(_target(f"trained pair, batch {b}: every output equals the same run's AR",
+                       float(all(c["equals_ar"] for c in cells)), 1.0))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="end-to-end DDTree with the cost-aware budget (DIR/e2e.json)")
+    ap.add_argument("--out", default="outputs")
+    ap.add_argument("--ckpt", default="data/trained")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--compile", action="store_true", help="every engine through torch.compile")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
+    rec["trained"] = trained_pair(a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new,
+                                  repeats=a.repeats, compile=a.compile)
+    rec["targets"] = rec["trained"].pop("targets")
+    path = out / "e2e.json"
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    for t in rec["targets"]:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The cost-aware tree budget (`Engine(mode="ddtree", budget="auto")`): which block each round verifies.
+
+A round's candidates (`Plan`): plain AR (the root alone, no draft), the DFlash chain (argmax per depth) and
+the best-first tree truncated to B nodes for each B in the engine's `budgets` (every truncation of a
+best-first tree is the B-node tree, so one build at B_max = max(budgets) serves them all). For a batch
+bucket b and the requests i of the round, the policy picks
+
+    argmax over plans p of   sum_i E_i(p) / (cost(b, p, context) + host)
+
+E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibrated acceptance of the plan's
+nodes, from the draft's prefix probabilities; AR: 1). cost: the round's GPU seconds from `CostTable`,
+measured when the engine starts (replays of each plan's graphs per batch bucket and context bucket) and
+refreshed from every round's CUDA-event times; host: the round's host time outside the GPU span (one EMA).
+Within one round every request verifies the plan's whole block: the bucket's rows cost the same whether a
+request fills them or not, and E_i never decreases with B, so a request's own best truncation within the
+bucket is the bucket itself.
+
+Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds
+copied back with their output (no extra host sync); "sync" decides AR or not from the previous rounds, then
+drafts and builds, copies the fresh estimates to the host (one more sync per round) and picks the block from
+them. AR is a candidate only before drafting: when AR wins, the engine serves AR rounds for a hold that
+doubles (1, 2, 4, ... MAX_HOLD) each time AR wins again, then drafts once to refresh the estimates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DECIDE = ("previous", "sync")
+MAX_HOLD = 32          # the longest run of AR rounds before the engine drafts again to re-estimate
+EMA = 0.25             # weight of a new sample in the cost table and the host time
+CTX_BUCKETS = (0, 1024, 4096, 16384, 65536)  # context (mean cached rows of the round's requests) buckets
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str    # "ar" | "chain" | "tree"
+    nodes: int   # draft nodes verified: 0 (AR), L (chain) or B (tree)
+
+    @property
+    def rows(self) -> int:
+        return self.nodes + 1
+
+    @property
+    def name(self) -> str:
+        return {"ar": "AR", "chain": "chain"}.get(self.kind, f"B={self.nodes}")
+
+
+def plans(depth: int, budgets) -> tuple[Plan, ...]:
+    """The candidates: AR, the chain of `depth` nodes, then a tree per budget (ascending)."""
+    return (Plan("ar", 0), Plan("chain", depth)) + tuple(Plan("tree", int(B)) for B in sorted(set(budgets)))
+
+
+def default_budgets(max_budget: int) -> tuple[int, ...]:
+    """Powers of two from 4 below max_budget, and max_budget itself."""
+    out, B = [], 4
+    while B < max_budget:
+        out.append(B)
+        B *= 2
+    return tuple(out) + (max_budget,)
+
+
+# ----------------------------------------------------------------------------- expected tokens, on the device
+class Acceptance:
+    """The calibrated acceptance of a node from its depth and prefix probability, as device tables:
+    `kdtree.calibration.Calibration.correct` (a bin's pooled realized rate; the node's own prediction where
+    the bin holds too few nodes, or with no calibration at all)."""
+
+    def __init__(self, calibration, depth: int, device):
+        if calibration is None:
+            self.edges = torch.tensor([0.0, 1.0], dtype=torch.float64, device=device)
+            self.rate = torch.full((max(depth, 1), 1), float("nan"), dtype=torch.float64, device=device)
+        else:
+            self.edges = torch.tensor(calibration.edges, dtype=torch.float64, device=device)
+            self.rate = torch.from_numpy(calibration._pooled()).to(device, torch.float64)   # [D, bins]
+
+    def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """scores float [..., n] (log prefix probabilities), depths int [..., n] (0: not a node) -> float64
+        [..., n] acceptance, 0 where depth is 0. Torch ops only (capturable)."""
+        p = scores.double().exp()
+        nb = self.rate.shape[1]
+        j = (torch.bucketize(p, self.edges, right=True) - 1).clamp(0, nb - 1)
+        d = depths.long() - 1
+        got = self.rate[d.clamp(0, self.rate.shape[0] - 1), j]
+        q = torch.where(torch.isnan(got) | (d >= self.rate.shape[0]), p, got)
+        return torch.where(d >= 0, q, torch.zeros_like(q))
+
+
+def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
+    """Expected emitted tokens per request and plan, float32 [b, len(plan_list)]: tree_scores / tree_depths
+    [b, N] of a best-first verify block (row 0 the root), chain_lp [b, L] the chain's top-1 log-probabilities
+    per depth."""
+    qt = acc(tree_scores[:, 1:], tree_depths[:, 1:])                                  # [b, N - 1]
+    cum = torch.cat([torch.zeros_like(qt[:, :1]), qt.cumsum(1)], 1)                  # [b, N]
+    L = chain_lp.shape[1]
+    depth = torch.arange(1, L + 1, device=chain_lp.device).expand_as(chain_lp)
+    qc = acc(chain_lp.double().cumsum(1), depth)                                      # [b, L]
+    cols = []
+    for p in plan_list:
+        if p.kind == "ar":
+            cols.append(torch.zeros_like(cum[:, 0]))
+        elif p.kind == "chain":
+            cols.append(qc.sum(1))
+        else:
+            cols.append(cum[:, min(p.nodes, cum.shape[1] - 1)])
+    return (1.0 + torch.stack(cols, 1)).float()
+
+
+# ----------------------------------------------------------------------------- the cost table
+class CostTable:
+    """GPU seconds of a round's two phases: `front[(b, ctx)]` (draft + the tree build at B_max + estimates)
+    and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block), per batch
+    bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds outside
+    its GPU span. A cell never measured borrows the nearest measured context bucket of the same (b, plan)."""
+
+    def __init__(self, ctx_buckets=(0,)):
+        self.ctx_buckets = tuple(ctx_buckets)
+        self.front: dict = {}
+        self.back: dict = {}
+        self.host = 0.0
+        self.samples = 0   # online refreshes so far
+
+    def ctx(self, length: float) -> int:
+        """The context bucket of a mean cached length: the last bucket at or below it."""
+        return max(i for i, c in enumerate(self.ctx_buckets) if c <= max(length, 0))
+
+    @staticmethod
+    def _near(table: dict, key: tuple, ctx: int):
+        if key + (ctx,) in table:
+            return table[key + (ctx,)]
+        have = [c for (*k, c) in table if tuple(k) == key]
+        return table[key + (min(have, key=lambda c: (abs(c - ctx), -c)),)] if have else None
+
+    def cost(self, b: int, i: int, plan: Plan, ctx: int) -> float:
+        back = self._near(self.back, (b, i), ctx)
+        if back is None:
+            return math.inf
+        front = 0.0 if plan.kind == "ar" else self._near(self.front, (b,), ctx)
+        return back + (math.inf if front is None else front) + self.host
+
+    def update(self, table: dict, key: tuple, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def as_dict(self, plan_list) -> dict:
+        """JSON-ready: {"front": {"b,ctx": s}, "back": {"b,plan,ctx": s}, "host": s}, ctx as rows."""
+        cb = self.ctx_buckets
+        return {"front": {f"{b},{cb[c]}": s for (b, c), s in sorted(self.front.items())},
+                "back": {f"{b},{plan_list[i].name},{cb[c]}": s for (b, i, c), s in sorted(self.back.items())},
+                "host": self.host, "samples": self.samples}
+
+
+# ----------------------------------------------------------------------------- the policy
+class Policy:
+    """Chooses each round's plan (module docstring). `history` keeps (round, batch, plan name) of every round."""
+
+    def __init__(self, plan_list, costs: CostTable, decide: str = "previous"):
+        self.plans, self.costs, self.decide = tuple(plan_list), costs, decide
+        self.hold = 0        # AR rounds left before the next draft round
+        self.backoff = 1     # the next AR hold's length
+        self.probe = False   # the next round drafts whatever the estimates say
+        self.history: list = []
+
+    def score(self, b: int, est: np.ndarray, ctx: int, allow) -> np.ndarray:
+        """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]."""
+        tot = np.asarray(est, np.float64).sum(0)
+        out = np.full(len(self.plans), -np.inf)
+        for i, p in enumerate(self.plans):
+            if allow(p):
+                c = self.costs.cost(b, i, p, ctx)
+                out[i] = tot[i] / c if c > 0 and math.isfinite(c) else -np.inf
+        return out
+
+    def before(self, b: int, est: np.ndarray, ctx: int) -> int | None:
+        """The plan decided before drafting, or None (draft; `after` picks the block): from the previous
+        rounds' estimates est [n, P]. AR rounds come in holds; a hold's end forces one draft round (the probe)
+        whose estimates the next decision reads."""
+        if self.hold == 0 and not self.probe:
+            s = self.score(b, est, ctx, lambda p: True)
+            best = int(np.argmax(s))
+            if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
+                self.backoff = 1
+                return None if self.decide == "sync" else self.after(b, est, ctx)
+            self.hold, self.backoff = self.backoff, min(2 * self.backoff, MAX_HOLD)
+        if self.hold > 0:
+            self.hold -= 1
+            self.probe = self.hold == 0
+            return 0
+        self.probe = False
+        return None if self.decide == "sync" else self.after(b, est, ctx)
+
+    def after(self, b: int, est: np.ndarray, ctx: int) -> int:
+        """The block, once the round drafts: the best plan other than AR for estimates est [n, P] (the last
+        plan while no cost is known)."""
+        s = self.score(b, est, ctx, lambda p: p.kind != "ar")
+        if not np.isfinite(s).any():
+            return len(self.plans) - 1
+        return int(np.argmax(s))

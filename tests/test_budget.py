@@ -1,0 +1,199 @@
+"""budget="auto" (kdtree.budget): truncations of one best-first tree, the expected tokens against the calibration,
+the cost table and the policy's choices, and the engine serving auto rounds losslessly on the CPU."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kdtree import budget as kb
+from kdtree import golden, weights
+from kdtree.calibration import Calibration
+from kdtree.engine import Engine
+from kdtree.oracle import oracle_ar
+from kdtree.round_ops import GoldenOps, truncate
+from kdtree.validate import random_prompts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = weights.load("data/trained/target").eval()
+    return t, weights.load_drafter("data/trained/drafter", t)
+
+
+def _logits(rng, L=7, V=300, ties=False) -> np.ndarray:
+    x = rng.normal(0, 2.5, (L, V)).astype(np.float32)
+    if ties:  # whole blocks of equal logits: ordering by (score, depth, parent, rank) decides
+        x = np.round(x)
+    return x
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_every_truncation_of_a_best_first_tree_is_the_smaller_tree(ties):
+    """The first B nodes of the tree built at B_max are the tree built at B (tokens, parents, depths, scores);
+    the verify block truncated to B + 1 rows is the block compiled at B (GoldenOps, mask included)."""
+    rng = np.random.default_rng()
+    for _ in range(4):
+        lg = _logits(rng, ties=ties)
+        big = golden.ddtree(lg, 96)
+        for B in (1, 4, 17, 64):
+            small = golden.ddtree(lg, B)
+            for f in ("tokens", "parents", "depths", "scores"):
+                assert np.array_equal(getattr(big, f)[:B], getattr(small, f)), (B, f)
+        root, start = torch.tensor([3]), torch.tensor([11])
+        full = GoldenOps("ddtree", 96, 64)._tree(torch.from_numpy(lg)[None], root, start)
+        for B in (4, 33):
+            want = GoldenOps("ddtree", B, 64)._tree(torch.from_numpy(lg)[None], root, start)
+            got = truncate(full, B + 1)
+            for f in ("tokens", "positions", "parents", "mask", "depths", "scores"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), (B, f)
+
+
+def _table(seed=None) -> Calibration:
+    """A calibration whose realized rates are far from the predictions (so a wrong lookup shows)."""
+    rng = np.random.default_rng(seed)
+    cal = Calibration.empty(7)
+    p = rng.uniform(1e-4, 1.0, 40000)
+    d = rng.integers(1, 8, 40000)
+    cal.add(np.log(p), d, rng.random(40000) < 0.4 * np.sqrt(p))
+    return cal
+
+
+def test_expected_tokens_on_the_device_match_the_calibration():
+    """`expected` (torch, the engine's round) against Calibration.expected_tokens (numpy) for every tree plan,
+    and the chain against its calibrated prefix products; with the raw probabilities the same check fails."""
+    rng = np.random.default_rng()
+    cal = _table()
+    plans = kb.plans(7, (1, 5, 16, 64))
+    acc = kb.Acceptance(cal, 7, "cpu")
+    lg = np.stack([_logits(rng) for _ in range(3)])                                   # [b, L, V]
+    blk = GoldenOps("ddtree", 64, 64)._tree(torch.from_numpy(lg), torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9]))
+    lp = torch.from_numpy(lg).log_softmax(-1).max(-1).values
+    est = kb.expected(acc, blk.scores, blk.depths, lp, plans).numpy()
+    raw = kb.expected(kb.Acceptance(None, 7, "cpu"), blk.scores, blk.depths, lp, plans).numpy()
+    want = np.zeros_like(est)
+    for i in range(3):
+        e = cal.expected_tokens(golden.ddtree(lg[i], 64))
+        chain = np.cumsum(lp[i].double().numpy())
+        want[i] = [1.0, 1.0 + cal.correct(chain, np.arange(1, 8)).sum()] + [e[p.nodes] for p in plans[2:]]
+    assert np.abs(est - want).max() / want.max() < 1e-5
+    assert np.abs(raw - want).max() / want.max() > 1e-2   # the check can fail
+
+
+def _costs(front, back, host=0.0):
+    """A cost table with one context bucket: front seconds, back seconds per plan."""
+    t = kb.CostTable((0, 4096))
+    t.front[(1, 0)] = front
+    for i, s in enumerate(back):
+        t.back[(1, i, 0)] = s
+    t.host = host
+    return t
+
+
+def test_the_policy_maximizes_expected_tokens_per_second():
+    plans = kb.plans(7, (4, 16))                     # AR, chain, B=4, B=16
+    t = _costs(1.0, [1.0, 1.2, 1.1, 1.5], host=0.5)
+    pol = kb.Policy(plans, t)
+    est = np.array([[1.0, 2.0, 2.4, 4.0], [1.0, 2.2, 2.6, 3.0]])   # two requests
+    # tokens / s: AR 2/1.5, chain 4.2/2.7, B=4 5.0/2.6, B=16 7.0/3.0 -> B=16
+    assert pol.before(1, est, 0) == 3
+    assert np.allclose(pol.score(1, est, 0, lambda p: True), [2 / 1.5, 4.2 / 2.7, 5.0 / 2.6, 7.0 / 3.0])
+    t.back[(1, 3, 0)] = 9.0                          # B=16 now slow: B=4
+    assert pol.before(1, est, 0) == 2
+    # a context bucket never measured borrows the nearest one; an unmeasured plan is never chosen
+    assert t.cost(1, 2, plans[2], 1) == t.cost(1, 2, plans[2], 0)
+    del t.back[(1, 2, 0)]
+    assert math.isinf(t.cost(1, 2, plans[2], 0)) and pol.before(1, est, 0) == 1
+    assert t.ctx(0) == 0 and t.ctx(4095.5) == 0 and t.ctx(5000) == 1
+
+
+def test_ar_holds_double_and_each_ends_with_one_draft_round():
+    """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to MAX_HOLD;
+    once drafting pays again the next decision drafts and the hold starts over at 1."""
+    plans = kb.plans(7, (4,))
+    t = _costs(1.0, [1.0, 1.0, 1.0])
+    pol = kb.Policy(plans, t)
+    poor = np.array([[1.0, 1.1, 1.2]])               # AR 1/1, draft plans <= 1.2 / 2
+    seq = [pol.before(1, poor, 0) for _ in range(1 + 1 + 2 + 1 + 4 + 1)]
+    assert seq == [0, 2, 0, 0, 2, 0, 0, 0, 0, 2]
+    for _ in range(200):
+        pol.before(1, poor, 0)
+    assert pol.backoff == kb.MAX_HOLD
+    while pol.hold:
+        pol.before(1, poor, 0)
+    good = np.array([[1.0, 3.0, 4.0]])
+    assert pol.before(1, good, 0) == 2            # the probe
+    assert pol.before(1, good, 0) == 2 and pol.backoff == 1
+    sync = kb.Policy(plans, t, decide="sync")
+    assert sync.before(1, good, 0) is None          # draft first, then the block from fresh estimates
+    assert sync.after(1, good, 0) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0) == 1
+
+
+@pytest.mark.parametrize("decide", ["previous", "sync"])
+def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
+    """Requests joining in turn, batch 4: every output equals the oracle loop's greedy AR, whatever plan each
+    round picked; rows per round follow the chosen plans; the cost table was refreshed online."""
+    t, d = pair
+    prompts = random_prompts(t.args, 6, seed=8, min_len=10, max_len=50)
+    lens = [12 + 6 * i for i in range(6)]
+    refs = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
+    e = Engine(t, d, mode="ddtree", budget="auto", max_budget=32, max_batch=4, max_len=256, decide=decide)
+    assert e.budget == "auto" and e.max_budget == 32 and e.calibration is d.calibration
+    assert [p.name for p in e.plans] == ["AR", "chain", "B=4", "B=8", "B=16", "B=32"]
+    assert all(math.isfinite(e.costs.cost(b, i, p, 0)) for b in e.buckets for i, p in enumerate(e.plans))
+    ids = []
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        ids.append(e.add_request(p, n))
+        if i % 2:
+            e.step()
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs
+    assert e.costs.samples == e.rounds and len(e.auto.history) == e.rounds
+    rows = {p.name: p.rows for p in e.plans}
+    assert all(s in rows.values() for i in ids for s in res[i].tree_sizes)
+    assert {e.last_round["plan"]} <= set(rows)
+
+
+def test_forced_plans_serve_their_blocks(pair):
+    """A cost table that makes one plan the cheapest by far: the engine verifies that plan's rows every round
+    after the first, and its tokens still equal the oracle's (AR through a drafting engine included)."""
+    t, d = pair
+    prompts = random_prompts(t.args, 2, seed=9, min_len=8, max_len=30)
+    refs = [oracle_ar(t, p, 24).tokens for p in prompts]
+    for k in (0, 1, 3):  # AR, chain, B=8
+        e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=2, max_len=128)
+        for key in list(e.costs.back):
+            e.costs.back[key] = 1e-6 if key[1] == k else 1.0
+        for key in e.costs.front:
+            e.costs.front[key] = 0.0
+        e.costs.update = lambda *a: None    # keep the table as forced
+        out = [r.tokens for r in e.generate(prompts, 24)]
+        assert out == refs
+        names = [h[2] for h in e.auto.history]
+        if k:
+            assert set(names[1:]) == {e.plans[k].name}, names
+        else:  # AR holds of 1, 2, 4, ... rounds, each followed by one probe draft
+            probes = len(names) - 1 - names.count("AR")
+            assert names[1] == "AR" and 1 <= probes <= math.log2(len(names)) + 1, names
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(mode="dflash", budget="auto"), "only mode='ddtree' takes a budget"),
+    (dict(budget=16, max_budget=32), "only budget='auto'"),
+    (dict(budget=16, decide="sync"), "only budget='auto'"),
+    (dict(budget="auto", max_budget=0), "max_budget"),
+    (dict(budget="auto", max_budget=True), "max_budget"),
+    (dict(budget="auto", budgets=()), "budgets"),
+    (dict(budget="auto", budgets=(4, 0)), "budgets"),
+    (dict(budget="auto", budgets=(4, 8.0)), "budgets"),
+    (dict(budget="auto", budgets=(4, 8), max_budget=16), "the largest must be max_budget"),
+    (dict(budget="auto", budgets=(4, 64), max_budget=32), "budgets"),
+    (dict(budget="auto", decide="later"), "decide"),
+    (dict(budget="auto", calibration="table.json"), "calibration"),
+    (dict(budget="Auto"), "budget"),
+])
+def test_bad_auto_settings_are_refused(pair, kw, needle):
+    t, d = pair
+    kw = dict(dict(mode="ddtree"), **kw)
+    with pytest.raises(ValueError, match=needle):
+        Engine(t, d, max_batch=1, max_len=128, **kw)
