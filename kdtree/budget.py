@@ -183,7 +183,7 @@ class Policy:
             best = int(np.argmax(s))
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = 1
-                return None if self.decide == "sync" else self.after(b, est, ctx)
+                return None if self.decide == "sync" else self._best_draft(s)
             self.hold, self.backoff = self.backoff, min(2 * self.backoff, MAX_HOLD)
         if self.hold > 0:
             self.hold -= 1
@@ -195,7 +195,8 @@ class Policy:
     def after(self, b: int, est: np.ndarray, ctx: int) -> int:
         """The block, once the round drafts: the best plan other than AR for estimates est [n, P] (the last
         plan while no cost is known)."""
-        s = self.score(b, est, ctx, lambda p: p.kind != "ar")
-        if not np.isfinite(s).any():
-            return len(self.plans) - 1
-        return int(np.argmax(s))
+        return self._best_draft(self.score(b, est, ctx, lambda p: p.kind != "ar"))
+
+    def _best_draft(self, s: np.ndarray) -> int:
+        s = np.where([p.kind == "ar" for p in self.plans], -np.inf, s)
+        return int(np.argmax(s)) if np.isfinite(s).any() else len(self.plans) - 1

@@ -142,11 +142,12 @@ def node_acceptance(block: golden.VerifyBlock, choice) -> np.ndarray:
     return ok[1:]
 
 
-def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, progress: bool = False
-            ) -> Calibration:
+def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, progress: bool = False,
+            rounds: list | None = None) -> Calibration:
     """DDTree rounds at `budget` over `prompts` (one request at a time through the engine on the host's
     golden tree steps; greedy), every node of every round recorded. The engine's own tokens and accept lengths
-    are unchanged by the recording (checked: accepted nodes + 1 == each round's accept length)."""
+    are unchanged by the recording (checked: accepted nodes + 1 == each round's accept length). rounds: a
+    list that receives each round's (scores, depths, accepted) arrays in best-first order (`truncations`)."""
     from .engine import Engine
     from .round_ops import GoldenOps
     budget = checks.int_in("budget", budget, 1, golden.MAX_BUDGET)
@@ -171,6 +172,8 @@ def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, pro
                     raise RuntimeError(f"calibration: {int(ok.sum())} accepted nodes but the walk accepted "
                                        f"{int(n[i])} rows")
                 cal.add(tree.scores, tree.depths, ok)
+                if rounds is not None:
+                    rounds.append((tree.scores.copy(), tree.depths.copy(), ok))
             return acc, n, bonus
 
     need = max(len(p) for p in prompts) + max_new_tokens + budget + 2
@@ -187,8 +190,23 @@ def measure(target, drafter, prompts, max_new_tokens: int, budget: int = 64, pro
     return cal
 
 
+def truncations(rounds, budgets, calibrations: dict) -> dict:
+    """Realized against expected tokens per round for each truncation B of the recorded best-first trees
+    (`measure(..., rounds=)`): the first B nodes of a tree are the B-node tree and the target's choices do
+    not depend on the tree, so a round's tokens at B are 1 + its accepted nodes among the first B.
+    calibrations: {name: Calibration or None (the drafter's raw probabilities)}. Returns {"budgets": [...],
+    "realized": [...], name: [...]} (means over the rounds)."""
+    out = {"budgets": [int(B) for B in budgets], "realized": []}
+    for B in budgets:
+        out["realized"].append(1.0 + float(np.mean([ok[:B].sum() for _, _, ok in rounds])))
+    for name, cal in calibrations.items():
+        q = [np.exp(np.asarray(s, np.float64)) if cal is None else cal.correct(s, d) for s, d, _ in rounds]
+        out[name] = [1.0 + float(np.mean([x[:B].sum() for x in q])) for B in budgets]
+    return out
+
+
 def main(argv=None) -> None:
-    """python -m kdtree.calibration [--ckpt data/trained] [--prompts 16] [--max-new 64] [--budget 64]: measure
+    """python -m kdtree.calibration [--ckpt data/trained] [--prompts 16] [--max-new 64] [--budget 256]: measure
     the pair's drafter on held-out prompts (notebook 02's split) and store the table beside the drafter."""
     import argparse
 
@@ -199,7 +217,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=256, help="the tree size measured (budget=\"auto\"'s B_max)")
     a = ap.parse_args(argv)
     ckpt = Path(a.ckpt)
     t = weights.load(ckpt / "target").eval()
