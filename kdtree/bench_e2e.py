@@ -48,7 +48,8 @@ def _cell(make, prompts, max_new: int, repeats: int) -> dict:
            "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
            "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],
            "round_gpu_span_median_s": mid["round_gpu_span_median_s"], "build_s": build_s,
-           "warmup_s": e.warmup_s, "graphs": len(e.graphs), "outputs": mid["outputs"]}
+           "warmup_s": e.warmup_s, "graphs": len(e.graphs), "capture_retries": e.capture_retries,
+           "outputs": mid["outputs"]}
     if e.auto is not None:
         out["plans"] = mid["plans"]
         out["plan_counts"] = dict(Counter(mid["plans"]))

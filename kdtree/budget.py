@@ -65,48 +65,47 @@ def default_budgets(max_budget: int) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- expected tokens, on the device
 class Acceptance:
-    """The calibrated acceptance of a node from its depth and prefix probability, as device tables:
+    """The calibrated acceptance of a node from its depth and prefix probability, as one device table:
     `kdtree.calibration.Calibration.correct` (a bin's pooled realized rate; the node's own prediction where
-    the bin holds too few nodes, or with no calibration at all)."""
+    the bin holds too few nodes, the depth lies beyond the table, or with no calibration at all)."""
 
     def __init__(self, calibration, depth: int, device):
         if calibration is None:
-            self.edges = torch.tensor([0.0, 1.0], dtype=torch.float64, device=device)
-            self.rate = torch.full((max(depth, 1), 1), float("nan"), dtype=torch.float64, device=device)
+            edges, rate = [0.0, 1.0], np.full((1, 1), np.nan)
         else:
-            self.edges = torch.tensor(calibration.edges, dtype=torch.float64, device=device)
-            self.rate = torch.from_numpy(calibration._pooled()).to(device, torch.float64)   # [D, bins]
+            edges, rate = calibration.edges, calibration._pooled()                     # [D, bins]
+        rate = np.concatenate([rate, np.full((1, rate.shape[1]), np.nan)])           # row D: beyond the table
+        self.depths, self.bins = rate.shape[0] - 1, rate.shape[1]
+        self.edges = torch.tensor(edges, dtype=torch.float64, device=device)
+        self.table = torch.from_numpy(np.nan_to_num(rate, nan=-1.0).ravel()).to(device)  # -1: own prediction
+        self.columns: dict = {}  # expected()'s plan columns, per (tree sizes, nodes)
 
     def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """scores float [..., n] (log prefix probabilities), depths int [..., n] (0: not a node) -> float64
         [..., n] acceptance, 0 where depth is 0. Torch ops only (capturable)."""
         p = scores.double().exp()
-        nb = self.rate.shape[1]
-        j = (torch.bucketize(p, self.edges, right=True) - 1).clamp(0, nb - 1)
-        d = depths.long() - 1
-        got = self.rate[d.clamp(0, self.rate.shape[0] - 1), j]
-        q = torch.where(torch.isnan(got) | (d >= self.rate.shape[0]), p, got)
-        return torch.where(d >= 0, q, torch.zeros_like(q))
+        j = (torch.bucketize(p, self.edges, right=True) - 1).clamp_(0, self.bins - 1)
+        d = (depths.long() - 1).clamp_(0, self.depths)
+        got = self.table[d * self.bins + j]
+        return torch.where(depths > 0, torch.where(got < 0, p, got), 0.0)
 
 
 def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
     """Expected emitted tokens per request and plan, float32 [b, len(plan_list)]: tree_scores / tree_depths
     [b, N] of a best-first verify block (row 0 the root), chain_lp [b, L] the chain's top-1 log-probabilities
-    per depth."""
-    qt = acc(tree_scores[:, 1:], tree_depths[:, 1:])                                  # [b, N - 1]
-    cum = torch.cat([torch.zeros_like(qt[:, :1]), qt.cumsum(1)], 1)                  # [b, N]
-    L = chain_lp.shape[1]
-    depth = torch.arange(1, L + 1, device=chain_lp.device).expand_as(chain_lp)
-    qc = acc(chain_lp.double().cumsum(1), depth)                                      # [b, L]
-    cols = []
-    for p in plan_list:
-        if p.kind == "ar":
-            cols.append(torch.zeros_like(cum[:, 0]))
-        elif p.kind == "chain":
-            cols.append(qc.sum(1))
-        else:
-            cols.append(cum[:, min(p.nodes, cum.shape[1] - 1)])
-    return (1.0 + torch.stack(cols, 1)).float()
+    per depth. plan_list as `plans` orders it (AR, the chain, then the trees)."""
+    b, L = chain_lp.shape
+    n = tree_scores.shape[1] - 1
+    assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
+    depth = torch.arange(1, L + 1, device=chain_lp.device).expand(b, L)
+    q = acc(torch.cat([tree_scores[:, 1:].double(), chain_lp.double().cumsum(1)], 1),
+            torch.cat([tree_depths[:, 1:].long(), depth], 1))                         # [b, n + L]
+    cum = q[:, :n].cumsum(1)                                                           # [b, n]
+    key = (tuple(p.nodes for p in plan_list[2:]), n)
+    if key not in acc.columns:  # made once, outside any capture (the first call is a warm-up round)
+        acc.columns[key] = torch.tensor([min(m, n) - 1 for m in key[0]], device=q.device)
+    idx = acc.columns[key]
+    return (1.0 + torch.cat([torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), cum[:, idx]], 1)).float()
 
 
 # ----------------------------------------------------------------------------- the cost table
@@ -141,6 +140,10 @@ class CostTable:
         front = 0.0 if plan.kind == "ar" else self._near(self.front, (b,), ctx)
         return back + (math.inf if front is None else front) + self.host
 
+    def vector(self, b: int, plan_list, ctx: int) -> np.ndarray:
+        """cost() of every plan, float64 [P] (inf where unmeasured)."""
+        return np.array([self.cost(b, i, p, ctx) for i, p in enumerate(plan_list)])
+
     def update(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)
         table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
@@ -167,12 +170,9 @@ class Policy:
     def score(self, b: int, est: np.ndarray, ctx: int, allow) -> np.ndarray:
         """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]."""
         tot = np.asarray(est, np.float64).sum(0)
-        out = np.full(len(self.plans), -np.inf)
-        for i, p in enumerate(self.plans):
-            if allow(p):
-                c = self.costs.cost(b, i, p, ctx)
-                out[i] = tot[i] / c if c > 0 and math.isfinite(c) else -np.inf
-        return out
+        c = self.costs.vector(b, self.plans, ctx)
+        ok = np.array([allow(p) for p in self.plans]) & np.isfinite(c) & (c > 0)
+        return np.where(ok, tot / np.where(ok, c, 1.0), -np.inf)
 
     def before(self, b: int, est: np.ndarray, ctx: int) -> int | None:
         """The plan decided before drafting, or None (draft; `after` picks the block): from the previous

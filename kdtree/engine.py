@@ -57,6 +57,9 @@ STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stag
 # the H200 (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs
 # measured faster at batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round
 # with 520-row verify GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
+# A capture the driver invalidates is tried again (seen now and then on the H200 for rounds that capture fine
+# on the next try); each retry is listed in Engine.capture_retries.
+CAPTURE_TRIES = 3
 COST_REPS = 5  # budget="auto": graph replays per cost-table cell at start-up (their median)
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
@@ -431,6 +434,7 @@ class Engine:
         self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
+        self.capture_retries: list[str] = []
         self.auto = None
         if auto:
             L = drafter.block_size - 1
@@ -760,9 +764,17 @@ class Engine:
             nonlocal pool
             for _ in range(2):
                 fn()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=side):
-                out = fn()
+            for attempt in range(CAPTURE_TRIES):
+                g = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(g, pool=pool, stream=side):
+                        out = fn()
+                    break
+                except RuntimeError as e:  # torch.AcceleratorError is one
+                    if "captur" not in str(e) or attempt == CAPTURE_TRIES - 1:
+                        raise
+                    torch.cuda.synchronize(self.device)
+                    self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
             pool = g.pool() if pool is None else pool
             self.graphs[key] = g
             return out
@@ -848,12 +860,19 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _stamp(self):
-        if self.device.type == "cuda":
+    def _stamp(self, slot: int | None = None):
+        """A time mark on the stream: a CUDA event (slot: one of the engine's four reused ones) or the host
+        clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        if slot is None:
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+        else:
+            if not hasattr(self, "_events"):
+                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            e = self._events[slot]
+        e.record()
+        return e
 
     def _secs(self, a, z) -> float:
         return a.elapsed_time(z) * 1e-3 if self.device.type == "cuda" else z - a
@@ -935,18 +954,18 @@ class Engine:
         drafted = i is None or self.plans[i].kind != "ar"
         marks, front = {}, None
         if drafted:
-            marks["f0"] = self._stamp()
+            marks["f0"] = self._stamp(0)
             front = self._phase(b, sampling, None, clock=clock)
-            marks["f1"] = self._stamp()
+            marks["f1"] = self._stamp(1)
             if i is None:  # "sync": the fresh estimates to the host, then the block
                 self.est_host[:n].copy_(self.est[:n], non_blocking=True)
                 self._sync()
                 fresh = self.est_host[:n].numpy().copy()
                 self._take_estimates(fresh)
                 i = self._agree(pol.after(b, fresh, ctx))
-        marks["b0"] = self._stamp()
+        marks["b0"] = marks["f1"] if drafted and pol.decide == "previous" else self._stamp(2)
         logits = self._phase(b, sampling, i, front, clock)
-        marks["b1"] = self._stamp()
+        marks["b1"] = self._stamp(3)
         return logits, i, dict(marks=marks, ctx=ctx, drafted=drafted)
 
     def _auto_account(self, b: int, n: int, i: int, info: dict, wall: float) -> None:

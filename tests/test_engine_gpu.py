@@ -67,6 +67,42 @@ def test_auto_budget_graphed_equals_the_oracle(pair, decide):
     assert _serve(e, prompts, lens) == ref
 
 
+def test_an_invalidated_capture_is_tried_again(pair, monkeypatch):
+    """The first capture the driver 'invalidates' (simulated: torch.cuda.graph's exit raises once) is captured
+    again: the engine serves the oracle's tokens and lists the retry; a capture failing every time raises."""
+    t, d = pair
+    real = torch.cuda.graph
+
+    def flaky(times):
+        left = [times]
+
+        def graph(*a, **k):
+            ctx = real(*a, **k)
+
+            class Ctx:
+                def __enter__(self):
+                    return ctx.__enter__()
+
+                def __exit__(self, *exc):
+                    out = ctx.__exit__(*exc)
+                    if left[0] > 0:
+                        left[0] -= 1
+                        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                    return out
+            return Ctx()
+        return graph
+
+    prompts = random_prompts(t.args, 2, seed=7, min_len=8, max_len=30)
+    ref = [oracle_ar(t, p, 20).tokens for p in prompts]
+    monkeypatch.setattr(torch.cuda, "graph", flaky(1))
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=2, max_len=256)
+    assert len(e.capture_retries) == 1 and "capture" in e.capture_retries[0]
+    assert [r.tokens for r in e.generate(prompts, 20)] == ref
+    monkeypatch.setattr(torch.cuda, "graph", flaky(100))
+    with pytest.raises(RuntimeError, match="capture"):
+        Engine(t, d, mode="ddtree", budget=16, max_batch=2, max_len=256)
+
+
 def test_host_drafter_and_golden_backend_on_the_gpu(pair):
     t, _ = pair
     prompts = random_prompts(t.args, 4, seed=9, min_len=8, max_len=40)
