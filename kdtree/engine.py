@@ -254,6 +254,18 @@ def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
     return moe
 
 
+def _end_pool(device: torch.device, pool) -> None:
+    """After a failed capture: stop routing the stream's allocations to the graph's memory pool (a failed
+    capture can leave the allocator recording to it, and the next capture into it would be refused)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+    except RuntimeError:
+        pass
+
+
 def _buckets(max_batch: int) -> tuple[int, ...]:
     b, out = 1, []
     while b < max_batch:
@@ -774,6 +786,7 @@ class Engine:
                     if "captur" not in str(e) or attempt == CAPTURE_TRIES - 1:
                         raise
                     torch.cuda.synchronize(self.device)
+                    _end_pool(self.device, g.pool() if pool is None else pool)
                     self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
             pool = g.pool() if pool is None else pool
             self.graphs[key] = g
