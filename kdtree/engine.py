@@ -57,8 +57,9 @@ STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stag
 # the H200 (outputs/h200/engine_quick_lt.json against engine_quick.json); cuBLAS for the larger GEMMs
 # measured faster at batch 1 (engine_quick_split_blas.json), but in that run the capture of a batch-8 round
 # with 520-row verify GEMMs under cuBLAS was invalidated, so both stay on cuBLASLt.
-# A capture the driver invalidates is tried again (seen now and then on the H200 for rounds that capture fine
-# on the next try); each retry is listed in Engine.capture_retries.
+# A capture that fails is tried again, in a fresh memory pool (seen now and then on the H200: cuBLASLt's
+# batched GEMM fails inside a capture that succeeds on the next try); each retry is listed in
+# Engine.capture_retries.
 CAPTURE_TRIES = 3
 COST_REPS = 5  # budget="auto": graph replays per cost-table cell at start-up (their median)
 SMALL_GEMM_ROWS = 16
@@ -783,10 +784,12 @@ class Engine:
                         out = fn()
                     break
                 except RuntimeError as e:  # torch.AcceleratorError is one
-                    if "captur" not in str(e) or attempt == CAPTURE_TRIES - 1:
+                    if attempt == CAPTURE_TRIES - 1:
                         raise
                     torch.cuda.synchronize(self.device)
-                    _end_pool(self.device, g.pool() if pool is None else pool)
+                    if pool is not None:
+                        _end_pool(self.device, pool)
+                    pool = None  # the retry, and the graphs after it, in a fresh pool
                     self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
             pool = g.pool() if pool is None else pool
             self.graphs[key] = g
