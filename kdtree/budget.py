@@ -54,6 +54,23 @@ def plans(depth: int, budgets) -> tuple[Plan, ...]:
     return (Plan("ar", 0), Plan("chain", depth)) + tuple(Plan("tree", int(B)) for B in sorted(set(budgets)))
 
 
+def builds(plan_list) -> tuple:
+    """The tree each plan's round builds (None for AR): the next tree size above the plan's (the largest for
+    the largest), the smallest for the chain. A round's estimates then cover one size more than it verifies,
+    so the choice can grow by one size a round and shrink at once, and no round builds a tree larger than it
+    needs by more than one size."""
+    sizes = [p.nodes for p in plan_list if p.kind == "tree"]
+    out = []
+    for p in plan_list:
+        if p.kind == "ar":
+            out.append(None)
+        elif p.kind == "chain":
+            out.append(sizes[0])
+        else:
+            out.append(sizes[min(sizes.index(p.nodes) + 1, len(sizes) - 1)])
+    return tuple(out)
+
+
 def default_budgets(max_budget: int) -> tuple[int, ...]:
     """Powers of two from 4 below max_budget, and max_budget itself."""
     out, B = [], 4
@@ -110,10 +127,10 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
 
 # ----------------------------------------------------------------------------- the cost table
 class CostTable:
-    """GPU seconds of a round's two phases: `front[(b, ctx)]` (draft + the tree build at B_max + estimates)
-    and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block), per batch
-    bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds outside
-    its GPU span. A cell never measured borrows the nearest measured context bucket of the same (b, plan)."""
+    """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
+    + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
+    per batch bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds
+    outside its GPU span. A cell never measured borrows the nearest measured context bucket of the same key."""
 
     def __init__(self, ctx_buckets=(0,)):
         self.ctx_buckets = tuple(ctx_buckets)
@@ -133,16 +150,17 @@ class CostTable:
         have = [c for (*k, c) in table if tuple(k) == key]
         return table[key + (min(have, key=lambda c: (abs(c - ctx), -c)),)] if have else None
 
-    def cost(self, b: int, i: int, plan: Plan, ctx: int) -> float:
+    def cost(self, b: int, i: int, build: int | None, ctx: int) -> float:
+        """A round's seconds verifying plan i after building a tree of `build` nodes (None: no draft)."""
         back = self._near(self.back, (b, i), ctx)
         if back is None:
             return math.inf
-        front = 0.0 if plan.kind == "ar" else self._near(self.front, (b,), ctx)
+        front = 0.0 if build is None else self._near(self.front, (b, build), ctx)
         return back + (math.inf if front is None else front) + self.host
 
-    def vector(self, b: int, plan_list, ctx: int) -> np.ndarray:
-        """cost() of every plan, float64 [P] (inf where unmeasured)."""
-        return np.array([self.cost(b, i, p, ctx) for i, p in enumerate(plan_list)])
+    def vector(self, b: int, build_list, ctx: int) -> np.ndarray:
+        """cost() of every plan i after building build_list[i], float64 [P] (inf where unmeasured)."""
+        return np.array([self.cost(b, i, B, ctx) for i, B in enumerate(build_list)])
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)
@@ -151,7 +169,7 @@ class CostTable:
     def as_dict(self, plan_list) -> dict:
         """JSON-ready: {"front": {"b,ctx": s}, "back": {"b,plan,ctx": s}, "host": s}, ctx as rows."""
         cb = self.ctx_buckets
-        return {"front": {f"{b},{cb[c]}": s for (b, c), s in sorted(self.front.items())},
+        return {"front": {f"{b},{B},{cb[c]}": s for (b, B, c), s in sorted(self.front.items())},
                 "back": {f"{b},{plan_list[i].name},{cb[c]}": s for (b, i, c), s in sorted(self.back.items())},
                 "host": self.host, "samples": self.samples}
 
@@ -162,40 +180,44 @@ class Policy:
 
     def __init__(self, plan_list, costs: CostTable, decide: str = "previous"):
         self.plans, self.costs, self.decide = tuple(plan_list), costs, decide
+        self.builds = builds(self.plans)
         self.hold = 0        # AR rounds left before the next draft round
         self.backoff = 1     # the next AR hold's length
         self.probe = False   # the next round drafts whatever the estimates say
         self.history: list = []
 
-    def score(self, b: int, est: np.ndarray, ctx: int, allow) -> np.ndarray:
-        """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]."""
+    def score(self, b: int, est: np.ndarray, ctx: int, allow, built: int | None = None) -> np.ndarray:
+        """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]; built:
+        the tree this round has built already (its cost for every plan), else each plan's own build."""
         tot = np.asarray(est, np.float64).sum(0)
-        c = self.costs.vector(b, self.plans, ctx)
+        c = self.costs.vector(b, self.builds if built is None else [built] * len(self.plans), ctx)
         ok = np.array([allow(p) for p in self.plans]) & np.isfinite(c) & (c > 0)
         return np.where(ok, tot / np.where(ok, c, 1.0), -np.inf)
 
-    def before(self, b: int, est: np.ndarray, ctx: int) -> int | None:
-        """The plan decided before drafting, or None (draft; `after` picks the block): from the previous
-        rounds' estimates est [n, P]. AR rounds come in holds; a hold's end forces one draft round (the probe)
-        whose estimates the next decision reads."""
+    def before(self, b: int, est: np.ndarray, ctx: int) -> int:
+        """The plan decided before drafting, from the previous rounds' estimates est [n, P]: 0 (AR) or the
+        plan whose tree (`builds`) the round builds; "previous" verifies that plan, "sync" picks the block
+        again from the fresh estimates (`after`). AR rounds come in holds; a hold's end forces one draft round
+        (the probe) whose estimates the next decision reads."""
         if self.hold == 0 and not self.probe:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = 1
-                return None if self.decide == "sync" else self._best_draft(s)
+                return self._best_draft(s)
             self.hold, self.backoff = self.backoff, min(2 * self.backoff, MAX_HOLD)
         if self.hold > 0:
             self.hold -= 1
             self.probe = self.hold == 0
             return 0
         self.probe = False
-        return None if self.decide == "sync" else self.after(b, est, ctx)
-
-    def after(self, b: int, est: np.ndarray, ctx: int) -> int:
-        """The block, once the round drafts: the best plan other than AR for estimates est [n, P] (the last
-        plan while no cost is known)."""
         return self._best_draft(self.score(b, est, ctx, lambda p: p.kind != "ar"))
+
+    def after(self, b: int, est: np.ndarray, ctx: int, built: int) -> int:
+        """"sync": the block, once the round has built a tree of `built` nodes: the best plan other than AR
+        within it for the fresh estimates est [n, P] (the round's front cost is the same for all of them)."""
+        ok = (lambda p: p.kind == "chain" or (p.kind == "tree" and p.nodes <= built))
+        return self._best_draft(self.score(b, est, ctx, ok, built))
 
     def _best_draft(self, s: np.ndarray) -> int:
         s = np.where([p.kind == "ar" for p in self.plans], -np.inf, s)

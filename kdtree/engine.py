@@ -277,7 +277,9 @@ def _buckets(max_batch: int) -> tuple[int, ...]:
 
 @dataclass
 class _Front:
-    """A drafting round's first phase (budget="auto"): the tree block at B_max and the chain's tokens [b, L]."""
+    """What a drafting round's first phase leaves for its second (budget="auto"): the tree block (views of
+    the engine's static buffers [b, B_max + 1, ...], rows beyond the built tree stale) and the chain's tokens
+    [b, L]."""
     blk: object
     chain: torch.Tensor
 
@@ -463,7 +465,9 @@ class Engine:
             self.est = torch.zeros(B, len(plans), dtype=torch.float32, device=dev)
             self.est_host = torch.zeros(self.est.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
-            self._fronts: dict = {}
+            Ops = KernelOps if backend == "kernel" else GoldenOps
+            self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
+            self._fbuf: _Front | None = None   # the front phase's outputs, static (allocated by the first)
         if self.graph_reason is None:
             self._capture()
         if auto:
@@ -672,11 +676,12 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _round(self, b: int, sampling: bool, clock=None, plan=None, front: _Front | None = None) -> torch.Tensor:
+    def _round(self, b: int, sampling: bool, clock=None, plan=None) -> torch.Tensor:
         """One round over slots [0, b) on the device (no host reads unless the backend is golden or the drafter
         is a host one). clock(stage) marks the end of a stage when profiling. budget="auto": the second phase
-        only, verifying `plan`'s block (`_front` drafted and built it; AR: the root alone). Returns the verify
-        logits [b, N, V] float32 (inside a graph: its static output, rewritten by every replay)."""
+        only, verifying `plan`'s block (`_front` drafted and built it into the static buffers; AR: the root
+        alone). Returns the verify logits [b, N, V] float32 (inside a graph: its static output, rewritten by
+        every replay)."""
         mark = clock or (lambda stage: None)
         dev, A = self.device, self.max_accept
         root, lens = self.root[:b], self.lens[:b]
@@ -689,6 +694,7 @@ class Engine:
         elif plan.kind == "ar":
             blk = _chain(None, root, lens)
         else:
+            front = self._front_view(b)
             blk = _chain(None, root, lens, front.chain) if plan.kind == "chain" else truncate(front.blk, plan.rows)
         N = blk.tokens.shape[1]
         with _blas(dev, b * N):
@@ -704,18 +710,39 @@ class Engine:
         mark("commit")
         return logits
 
-    def _front(self, b: int, clock=None) -> _Front:
-        """budget="auto", a drafting round's first phase over slots [0, b): draft, the tree at B_max, the chain,
-        and every plan's expected tokens into `est` [b, P]. No host reads (the golden backend's aside)."""
+    def _front(self, b: int, build: int, clock=None) -> None:
+        """budget="auto", a drafting round's first phase over slots [0, b): draft, the tree of `build` nodes,
+        the chain, into the static buffers (`_front_view`), and every plan's expected tokens into `est` [b, P]
+        (plans beyond the tree: the whole tree's). No host reads (the golden backend's aside)."""
         mark = clock or (lambda stage: None)
         with _blas(self.device, b * self.max_accept):
             draft = self._draft(b)                                                        # [b, L, V]
         mark("draft")
-        blk = self._build(draft, self.root[:b], self.lens[:b])
+        blk = self._tree_ops[build].build(draft, self.root[:b], self.lens[:b])
         top_lp, chain = draft.float().log_softmax(-1).max(-1)                             # [b, L]
         self.est[:b] = auto_budget.expected(self.acceptance, blk.scores, blk.depths, top_lp, self.plans)
+        if self._fbuf is None:  # the first front phase runs eagerly (a warm-up round or an eager engine)
+            def room(t, *shape):
+                return None if t is None else torch.zeros(self.max_batch, *shape, dtype=t.dtype, device=t.device)
+            N, W = self.rows, -(-self.rows // 32)
+            self._fbuf = _Front(type(blk)(*(room(getattr(blk, f), N) for f in ("tokens", "positions", "parents")),
+                                          room(blk.mask, N, N), room(blk.mask_words, N, W),
+                                          room(blk.depths, N), room(blk.scores, N)), room(chain, chain.shape[1]))
+        F, N = self._fbuf.blk, blk.tokens.shape[1]
+        for f in ("tokens", "positions", "parents", "depths", "scores"):
+            getattr(F, f)[:b, :N].copy_(getattr(blk, f))
+        if blk.mask is not None:
+            F.mask[:b, :N, :N].copy_(blk.mask)
+        if blk.mask_words is not None:
+            F.mask_words[:b, :N, :blk.mask_words.shape[2]].copy_(blk.mask_words)
+        self._fbuf.chain[:b].copy_(chain)
         mark("build")
-        return _Front(blk, chain)
+
+    def _front_view(self, b: int) -> _Front:
+        F = self._fbuf.blk
+        cut = (lambda t: None if t is None else t[:b])
+        return _Front(type(F)(*(cut(getattr(F, f)) for f in ("tokens", "positions", "parents", "mask", "mask_words",
+                                                            "depths", "scores"))), self._fbuf.chain[:b])
 
     def _verify_impl(self, tokens, positions, mask, mask_words, b: int, sampling: bool):
         """The target's forward over the blocks and its choice per row. tokens int32 [b, N] -> logits float32
@@ -797,16 +824,17 @@ class Engine:
 
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
-                if self.auto is not None:  # the front phase, then one graph per plan reading its outputs
-                    front = self._fronts[b] = capture(("front", b), lambda: self._front(b))
-                    self.graphs[("front", b)].replay()   # real blocks for the plans' warm-up rounds
+                if self.auto is not None:  # a front graph per tree size, then one per plan reading their buffers
+                    for B in self._tree_ops:
+                        capture(("front", b, B), lambda: self._front(b, B))
+                    self.graphs[("front", b, self.max_budget)].replay()   # real blocks for the warm-up rounds
                 for sampling in (False, True) if self.graph_sampling else (False,):
                     if self.auto is None:
                         self._graph_logits[(b, sampling)] = capture((b, sampling), lambda: self._round(b, sampling))
                         continue
                     for i, plan in enumerate(self.plans):
                         self._graph_logits[(b, sampling, i)] = capture(
-                            (b, sampling, i), lambda: self._round(b, sampling, plan=plan, front=front))
+                            (b, sampling, i), lambda: self._round(b, sampling, plan=plan))
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out):
             t.zero_()
@@ -893,17 +921,17 @@ class Engine:
     def _secs(self, a, z) -> float:
         return a.elapsed_time(z) * 1e-3 if self.device.type == "cuda" else z - a
 
-    def _phase(self, b: int, sampling: bool, i: int | None, front=None, clock=None):
-        """budget="auto": the front phase (i None; returns its _Front) or plan i's round (returns the logits),
-        replaying its graph when there is one."""
-        key = ("front", b) if i is None else (b, sampling, i)
+    def _phase(self, b: int, sampling: bool, i: int | None, build: int | None = None, clock=None):
+        """budget="auto": the front phase building `build` nodes (i None) or plan i's round (returns the
+        logits), replaying its graph when there is one."""
+        key = ("front", b, build) if i is None else (b, sampling, i)
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
-            return self._fronts[b] if i is None else self._graph_logits[key]
+            return None if i is None else self._graph_logits[key]
         if i is None:
-            return self._front(b, clock)
-        return self._round(b, sampling, clock, plan=self.plans[i], front=front)
+            return self._front(b, build, clock)
+        return self._round(b, sampling, clock, plan=self.plans[i])
 
     def _measure_costs(self) -> None:
         """The cost table's start-up entries: every phase on padding slots (their lengths set to each context
@@ -914,18 +942,17 @@ class Engine:
         for b in self.buckets:
             for c, ctx in enumerate(self.costs.ctx_buckets):
                 self.lens[:b] = ctx
-                front = None
-                for i in [None] + list(range(len(self.plans))):
+                # every tree size's front, the largest last (its blocks feed the plans' rounds), then each plan
+                for i, B in [(None, B) for B in self._tree_ops] + [(i, None) for i in range(len(self.plans))]:
                     marks = []
                     for _ in range(warm + reps):
                         a = self._stamp()
-                        out = self._phase(b, False, i, front)
+                        self._phase(b, False, i, B)
                         marks.append((a, self._stamp()))
-                    front = out if i is None else front
                     self._sync()
                     sec = float(np.median([self._secs(a, z) for a, z in marks[warm:]]))
                     if i is None:
-                        self.costs.front[(b, c)] = sec
+                        self.costs.front[(b, B, c)] = sec
                     else:
                         self.costs.back[(b, i, c)] = sec
         for t in (self.lens, self.root, self.out, self.est):
@@ -962,27 +989,24 @@ class Engine:
         pol = self.auto
         ctx = self.costs.ctx(sum(r.length for r in self.active) / n)
         est = self._estimates()
-        if est is None:  # nothing drafted yet: draft; "previous" verifies the largest tree
-            i = None if pol.decide == "sync" else len(self.plans) - 1
-        else:
-            i = pol.before(b, est, ctx)
-        i = self._agree(i)
-        drafted = i is None or self.plans[i].kind != "ar"
-        marks, front = {}, None
-        if drafted:
+        # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
+        i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx))
+        build = pol.builds[i]
+        marks = {}
+        if build is not None:
             marks["f0"] = self._stamp(0)
-            front = self._phase(b, sampling, None, clock=clock)
+            self._phase(b, sampling, None, build, clock)
             marks["f1"] = self._stamp(1)
-            if i is None:  # "sync": the fresh estimates to the host, then the block
+            if pol.decide == "sync":  # the fresh estimates to the host, then the block within the tree built
                 self.est_host[:n].copy_(self.est[:n], non_blocking=True)
                 self._sync()
                 fresh = self.est_host[:n].numpy().copy()
                 self._take_estimates(fresh)
-                i = self._agree(pol.after(b, fresh, ctx))
-        marks["b0"] = marks["f1"] if drafted and pol.decide == "previous" else self._stamp(2)
-        logits = self._phase(b, sampling, i, front, clock)
+                i = self._agree(pol.after(b, fresh, ctx, build))
+        marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(2)
+        logits = self._phase(b, sampling, i, clock=clock)
         marks["b1"] = self._stamp(3)
-        return logits, i, dict(marks=marks, ctx=ctx, drafted=drafted)
+        return logits, i, dict(marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
     def _auto_account(self, b: int, n: int, i: int, info: dict, wall: float) -> None:
         """After the round's sync: its phases' times into the cost table, its estimates to the requests."""
@@ -991,7 +1015,7 @@ class Engine:
         front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
         costs.update(costs.back, (b, i, c), back)
         if info["drafted"]:
-            costs.update(costs.front, (b, c), front)
+            costs.update(costs.front, (b, info["build"], c), front)
             if self.auto.decide == "previous":
                 self._take_estimates(self.est_host[:n].numpy())
         host = max(0.0, wall - front - back)

@@ -80,14 +80,21 @@ def test_expected_tokens_on_the_device_match_the_calibration():
     assert np.abs(raw - want).max() / want.max() > 1e-2   # the check can fail
 
 
-def _costs(front, back, host=0.0):
-    """A cost table with one context bucket: front seconds, back seconds per plan."""
+def _costs(front, back, host=0.0, builds=(4, 16)):
+    """A cost table for batch bucket 1 and context bucket 0: front seconds (every tree size), back seconds
+    per plan."""
     t = kb.CostTable((0, 4096))
-    t.front[(1, 0)] = front
+    for B in builds:
+        t.front[(1, B, 0)] = front
     for i, s in enumerate(back):
         t.back[(1, i, 0)] = s
     t.host = host
     return t
+
+
+def test_each_plan_builds_one_tree_size_above_its_own():
+    plans = kb.plans(7, (4, 16, 64))
+    assert kb.builds(plans) == (None, 4, 16, 64, 64)
 
 
 def test_the_policy_maximizes_expected_tokens_per_second():
@@ -101,9 +108,9 @@ def test_the_policy_maximizes_expected_tokens_per_second():
     t.back[(1, 3, 0)] = 9.0                          # B=16 now slow: B=4
     assert pol.before(1, est, 0) == 2
     # a context bucket never measured borrows the nearest one; an unmeasured plan is never chosen
-    assert t.cost(1, 2, plans[2], 1) == t.cost(1, 2, plans[2], 0)
+    assert t.cost(1, 2, 16, 1) == t.cost(1, 2, 16, 0)
     del t.back[(1, 2, 0)]
-    assert math.isinf(t.cost(1, 2, plans[2], 0)) and pol.before(1, est, 0) == 1
+    assert math.isinf(t.cost(1, 2, 16, 0)) and pol.before(1, est, 0) == 1
     assert t.ctx(0) == 0 and t.ctx(4095.5) == 0 and t.ctx(5000) == 1
 
 
@@ -111,7 +118,7 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
     """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to MAX_HOLD;
     once drafting pays again the next decision drafts and the hold starts over at 1."""
     plans = kb.plans(7, (4,))
-    t = _costs(1.0, [1.0, 1.0, 1.0])
+    t = _costs(1.0, [1.0, 1.0, 1.0], builds=(4,))
     pol = kb.Policy(plans, t)
     poor = np.array([[1.0, 1.1, 1.2]])               # AR 1/1, draft plans <= 1.2 / 2
     seq = [pol.before(1, poor, 0) for _ in range(1 + 1 + 2 + 1 + 4 + 1)]
@@ -125,8 +132,8 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
     assert pol.before(1, good, 0) == 2            # the probe
     assert pol.before(1, good, 0) == 2 and pol.backoff == 1
     sync = kb.Policy(plans, t, decide="sync")
-    assert sync.before(1, good, 0) is None          # draft first, then the block from fresh estimates
-    assert sync.after(1, good, 0) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0) == 1
+    assert sync.before(1, good, 0) == 2             # draft B=4's tree, then the block from fresh estimates
+    assert sync.after(1, good, 0, 4) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0, 4) == 1
 
 
 @pytest.mark.parametrize("decide", ["previous", "sync"])
@@ -140,7 +147,8 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     e = Engine(t, d, mode="ddtree", budget="auto", max_budget=32, max_batch=4, max_len=256, decide=decide)
     assert e.budget == "auto" and e.max_budget == 32 and e.calibration is d.calibration
     assert [p.name for p in e.plans] == ["AR", "chain", "B=4", "B=8", "B=16", "B=32"]
-    assert all(math.isfinite(e.costs.cost(b, i, p, 0)) for b in e.buckets for i, p in enumerate(e.plans))
+    assert all(math.isfinite(e.costs.cost(b, i, B, 0)) for b in e.buckets
+               for i, B in enumerate(e.auto.builds))
     ids = []
     for i, (p, n) in enumerate(zip(prompts, lens)):
         ids.append(e.add_request(p, n))
