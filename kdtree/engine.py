@@ -46,6 +46,7 @@ from . import budget as auto_budget
 from . import checks, golden
 from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
 from .round_ops import GoldenOps, KernelOps, _chain, choose, truncate
+from .simulate import Simulation
 
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
@@ -313,14 +314,18 @@ class Engine:
     expected tokens per second: expected tokens from the draft's prefix probabilities through `calibration`
     (default the drafter's stored table, `drafter.calibration`; False: the raw probabilities), cost from a
     table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
-    rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates)."""
+    rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates).
+
+    simulate: a `kdtree.simulate.Profile`: simulated acceptance (random-weight shapes; module simulate): the
+    round runs every kernel at its real shape, the tree is built from the profile's drafter and the target's
+    choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
                  graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
                  buckets=None, graph_sampling: bool = True, compile: bool = False,
                  deterministic: bool = False, moe: str | None = None, max_budget: int | None = None,
-                 budgets=None, decide: str = "previous", calibration=None):
+                 budgets=None, decide: str = "previous", calibration=None, simulate=None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
@@ -335,6 +340,8 @@ class Engine:
                 raise ValueError("mode='ar' takes no drafter and no budget")
         else:
             check_drafter(model, drafter)
+        if simulate is not None and (mode == "ar" or not hasattr(drafter, "new_context")):
+            raise ValueError("simulate: needs mode 'dflash' or 'ddtree' with a batched drafter (DFlashDrafter)")
         auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
         if not auto and (max_budget is not None or budgets is not None or decide != "previous"
                          or calibration is not None):
@@ -447,6 +454,9 @@ class Engine:
         self.graphs: dict = {}
         self._graph_logits: dict = {}
         self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
+        self.sim = None if simulate is None else Simulation(simulate, model.args.vocab_size,
+                                                            drafter.block_size - 1, max_batch, dev)
+        self.simulated = None if simulate is None else simulate.name
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.warmup_s = 0.0
         self.capture_retries: list[str] = []
@@ -454,8 +464,8 @@ class Engine:
         if auto:
             L = drafter.block_size - 1
             plans = auto_budget.plans(L, cand)
-            cal = (getattr(drafter, "calibration", None) if calibration is None else
-                   None if calibration is False else calibration)
+            cal = (None if simulate is not None or calibration is False else  # a profile is its own truth
+                   getattr(drafter, "calibration", None) if calibration is None else calibration)
             ctxs = (0,) if self.graph_reason else tuple(
                 c for c in auto_budget.CTX_BUCKETS if c + self.rows <= self.kv_cap)
             costs = auto_budget.CostTable(ctxs)
@@ -701,7 +711,12 @@ class Engine:
             logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask,
                                                          blk.mask_words, b, sampling)
         mark("verify")
-        acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
+        if self.sim is None:
+            acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
+        else:  # the profile's target: its true tokens decide the walk
+            sim = self.sim.choice(self.sim.truth(self.seed[:b], lens), blk.positions, lens)
+            acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
+            bonus = self.sim.bonus(sim, choice, acc, acc_len)
         mark("walk")
         if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
@@ -784,7 +799,8 @@ class Engine:
         if self.mode == "ar":
             return None
         if self.batched_drafter:
-            return self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
+            d = self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
+            return d if self.sim is None else self.sim.logits[:b]   # the drafter ran; the profile's draft
         rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
         if not rows:  # a round on padding slots only (budget="auto"'s start-up timing)
             return torch.zeros(b, self.max_accept - 1, self.model.args.vocab_size, device=self.device)

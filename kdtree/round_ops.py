@@ -45,6 +45,18 @@ def gumbel(seed: torch.Tensor, step: torch.Tensor, N: int, V: int) -> torch.Tens
     return -torch.log(-torch.log(u))
 
 
+def uniforms(seed: torch.Tensor, step: torch.Tensor, n: int, salt: int = 0) -> torch.Tensor:
+    """Uniforms float32 [b, n] in (0, 1), a pure function of (seed [b], step [b], index, salt): a request's own
+    stream (24 bits), independent of `gumbel`'s for salt != 0."""
+    dev = seed.device
+    s = seed.long()
+    h = _fmix((s & _M32) ^ (0x9E3779B9 ^ (salt & _M32)))
+    h = _fmix(h ^ ((s >> 32) & _M32))
+    h = _fmix(h ^ (step.long() & _M32))                                              # [b]
+    u = _fmix(_fmix(h[:, None] ^ _mul32(torch.arange(n, device=dev), 0x9E3779B1)))    # [b, n]
+    return ((u >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
 def choose(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
            sampling: bool) -> torch.Tensor:
     """logits [b, N, V] -> int64 [b, N]: argmax where temperature[b] == 0 (first maximum on ties), else one

@@ -1,0 +1,104 @@
+"""Simulated acceptance (kdtree.simulate): accept lengths follow the profile whatever the weights, seeded and
+per request; the profile's draft is its own calibration (the engine's expected tokens are the profile's)."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import project
+from kdtree.config import TINY_B
+from kdtree.drafter import build_drafter
+from kdtree.engine import Engine
+from kdtree.model import build_model
+from kdtree.round_ops import uniforms
+from kdtree.simulate import Profile
+from kdtree.validate import random_prompts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = build_model(TINY_B, seed=3)
+    return t, build_drafter(t, seed=4, block_size=8)
+
+
+def _taus(engine, prompts, n):
+    res = engine.generate(prompts, n)
+    return np.array([a for r in res for a in r.accept_lengths]), res
+
+
+@pytest.mark.parametrize("mode,budget,tau_chain", [("dflash", None, 3.0), ("ddtree", 16, 3.0),
+                                                   ("ddtree", 48, 5.0)])
+def test_accept_lengths_follow_the_profile(pair, mode, budget, tau_chain):
+    """Mean accept length over 500-1,500 rounds of random weights within 4 standard errors of the profile's
+    expectation (chain: 1 + p + ... + p^L; tree: project.profile_taus); a profile twice as good fails it."""
+    t, d = pair
+    prof = Profile(tau_chain, depth=7, K=64)
+    e = Engine(t, d, mode=mode, budget=budget, max_batch=8, max_len=512, simulate=prof)
+    assert e.simulated.startswith("simulated: chain tau")
+    acc, _ = _taus(e, random_prompts(t.args, 8, seed=1, min_len=4, max_len=12), 400)
+    p = project.chain_top1(tau_chain, 7)
+    want = (sum(p ** k for k in range(8)) if mode == "dflash" else
+            project.profile_taus(tau_chain, [budget], 7)[budget])
+    se = acc.std() / np.sqrt(len(acc))
+    assert len(acc) > 500 and abs(acc.mean() - want) < 4 * se + 0.02, (acc.mean(), want, se)
+    better = project.profile_taus(min(2 * tau_chain, 7.5), [budget], 7)[budget] if mode != "dflash" else \
+        sum(project.chain_top1(2 * tau_chain, 7) ** k for k in range(8))
+    assert abs(acc.mean() - better) > 4 * se + 0.02   # the check can fail
+
+
+def test_simulated_runs_are_seeded_and_per_request(pair):
+    """The same seeds give the same accept lengths; a request's lengths do not depend on its batch mates."""
+    t, d = pair
+    prof = Profile(4.0, depth=7, K=64)
+    prompts = random_prompts(t.args, 3, seed=2, min_len=4, max_len=10)
+
+    def lengths(batch, ps, seed):
+        e = Engine(t, d, mode="ddtree", budget=16, max_batch=batch, max_len=256, simulate=prof)
+        return [r.accept_lengths for r in e.generate(ps, 40, seed=seed)]
+    a = lengths(3, prompts, 0)
+    assert a == lengths(3, prompts, 0)
+    assert lengths(1, prompts[:1], 0)[0] == a[0]
+    assert lengths(3, prompts, 7) != a
+
+
+def test_auto_on_a_profile_uses_its_probabilities(pair):
+    """budget="auto" with a profile: no calibration table (the profile is its own truth); the mean estimate of
+    the smallest tree (built every drafting round) equals profile_taus within 3 %."""
+    t, d = pair
+    prof = Profile(4.0, depth=7, K=64)
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 16, 64), max_batch=2, max_len=512,
+               decide="sync", simulate=prof)
+    assert e.calibration is None
+    rows = []
+    take = e._take_estimates
+    e._take_estimates = lambda r: (rows.append(r.copy()), take(r))
+    e.generate(random_prompts(t.args, 2, seed=3, min_len=4, max_len=10), 60)
+    m = np.concatenate(rows).mean(0)
+    want = project.profile_taus(4.0, [4, 16, 64], 7)
+    built = [i for i, p in enumerate(e.plans) if p.kind == "tree" and p.nodes == 4]
+    assert abs(m[built[0]] - want[4]) / want[4] < 0.03
+
+
+def test_uniform_streams_are_pure_and_uniform():
+    s, st = torch.tensor([1, 2, 2**40]), torch.tensor([0, 5, 5])
+    u = uniforms(s, st, 4096, salt=3)
+    assert torch.equal(u, uniforms(s, st, 4096, salt=3)) and not torch.equal(u, uniforms(s, st, 4096, salt=4))
+    assert (u > 0).all() and (u < 1).all() and abs(float(u.mean()) - 0.5) < 0.02
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(tau_chain=9.0, depth=7), "tau_chain"), (dict(tau_chain=0.5, depth=7), "tau_chain"),
+    (dict(tau_chain=3.0, depth=0), "depth"), (dict(tau_chain=3.0, depth=7, ratio=1.0), "ratio"),
+    (dict(tau_chain=3.0, depth=7, K=0), "K")])
+def test_bad_profiles_are_refused(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        Profile(**kw)
+
+
+def test_simulate_needs_a_batched_drafter_and_a_matching_depth(pair):
+    t, d = pair
+    with pytest.raises(ValueError, match="simulate"):
+        Engine(t, mode="ar", simulate=Profile(3.0, 7, K=64), max_len=128)
+    with pytest.raises(ValueError, match="depth"):
+        Engine(t, d, mode="dflash", simulate=Profile(3.0, 5, K=64), max_len=128)
+    with pytest.raises(ValueError, match="Profile"):
+        Engine(t, d, mode="dflash", simulate="tau 3", max_len=128)
