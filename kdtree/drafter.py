@@ -206,8 +206,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", draft_inv_freq(args), persistent=False)
         self._target = [target]  # a list keeps the target out of this module's parameters
         if target is not None:
             self.attach(target)
@@ -354,6 +353,11 @@ class DFlashDrafter(nn.Module):
 
     def session(self, max_len: int) -> "DFlashSession":
         return DFlashSession(self, max_len)
+
+
+def draft_inv_freq(args: DrafterArgs) -> torch.Tensor:
+    """The drafter's RoPE frequencies float32 [head_dim / 2] (plain RoPE at rope_theta)."""
+    return 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
 
 
 class DraftContext:

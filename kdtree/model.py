@@ -215,8 +215,53 @@ class Int4Experts(nn.Module):
         self.register_buffer("w2_scale", w2_scale)
         self.id_offset, self.subset = 0, False  # experts [id_offset, id_offset + E) of the router's (kdtree.tp)
 
+    @property
+    def released(self) -> bool:
+        """True when only moe_int4's repacked copy is kept (`keep_kernel_only`, `random_kernel_only`)."""
+        return self.w13_packed.is_meta
+
+    def _need_release_format(self, what: str) -> None:
+        if self.released:
+            raise ValueError(f"Int4Experts.{what}: only the kernel-format copy is kept (keep_kernel_only); the "
+                             "release-format weights this needs were dropped")
+
+    def keep_kernel_only(self, chunk: int = 32) -> "Int4Experts":
+        """Keep one copy of the experts: moe_int4's repacked weights (made `chunk` experts at a time, so the
+        repack's temporaries stay small); the release-format buffers become shape-only (meta) tensors, and the
+        reference path, `expert_weights`, `select` and saving refuse. Returns self."""
+        if not self.released:
+            src = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+            self._kernel_weights = _repack_chunks(lambda lo, hi: tuple(t[lo:hi] for t in src), src[0].shape[0],
+                                                  chunk)
+            self._to_meta()
+        return self
+
+    @classmethod
+    def random_kernel_only(cls, E: int, D: int, I: int, device="cpu", seed: int = 0, scale: float = 0.01,
+                           chunk: int = 32) -> "Int4Experts":
+        """`random(...)` experts kept in moe_int4's layout only: each block of `chunk` experts is drawn in the
+        release format and repacked into the kept copy, so the release format of the whole layer never
+        exists (one copy of the layer's experts in memory)."""
+        def block(lo, hi):
+            r = cls.random(hi - lo, D, I, device=device, seed=seed * 100003 + lo, scale=scale)
+            return r.w13_packed, r.w13_scale, r.w2_packed, r.w2_scale
+        mw = _repack_chunks(block, E, chunk)
+        meta = torch.device("meta")
+        out = cls(torch.empty(E, 2 * I, D // 8, dtype=torch.int32, device=meta),
+                  torch.empty(E, 2 * I, D // 32, dtype=torch.bfloat16, device=meta),
+                  torch.empty(E, D, I // 8, dtype=torch.int32, device=meta),
+                  torch.empty(E, D, I // 32, dtype=torch.bfloat16, device=meta))
+        out._kernel_weights = mw
+        return out
+
+    def _to_meta(self) -> None:
+        for name in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+            t = getattr(self, name)
+            setattr(self, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
     def select(self, lo: int, hi: int) -> "Int4Experts":
         """Experts [lo, hi) only (expert parallelism): routed ids outside the range contribute nothing here."""
+        self._need_release_format("select")
         E = self.w13_packed.shape[0]
         if not 0 <= lo < hi <= E:
             raise ValueError(f"select: expected 0 <= lo < hi <= {E}, got lo={lo}, hi={hi}")
@@ -249,6 +294,7 @@ class Int4Experts(nn.Module):
     def expert_weights(self, e: int, dtype=torch.float32):
         """(w13 [2I, D], w2 [D, I]) of expert e, dequantized."""
         from .quant import Int4Weight
+        self._need_release_format("expert_weights")
         E, I2, D8 = self.w13_packed.shape
         w13 = Int4Weight(self.w13_packed[e], self.w13_scale[e], (I2, D8 * 8)).dequantize(dtype)
         w2 = Int4Weight(self.w2_packed[e], self.w2_scale[e], (D8 * 8, I2 // 2)).dequantize(dtype)
@@ -259,6 +305,8 @@ class Int4Experts(nn.Module):
         checkpoint-format buffers stay for saving and the reference path (twice the expert memory)."""
         from . import kernels
         mw = getattr(self, "_kernel_weights", None)
+        if self.released:
+            return mw
         if mw is None or mw.w13.device != self.w13_packed.device:
             mw = kernels.repack_moe(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
             self._kernel_weights = mw
@@ -281,6 +329,23 @@ class Int4Experts(nn.Module):
             gu = x[tok].float() @ w13.T
             y.index_add_(0, tok, ((F.silu(gu[:, :I]) * gu[:, I:]) @ w2.T) * weights[tok, slot, None].float())
         return y
+
+
+def _repack_chunks(block, E: int, chunk: int):
+    """kernels.MoeWeights of E experts from block(lo, hi) -> release-format (w13, s13, w2, s2) of experts
+    [lo, hi), repacked `chunk` at a time into the kept tensors (repack_moe is per expert)."""
+    from . import kernels
+    out = None
+    for lo in range(0, E, chunk):
+        hi = min(E, lo + chunk)
+        part = kernels.repack_moe(*block(lo, hi))
+        if out is None:
+            out = kernels.MoeWeights(*(torch.empty((E,) + t.shape[1:], dtype=t.dtype, device=t.device)
+                                       for t in (part.w13, part.s13, part.w2, part.s2)), E, part.D, part.I)
+        for name in ("w13", "s13", "w2", "s2"):
+            getattr(out, name)[lo:hi] = getattr(part, name)
+        del part
+    return out
 
 
 @torch.compiler.disable

@@ -1,0 +1,88 @@
+"""The K2.6-shape builders (kdtree.k26) and INT4 experts kept in one copy, at small dimensions on the CPU."""
+import dataclasses
+
+import pytest
+import torch
+
+from kdtree import k26, kernels, weights
+from kdtree.config import TINY_B
+from kdtree.model import Int4Experts, MoE, rope_inv_freq
+
+SMALL = dataclasses.replace(TINY_B, first_k_dense_replace=1, num_hidden_layers=4, n_group=1, topk_group=1)
+
+
+def _same(mw, want):
+    for name in ("w13", "s13", "w2", "s2"):
+        a, b = getattr(mw, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+
+def test_random_kernel_only_equals_repacking_the_same_blocks():
+    """Block by block (chunk 4 of 10 experts) the kept copy is bit for bit repack_moe of the release-format
+    blocks drawn with the same seeds; a different seed differs (the check can fail)."""
+    E, D, I, seed = 10, 64, 32, 5
+    ex = Int4Experts.random_kernel_only(E, D, I, seed=seed, chunk=4)
+    blocks = [Int4Experts.random(hi - lo, D, I, seed=seed * 100003 + lo) for lo, hi in ((0, 4), (4, 8), (8, 10))]
+    want = kernels.repack_moe(*(torch.cat([getattr(b, n) for b in blocks]) for n in
+                                ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+    assert ex.released and ex.w13_packed.is_meta and tuple(ex.w13_packed.shape) == (E, 2 * I, D // 8)
+    _same(ex.kernel_weights(), want)
+    other = Int4Experts.random_kernel_only(E, D, I, seed=seed + 1, chunk=4).kernel_weights()
+    assert not torch.equal(other.w13, want.w13)
+
+
+def test_keep_kernel_only_keeps_one_copy_and_refuses_what_needs_the_other():
+    ex = Int4Experts.random(6, 64, 32, seed=2)
+    want = kernels.repack_moe(ex.w13_packed, ex.w13_scale, ex.w2_packed, ex.w2_scale)
+    assert ex.keep_kernel_only(chunk=4) is ex and ex.released
+    _same(ex.kernel_weights(), want)
+    assert all(t.is_meta for t in ex.buffers())
+    for call, what in ((lambda: ex.expert_weights(0), "expert_weights"), (lambda: ex.select(0, 2), "select"),
+                       (lambda: ex(torch.randn(3, 64), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)),
+                        "expert_weights")):
+        with pytest.raises(ValueError, match=what):
+            call()
+
+
+def test_build_target_has_distinct_random_layers_in_one_int4_copy(tmp_path):
+    m = k26.build_target(3, device="cpu", seed=4, args=SMALL)
+    layers = m.model.layers
+    assert len(layers) == 4 and not isinstance(layers[0].mlp, MoE)
+    assert all(isinstance(layer.mlp.experts, Int4Experts) and layer.mlp.experts.released for layer in layers[1:])
+    assert torch.equal(m.inv_freq, rope_inv_freq(SMALL)[0])
+    qa = [layer.self_attn.kv_a_proj_with_mqa.weight for layer in layers]
+    assert all(not torch.equal(qa[0], w) for w in qa[1:])          # no layer shares another's weights
+    w13 = [layer.mlp.experts.kernel_weights().w13 for layer in layers[1:]]
+    assert not torch.equal(w13[0], w13[1])
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    E, D, I = SMALL.n_routed_experts, SMALL.hidden_size, SMALL.moe_intermediate_size
+    expert_bytes = 3 * (E * 2 * I * D // 8 * 4 + E * 2 * I * D // 32 * 2) // 2   # w13 + w2 words and scales
+    dense = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert k26.weight_bytes(m) <= dense + 3 * expert_bytes + 4096             # one copy per layer
+    with pytest.raises(ValueError, match="kernel-format copy"):
+        weights.save(m, tmp_path / "x")
+    assert not any(tmp_path.iterdir())
+
+
+def test_drafter_layers_map_onto_the_layers_present():
+    assert k26.drafter_layer_ids(61) == k26.K25_LAYER_IDS
+    assert k26.drafter_layer_ids(13) == (0, 2, 5, 7, 9, 12)
+    assert k26.drafter_layer_ids(2) == (0, 1)
+    with pytest.raises(ValueError, match="n_moe"):
+        k26.target_args(0)
+    a = k26.target_args(12)
+    assert a.num_hidden_layers == 13 and a.hidden_size == 7168 and a.vocab_size == 163840
+
+
+def test_build_drafter_at_small_dimensions_drafts():
+    m = k26.build_target(2, device="cpu", seed=1, args=SMALL)
+    d = k26.build_drafter(m, seed=3, args=k26.drafter_args(m, num_hidden_layers=2, hidden_size=SMALL.hidden_size,
+                                                           num_attention_heads=4, num_key_value_heads=2,
+                                                           head_dim=48, intermediate_size=128))
+    assert d.args.target_layer_ids == k26.drafter_layer_ids(3) and d.args.block_size == 8
+    assert torch.isfinite(d.inv_freq).all() and float(d.inv_freq[0]) == 1.0
+    ctx = d.new_context(1, 64)
+    feats = torch.randn(1, 5, len(d.args.target_layer_ids) * SMALL.hidden_size)
+    d.extend(ctx, feats, torch.tensor([0]), torch.tensor([5]))
+    out = d.draft(ctx, torch.tensor([7]), torch.tensor([5]))
+    assert out.shape == (1, 7, SMALL.vocab_size) and torch.isfinite(out).all()
