@@ -163,8 +163,9 @@ class DraftAttention(nn.Module):
     def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
         """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block states;
         kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T) this
-        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v); with
-        DFlashDrafter.prepare_buffered's fused weight, q, k and v come from one GEMM."""
+        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v) (query
+        head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k and v come
+        from one GEMM."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -179,8 +180,11 @@ class DraftAttention(nn.Module):
         vbuf[:, :, C:C + T] = v.view(B, T, Hk, hd).transpose(1, 2)
         col = torch.arange(C + T, device=x.device)
         seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
-        o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=seen[:, None, None, :], enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
+        G = H // Hk
+        o = F.scaled_dot_product_attention(q.reshape(B, Hk, G * T, hd), kbuf, vbuf,
+                                           attn_mask=seen[:, None, None, :])                  # [B, Hk, G*T, hd]
+        return self.o_proj(o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
 
 
 class DraftLayer(nn.Module):

@@ -75,3 +75,36 @@ def test_oracle_is_calibrated_and_refuses_foreign_prompts():
         o.start([5, 6])
     hits = sum(int(o.propose(ref[:n]).argmax(-1)[0] == ref[n]) for n in range(2, 90))
     assert 30 < hits < 88  # often right, not always: a tree has something to find
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 2), (8, 1), (4, 4)])
+def test_batched_draft_equals_the_session_draft(heads, kv):
+    """The engine's drafting pass (preallocated context, query heads folded onto their KV head, no K/V
+    repeated) against the session's reference pass (K/V repeated per query head), float32: relative error
+    <= 1e-4 for requests of different context lengths in one batch; a wrong head mapping fails it."""
+    from kdtree.config import TINY_B
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    t = build_model(TINY_B, seed=2)
+    d = build_drafter(t, seed=5, block_size=6, num_attention_heads=heads, num_key_value_heads=kv,
+                      head_dim=TINY_B.hidden_size // heads)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lens = [9, 3, 17]
+    F = d.fc.in_features
+    feats = [torch.randn(n, F, generator=g) for n in lens]
+    roots = [int(x) for x in torch.randint(0, TINY_B.vocab_size, (3,), generator=g)]
+    ctx = d.new_context(3, 32)
+    for i, f in enumerate(feats):
+        d.extend(ctx, f[None], torch.tensor([0]), torch.tensor([len(f)]), slot=i)
+    got = d.draft(ctx, torch.tensor(roots), torch.tensor(lens)).double()
+    for i, f in enumerate(feats):
+        s = d.session(32)
+        s.start([0] * lens[i], f)
+        want = s.propose([0] * lens[i] + [roots[i]]).double()
+        assert ((got[i] - want).norm() / want.norm()) < 1e-4
+    if kv == 2 and heads > 2:  # the check can fail: each query group reading the other KV head
+        for i in range(len(d.layers)):
+            ctx.k[i][:] = ctx.k[i][:, [1, 0]].clone()
+            ctx.v[i][:] = ctx.v[i][:, [1, 0]].clone()
+        bad = d.draft(ctx, torch.tensor(roots), torch.tensor(lens)).double()
+        assert ((bad[2] - want).norm() / want.norm()) > 1e-3
