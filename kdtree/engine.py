@@ -228,6 +228,7 @@ class Request:
     session: object = None            # a host drafter's session
     t0: float = 0.0
     est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
+    synthetic: int = 0                # random context rows inserted before the root after prefill
 
 
 def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
@@ -509,14 +510,21 @@ class Engine:
 
     # ------------------------------------------------------------- public API
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                    stop_tokens=()) -> int:
-        """Queue a request; returns its id. Every argument is checked here (nothing changes on a ValueError)."""
+                    stop_tokens=(), synthetic_context: int = 0) -> int:
+        """Queue a request; returns its id. Every argument is checked here (nothing changes on a ValueError).
+        synthetic_context: for benchmarks at long contexts, that many random rows (latent cache rows N(0, 0.5),
+        the drafter's context keys/values N(0, 1)) are inserted before the root once the prompt is prefilled,
+        instead of prefilling them: the request's tokens then mean nothing."""
         prompt = check_prompt(prompt, self.model.args.vocab_size)
         max_new = check_max_new(max_new_tokens)
         temperature = check_temperature(temperature)
         seed = check_seed(seed)
         stop = check_stop(stop_tokens)
-        need = len(prompt) + max_new + self.lookahead
+        synthetic = checks.int_in("synthetic_context", synthetic_context, 0)
+        if synthetic and self.mode != "ar" and not self.batched_drafter:
+            raise ValueError("synthetic_context: a host drafter keeps its own context; use mode 'ar' or the "
+                             "batched DFlash drafter")
+        need = len(prompt) + synthetic + max_new + self.lookahead
         mpe = self.model.args.max_position_embeddings
         if need > mpe:
             raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
@@ -532,7 +540,7 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self.waiting.append(Request(rid, prompt, max_new, temperature, seed, stop, GenerationResult([], self.mode),
-                                    reserve))
+                                    reserve, synthetic=synthetic))
         return rid
 
     def step(self) -> dict[int, list[int]]:
@@ -633,10 +641,31 @@ class Engine:
         self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = first, P, r.temperature, r.seed, 1
         r.length = P
         r.committed.append(first)
+        if r.synthetic:
+            self._synthesize(r)
         r.result.stage_times["prefill"] += time.perf_counter() - t0
         emitted[r.rid] = [first]
         if finish(r.result.tokens, [first], r.max_new, r.stop):
             self._release(r)
+
+    @torch.no_grad()
+    def _synthesize(self, r: Request) -> None:
+        """r.synthetic random rows at positions [length, length + C) before the root (add_request)."""
+        C, s, L0 = r.synthetic, r.slot, r.length
+        self._grow(r, L0 + C)
+        g = torch.Generator(device=self.device).manual_seed(r.seed * 7919 + r.rid)
+        rows = torch.arange(L0, L0 + C, device=self.device)
+        slots = self.page_table[s].long()[rows // self.page_size] * self.page_size + rows % self.page_size
+        a = self.model.args
+        self.pool[:, slots] = (0.5 * torch.randn(a.num_hidden_layers, C, self.pool.shape[-1], generator=g,
+                                                 device=self.device)).to(self.pool.dtype)
+        if self.ctx is not None:
+            for t in self.ctx.k + self.ctx.v:
+                t[s, :, L0:L0 + C] = torch.randn(t.shape[1], C, t.shape[3], generator=g,
+                                                 device=self.device).to(t.dtype)
+        self.lens[s] += C
+        r.length += C
+        r.committed[-1:-1] = [0] * C
 
     def _release(self, r: Request) -> None:
         """r leaves: its pages go back, the last active request takes its slot."""

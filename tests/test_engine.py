@@ -341,3 +341,24 @@ def test_moe_path_defaults_and_refusals(tiny):
         _moe_path(model, "loop", True)
     with pytest.raises(ValueError, match=r"moe=3: expected one of"):
         _moe_path(model, 3, False)
+
+
+def test_synthetic_context_rows_sit_before_the_root(pair):
+    """A request with synthetic_context=C: after its prefill the cache holds C random rows before the root
+    (lengths, pages and the device state agree), decoding goes on from position P + C, every page comes
+    back; the same prompt without them emits different tokens (the rows are attended to)."""
+    t, d = pair
+    p = random_prompts(t.args, 1, seed=12, min_len=20, max_len=21)[0]
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=512, debug=True)
+    rid = e.add_request(p, 12, synthetic_context=200)
+    e.step()
+    r = e.active[0]
+    assert r.length >= len(p) + 200 and int(e.lens[0]) == r.length and len(r.committed) == r.length + 1
+    out = e.run()[rid]
+    assert len(out.tokens) == 12 and e.free_pages == e.pages.capacity
+    plain = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=512).generate([p], 12)[0]
+    assert plain.tokens != out.tokens
+    with pytest.raises(ValueError, match="synthetic_context"):
+        e.add_request(p, 12, synthetic_context=-1)
+    with pytest.raises(ValueError, match="context overflow"):
+        e.add_request(p, 12, synthetic_context=500)
