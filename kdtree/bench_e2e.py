@@ -29,16 +29,18 @@ from .engine import Engine
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
 
-def _cell(make, prompts, max_new: int, repeats: int) -> dict:
-    """One engine: built (timed: compile + capture + cost table), one warm-up run, `repeats` timed runs."""
+def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None) -> dict:
+    """One engine: built (timed: compile + capture + cost table), one warm-up run, `repeats` timed runs.
+    add: more add_request keywords."""
+    add = add or {}
     t0 = time.perf_counter()
     e = make()
     build_s = time.perf_counter() - t0
-    run_engine(e, prompts, max_new)
+    run_engine(e, prompts, max_new, **add)
     runs = []
     for _ in range(repeats):
         h0 = len(e.auto.history) if e.auto is not None else 0
-        r = run_engine(e, prompts, max_new)
+        r = run_engine(e, prompts, max_new, **add)
         if e.auto is not None:
             r["plans"] = [h[2] for h in e.auto.history[h0:]]
         runs.append(r)

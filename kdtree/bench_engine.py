@@ -39,11 +39,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0) -> dict:
+def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, **add) -> dict:
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole run
-    and of each round (median), GPU span per round (median), tokens, tau, outputs."""
+    and of each round (median), GPU span per round (median), tokens, tau, outputs. add: more add_request
+    keywords (e.g. synthetic_context)."""
     rounds, spans = [], []
-    ids = [engine.add_request(p, max_new, temperature, seed=i) for i, p in enumerate(prompts)]
+    ids = [engine.add_request(p, max_new, temperature, seed=i, **add) for i, p in enumerate(prompts)]
     _sync()
     t0 = time.perf_counter()
     while engine.waiting or engine.active:

@@ -57,9 +57,10 @@ def _fill(module: nn.Module, g: torch.Generator) -> None:
 
 
 def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k2.6", args: ModelArgs | None = None,
-                 chunk: int = 32) -> Transformer:
+                 chunk: int = 32, kernel_only: bool = True) -> Transformer:
     """The K2.6-shape target (module docstring): bf16 with the kernel attention on a GPU. args: other
-    dimensions (tests; their layer count becomes 1 + n_moe), else target_args(n_moe, config)."""
+    dimensions (tests; their layer count becomes 1 + n_moe), else target_args(n_moe, config). kernel_only
+    False: the experts stay in the release format (the CPU's reference path reads it)."""
     args = target_args(n_moe, config) if args is None else dataclasses.replace(
         args, num_hidden_layers=1 + checks.int_in("n_moe", n_moe, 1, FULL_LAYERS - 1), first_k_dense_replace=1)
     dev = torch.device(device)
@@ -74,8 +75,9 @@ def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k
     _fill(m, g)
     E, D, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
     for i in moe:
-        m.model.layers[i].mlp.experts = Int4Experts.random_kernel_only(E, D, I, device=dev, seed=seed * 1000 + i,
-                                                                       chunk=chunk)
+        make = Int4Experts.random_kernel_only if kernel_only else Int4Experts.random
+        kw = dict(chunk=chunk) if kernel_only else {}
+        m.model.layers[i].mlp.experts = make(E, D, I, device=dev, seed=seed * 1000 + i, **kw)
     return m.to(torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
 
 
@@ -85,8 +87,8 @@ def drafter_layer_ids(n_layers: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def drafter_args(target: Transformer, **overrides) -> DrafterArgs:
-    a = target.args
+def drafter_args(a: ModelArgs, **overrides) -> DrafterArgs:
+    """Kimi-K2.5-DFlash's shape for a target of ModelArgs `a` (overrides: other fields)."""
     base = dict(K25_DFLASH, mask_token_id=a.vocab_size - 2, target_layer_ids=drafter_layer_ids(a.num_hidden_layers),
                 target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps,
                 max_position_embeddings=a.max_position_embeddings)
@@ -97,7 +99,7 @@ def drafter_args(target: Transformer, **overrides) -> DrafterArgs:
 def build_drafter(target: Transformer, seed: int = 1, args: DrafterArgs | None = None) -> DFlashDrafter:
     """A random drafter of Kimi-K2.5-DFlash's shape (or `args`) attached to `target`, on its device and dtype,
     initialised there (meta first)."""
-    args = drafter_args(target) if args is None else args
+    args = drafter_args(target.args) if args is None else args
     with torch.device("meta"):
         d = DFlashDrafter(args)
     d = d.to_empty(device=target.device)

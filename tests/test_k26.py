@@ -76,7 +76,7 @@ def test_drafter_layers_map_onto_the_layers_present():
 
 def test_build_drafter_at_small_dimensions_drafts():
     m = k26.build_target(2, device="cpu", seed=1, args=SMALL)
-    d = k26.build_drafter(m, seed=3, args=k26.drafter_args(m, num_hidden_layers=2, hidden_size=SMALL.hidden_size,
+    d = k26.build_drafter(m, seed=3, args=k26.drafter_args(m.args, num_hidden_layers=2, hidden_size=SMALL.hidden_size,
                                                            num_attention_heads=4, num_key_value_heads=2,
                                                            head_dim=48, intermediate_size=128))
     assert d.args.target_layer_ids == k26.drafter_layer_ids(3) and d.args.block_size == 8
@@ -86,3 +86,22 @@ def test_build_drafter_at_small_dimensions_drafts():
     d.extend(ctx, feats, torch.tensor([0]), torch.tensor([5]))
     out = d.draft(ctx, torch.tensor([7]), torch.tensor([5]))
     assert out.shape == (1, 7, SMALL.vocab_size) and torch.isfinite(out).all()
+
+
+def test_bench_k26_smoke_on_a_cpu():
+    """The K2.6 sweep's code path at small dimensions: every mode of a cell ran, rows labelled simulated,
+    targets formed per profile; the simulated tau rises with the budget."""
+    from kdtree import bench_k26
+    small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=48, intermediate_size=128)
+    rec = bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4, 16), repeats=1, progress=False,
+                        device="cpu", args=SMALL, dargs=small, layers=2)
+    assert rec["label"].startswith("K2.6 shape, random weights, SIMULATED") and rec["layers"] == {"96:2": 2}
+    cells = rec["cells"]
+    assert [c["mode"] for c in cells] == ["ar", "dflash", "ddtree", "ddtree", "ddtree"]
+    assert not any(c.get("error") for c in cells), [c.get("error") for c in cells]
+    assert all(c["profile"].startswith("simulated") for c in cells[1:])
+    taus = {c["budget"]: c["tau"] for c in cells if c["mode"] == "ddtree"}
+    assert taus[16] > taus[4] > 1.5
+    names = [t["name"] for t in rec["targets"]]
+    assert any("auto / best fixed budget" in n for n in names) and any("better of AR" in n for n in names)

@@ -1,0 +1,214 @@
+"""K2.6 shape end to end on one GPU through the engine, with SIMULATED acceptance (labelled so in every row):
+`python -m kdtree.bench_k26 --out DIR [--cells 4096:1 4096:8 ...] [--profiles 5:8 ...]` merges its cells into
+DIR/e2e_k26.json (so a long sweep runs as several commands).
+
+The target: `k26.build_target` (real dimensions, distinct random layers, INT4 experts in one copy) with as
+many MoE layers as fit the largest cell asked for, and in each (context, batch) cell the same layer count for
+every mode (`fit_layers`; a cell that needs fewer runs on the first layers of the same model). The drafter:
+Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance: `kdtree.simulate` profiles
+(chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16); every kernel of the round runs at
+its real shape on real data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and
+budget="auto" ("previous"), each `repeats` times after a warm-up run: median per-round latency and GPU span,
+per-user and aggregate tok/s (whole requests after their prefill of a short prompt; the long context is
+synthetic, `Engine.add_request(synthetic_context=)`), tau. A top-level `targets` list.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import k26
+from .bench_e2e import _cell
+from .bench_engine import _target
+from .engine import Engine
+from .simulate import Profile
+
+PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
+BUDGETS = (4, 8, 16, 32, 64, 128)
+CELLS = ((4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32))
+PROMPT, MAX_NEW = 16, 64
+MIN_LAYERS = 12   # asked for at batch 1 and 8, context 4K
+
+
+def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> int:
+    """Memory of one engine beyond the weights: the page pool, the drafter's context, the verify logits of
+    its graphs (float32, every plan), and a margin for activations."""
+    max_len = context + PROMPT + MAX_NEW + rows + 64
+    pool = (1 + n_moe) * batch * max_len * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    ctx = 2 * dargs.num_hidden_layers * batch * dargs.num_key_value_heads * (max_len + 16) * dargs.head_dim * 2
+    logits = 2 * batch * (rows + 16) * args.vocab_size * 4 * 2
+    return pool + ctx + logits + (8 << 30)
+
+
+def fit_layers(free: int, batch: int, context: int, rows: int, n_max: int) -> int:
+    """The most MoE layers (<= n_max) whose weights and one engine of the cell fit in `free` bytes."""
+    a = k26.target_args(1)
+    E, D, I = a.n_routed_experts, a.hidden_size, a.moe_intermediate_size
+    expert = E * 3 * D * I // 2 + E * 3 * D * I // 32 * 2                       # INT4 words + bf16 scales
+    attn = 2 * (D * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim) + a.q_lora_rank * a.num_attention_heads
+                * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.kv_lora_rank * a.num_attention_heads
+                * (a.qk_nope_head_dim + a.v_head_dim) + a.num_attention_heads * a.v_head_dim * D)
+    layer = expert + attn + 2 * 3 * D * I                                          # + the shared expert
+    base = 2 * 2 * a.vocab_size * D + 2 * 3 * D * a.intermediate_size + attn       # embed, head, layer 0
+    dargs = k26.drafter_args(a)
+    drafter = 2 * dargs.num_hidden_layers * (D * (64 + 16) * 128 + 64 * 128 * D + 3 * D * 18432) + 2 * 6 * D * D
+    for n in range(n_max, 0, -1):
+        if base + drafter + n * layer + cell_bytes(a, dargs, batch, context, rows, n) <= free:
+            return n
+    return 0
+
+
+def _first_layers(target, drafter, n_moe: int):
+    """The model on its first 1 + n_moe layers (the same modules) and a drafter reading layers mapped onto
+    them (the same weights)."""
+    def shallow(m):  # a new module object whose submodule table is its own (the submodules are shared)
+        c = copy.copy(m)
+        c._modules = dict(m._modules)
+        return c
+    t = shallow(target)
+    t.model = shallow(target.model)
+    t.model.layers = target.model.layers[:1 + n_moe]
+    t.args = dataclasses.replace(target.args, num_hidden_layers=1 + n_moe)
+    d = shallow(drafter)
+    d.args = dataclasses.replace(drafter.args, target_layer_ids=k26.drafter_layer_ids(1 + n_moe))
+    return t, d.attach(t)
+
+
+def _with_block(drafter, block: int):
+    d = copy.copy(drafter)   # the same weights drafting `block` positions (block_size is the args')
+    d.args = dataclasses.replace(drafter.args, block_size=block)
+    return d
+
+
+def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
+        progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None) -> dict:
+    """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
+    device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU)."""
+    rows = max(budgets) + 1
+    gpu = torch.device(device).type == "cuda"
+    free = torch.cuda.mem_get_info()[0] if gpu else None
+    n_model = layers or max(fit_layers(free, b, c, rows, n_max) for c, b in cells)
+    if n_model == 0:
+        raise ValueError(f"bench_k26: no cell of {list(cells)} fits in {free / 2**30:.0f} GiB")
+    t0 = time.perf_counter()
+    target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu)
+    drafter = k26.build_drafter(target, args=None if dargs is None else k26.drafter_args(target.args, **dargs))
+    rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles)",
+           "built_layers": n_model, "build_s": time.perf_counter() - t0, "weight_bytes": k26.weight_bytes(target),
+           "cells": [], "targets": [], "layers": {}}
+    free_after = torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter) if gpu else 0
+    for context, batch in cells:
+        n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
+        rec["layers"][f"{context}:{batch}"] = n
+        if n == 0:
+            continue
+        t, d = _first_layers(target, drafter, n)
+        prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
+        rows_cell = []
+        common = dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
+                      max_len=context + PROMPT + MAX_NEW + rows + 64)
+        specs = [("ar", None, None)]
+        for tau, block in profiles:
+            prof = Profile(tau, depth=block - 1, K=max(budgets) * 2)
+            specs += [("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets] + [("ddtree", "auto", prof)]
+        for mode, budget, prof in specs:
+            kw = dict(common, mode=mode)
+            if budget is not None:
+                kw["budget"] = budget
+            if budget == "auto":
+                kw.update(budgets=tuple(budgets))
+            if prof is not None:
+                kw["simulate"] = prof
+            dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
+            start = time.perf_counter()
+            try:
+                c = _cell(lambda: Engine(t, dd, **kw), prompts, MAX_NEW, repeats,
+                          add=dict(synthetic_context=context - PROMPT))
+            except Exception as e:  # recorded; the sweep goes on
+                c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
+            c.pop("outputs", None)
+            c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget,
+                     profile=None if prof is None else prof.name, tau_chain=None if prof is None else prof.tau_chain,
+                     block=None if prof is None else prof.depth + 1)
+            rows_cell.append(c)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if progress:
+                what = c.get("error") or f"{c['tok_per_s']:8.1f} tok/s  tau {c['tau'] or 0:.2f}"
+                print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
+                      f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+        rec["cells"] += rows_cell
+        rec["targets"] += _targets(rows_cell, context, batch, n)
+    return rec
+
+
+def _targets(cells, context: int, batch: int, n: int) -> list:
+    out = []
+    ok = [c for c in cells if not c.get("error")]
+    ar = next((c for c in ok if c["mode"] == "ar"), None)
+    for tau in sorted({c["tau_chain"] for c in ok if c["tau_chain"] is not None}):
+        mine = [c for c in ok if c["tau_chain"] == tau]
+        fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
+        auto = next((c for c in mine if c["budget"] == "auto"), None)
+        dfl = next((c for c in mine if c["mode"] == "dflash"), None)
+        where = f"K2.6 sim tau_c {tau:g}, {n} MoE layers, batch {batch}, context {context}"
+        if auto and fixed:
+            best = max(fixed, key=lambda c: c["tok_per_s"])
+            out.append(_target(f"{where}: auto / best fixed budget (B={best['budget']})",
+                               auto["tok_per_s"] / best["tok_per_s"], 0.95))
+        if auto and ar and dfl:
+            out.append(_target(f"{where}: auto / the better of AR and DFlash",
+                               auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), 0.97))
+        if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
+            out.append(_target(f"{where}: DDTree (auto) / AR", auto["tok_per_s"] / ar["tok_per_s"], 1.6))
+    if len(ok) < len(cells):
+        out.append(_target(f"K2.6 batch {batch}, context {context}: every engine ran", len(ok) / len(cells), 1.0))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
+    ap.add_argument("--out", default="outputs")
+    ap.add_argument("--cells", nargs="+", default=[f"{c}:{b}" for c, b in CELLS], help="CONTEXT:BATCH")
+    ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
+    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_k26: needs a CUDA GPU")
+
+    def pair(s, kinds, what):
+        try:
+            x, y = s.split(":")
+            return kinds[0](x), kinds[1](y)
+        except ValueError:
+            raise SystemExit(f"bench_k26: {what} {s!r}: expected two numbers joined by ':'") from None
+    cells = [pair(s, (int, int), "--cells") for s in a.cells]
+    profiles = [pair(s, (float, int), "--profiles") for s in a.profiles]
+    rec = run(cells, profiles, tuple(a.budgets), a.repeats)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "e2e_k26.json"
+    old = json.loads(path.read_text()) if path.is_file() else {"cells": [], "targets": [], "layers": {}}
+    keep = {f"{c}:{b}" for c, b in cells}
+    rec["cells"] = [c for c in old["cells"] if f"{c['context']}:{c['batch']}" not in keep] + rec["cells"]
+    rec["targets"] = [t for t in old["targets"] if not any(f"context {c}" in t["name"] and f"batch {b}," in
+                                                           t["name"] for c, b in cells)] + rec["targets"]
+    rec["layers"] = {**old.get("layers", {}), **rec["layers"]}
+    rec["device"] = torch.cuda.get_device_name()
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    for t in rec["targets"]:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
