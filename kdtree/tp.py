@@ -142,6 +142,7 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
             _shard_mlp(mlp.shared_experts, rank, world, f"layer {i} shared expert intermediate")
         mlp.register_forward_hook(reduce)
     model.tp = (rank, world)
+    model.tp_group = group   # the engine's budget="auto" broadcasts its decisions over it
     return model
 
 
@@ -156,7 +157,7 @@ def _free_port() -> int:
 
 
 def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_tokens: int, budget: int,
-              int4: bool) -> None:
+              int4: bool, auto: bool = False) -> None:
     import json
 
     from .decode import generate_ar, generate_ddtree
@@ -199,12 +200,20 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
                      max_len=128)
         batch_ok = [r.tokens for r in eng.generate(prompts, new_tokens)] == [oracle_ar(model, q, new_tokens).tokens
                                                                              for q in prompts]
+        auto_ok, plans = None, None
+        if auto:  # budget="auto": each rank measures its own costs; rank 0's decisions are every rank's
+            ea = Engine(model, build_drafter(model, seed=2, block_size=6), mode="ddtree", budget="auto",
+                        budgets=(4, budget), max_batch=3, max_len=128)
+            auto_ok = [r.tokens for r in ea.generate(prompts, new_tokens)] == [
+                oracle_ar(model, q, new_tokens).tokens for q in prompts]
+            plans = [h[2] for h in ea.auto.history]
         n_params = sum(p.numel() for p in model.parameters())
         res = {"rank": rank, "world": world, "backend": backend, "logits_rel_err": rel,
                "ddtree_equals_ar": dd.tokens == ar.tokens and dfl.tokens == ar.tokens,
                "engine_batch_equals_oracle": batch_ok, "ar_equals_unsharded": ar.tokens == ar_ref.tokens,
                "tau_oracle": dd.mean_accept_length, "params_on_rank": n_params,
-               "params_unsharded": sum(p.numel() for p in ref.parameters()), "int4": int4}
+               "params_unsharded": sum(p.numel() for p in ref.parameters()), "int4": int4,
+               "auto_equals_oracle": auto_ok, "auto_plans": plans}
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         if rank == 0:
@@ -215,7 +224,7 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
 
 
 def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: int = 16,
-           int4: bool = False) -> list[dict]:
+           int4: bool = False, auto: bool = False) -> list[dict]:
     """Spawn `world` local ranks; each shards a tiny-b-shaped model (8 heads, 16 experts) and reports: the
     relative error of its logits against the unsharded model, whether its DDTree outputs (test-oracle drafter,
     random DFlash drafter) equal its AR output, whether a batch of 4 requests through one engine equals the
@@ -235,7 +244,7 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
         raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are visible")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ranks.json")
-        mp.spawn(_dry_rank, args=(world, backend, _free_port(), out, new_tokens, budget, int4), nprocs=world,
-                 join=True)
+        mp.spawn(_dry_rank, args=(world, backend, _free_port(), out, new_tokens, budget, int4, auto),
+                 nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)

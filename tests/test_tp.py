@@ -36,11 +36,13 @@ def test_dryrun_eight_ranks_matches_the_unsharded_model():
 
 
 def test_engine_runs_unchanged_on_two_gloo_ranks():
-    """Each rank of world 2 serves a batch of requests through the engine; outputs equal its oracle loop's."""
-    ranks = tp.dryrun(world=2, backend="gloo", new_tokens=8, budget=8)
+    """Each rank of world 2 serves a batch of requests through the engine; outputs equal its oracle loop's;
+    with budget="auto" every rank verifies the plan rank 0 chose, round by round."""
+    ranks = tp.dryrun(world=2, backend="gloo", new_tokens=8, budget=8, auto=True)
     for r in ranks:
         assert r["engine_batch_equals_oracle"] and r["ddtree_equals_ar"] and r["ar_equals_unsharded"], r
         assert r["logits_rel_err"] < 1e-5, r
+        assert r["auto_equals_oracle"] and r["auto_plans"] == ranks[0]["auto_plans"] and r["auto_plans"], r
 
 
 def test_shard_rejects_bad_input():
