@@ -13,7 +13,6 @@ so ratios against it sit beside the same-setting ones. A top-level `targets` lis
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import weights
-from .bench_engine import _target, heldout_prompts, run_engine
+from .bench_engine import _target, heldout_prompts, run_engine, write_record
 from .engine import Engine
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -162,11 +161,7 @@ def main(argv=None) -> None:
     rec["trained"] = trained_pair(a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new,
                                   repeats=a.repeats, compile=a.compile)
     rec["targets"] = rec["trained"].pop("targets")
-    path = out / "e2e.json"
-    path.write_text(json.dumps(rec, indent=1) + "\n")
-    for t in rec["targets"]:
-        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
-    print(path)
+    write_record(out / "e2e.json", rec)
 
 
 if __name__ == "__main__":

@@ -310,6 +310,14 @@ def _target(name, measured, goal, higher=True, **kw):
     return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
 
 
+def write_record(path: Path, rec: dict) -> None:
+    """The record as JSON at `path`, then its targets and the path printed, a line each."""
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    for t in rec.get("targets", []):
+        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
+    print(path)
+
+
 def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
         compile: bool = True, batched_compile: bool | None = None, mid: bool = True) -> dict:

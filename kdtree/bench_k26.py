@@ -26,7 +26,7 @@ import torch
 
 from . import k26
 from .bench_e2e import _cell
-from .bench_engine import _target
+from .bench_engine import _target, write_record
 from .engine import Engine
 from .simulate import Profile
 
@@ -204,10 +204,7 @@ def main(argv=None) -> None:
                                                            t["name"] for c, b in cells)] + rec["targets"]
     rec["layers"] = {**old.get("layers", {}), **rec["layers"]}
     rec["device"] = torch.cuda.get_device_name()
-    path.write_text(json.dumps(rec, indent=1) + "\n")
-    for t in rec["targets"]:
-        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
-    print(path)
+    write_record(path, rec)
 
 
 if __name__ == "__main__":
