@@ -247,3 +247,31 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
             at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             assert _top2_margin(t, prompts[j] + want, len(prompts[j]) + at - 1) < NEAR_TIE, (rid, at)
     assert parted <= len(ids) // 100
+
+
+def test_simulated_rounds_on_a_kernel_only_int4_model():
+    """The K2.6 sweep's path at the mid config's dimensions: INT4 experts in one kernel-format copy (moe_int4),
+    the kernel attention over 1,500 synthetic context rows, a K2.5-DFlash-shaped drafter (fewer layers),
+    simulated acceptance, budget="auto" graphed: every request finishes, accept lengths near the profile's
+    (fixed B = 16), every plan's graph captured, pages all back."""
+    from kdtree import k26, project
+    from kdtree.simulate import Profile
+    t = k26.build_target(2, device="cuda", config="mid")
+    assert all(layer.mlp.experts.released for layer in t.model.layers[1:])
+    d = k26.build_drafter(t, args=k26.drafter_args(t.args, num_hidden_layers=2, hidden_size=2048,
+                                                   num_attention_heads=16, num_key_value_heads=4,
+                                                   intermediate_size=4096))
+    prof = Profile(4.0, depth=7, K=64)
+    prompts = [[11 + i, 12, 13, 14] for i in range(8)]
+    e = Engine(t, d, mode="ddtree", budget=16, max_batch=8, max_len=2048, simulate=prof)
+    ids = [e.add_request(p, 96, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]
+    out = e.run()
+    acc = [a for i in ids for a in out[i].accept_lengths]
+    want = project.profile_taus(4.0, [16], 7)[16]
+    assert all(len(out[i].tokens) == 96 for i in ids) and abs(sum(acc) / len(acc) - want) < 0.35, (acc, want)
+    a = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 16, 64), max_batch=8, max_len=2048,
+               simulate=prof)
+    assert a.graph_reason is None and all((8, True, i) in a.graphs for i in range(len(a.plans)))
+    ids = [a.add_request(p, 64, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]
+    out = a.run()
+    assert all(len(out[i].tokens) == 64 for i in ids) and a.free_pages == a.pages.capacity
