@@ -6,7 +6,8 @@ The target: `k26.build_target` (real dimensions, distinct random layers, INT4 ex
 many MoE layers as fit the largest cell asked for, and in each (context, batch) cell the same layer count for
 every mode (`fit_layers`; a cell that needs fewer runs on the first layers of the same model). The drafter:
 Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance: `kdtree.simulate` profiles
-(chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16); every kernel of the round runs at
+(chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16; `--trained FILE`: the trained pair's
+realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at
 its real shape on real data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and
 budget="auto" ("previous"), each `repeats` times after a warm-up run: median per-round latency and GPU span,
 per-user and aggregate tok/s (whole requests after their prefill of a short prompt; the long context is
@@ -115,8 +116,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         common = dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
                       max_len=context + PROMPT + MAX_NEW + rows + 64)
         specs = [("ar", None, None)]
-        for tau, block in profiles:
-            prof = Profile(tau, depth=block - 1, K=max(budgets) * 2)
+        for spec in profiles:
+            prof = spec if isinstance(spec, Profile) else Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2)
             specs += [("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets] + [("ddtree", "auto", prof)]
         for mode, budget, prof in specs:
             kw = dict(common, mode=mode)
@@ -181,6 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trained", default=None, help="an e2e.json whose calibration_check (the trained pair's "
+                    "realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
@@ -193,6 +196,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"bench_k26: {what} {s!r}: expected two numbers joined by ':'") from None
     cells = [pair(s, (int, int), "--cells") for s in a.cells]
     profiles = [pair(s, (float, int), "--profiles") for s in a.profiles]
+    if a.trained:
+        cc = json.loads(Path(a.trained).read_text())["trained"]["calibration_check"]
+        profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
     rec = run(cells, profiles, tuple(a.budgets), a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,24 @@ class Profile:
     def name(self) -> str:
         return f"simulated: chain tau {self.tau_chain:g} (ratio {self.ratio:g}, depth {self.depth})"
 
+    @classmethod
+    def fit(cls, budgets, taus, depth: int, K: int = 256) -> "Profile":
+        """The profile whose trees' expected tokens (`project.profile_taus`) best match measured tokens per
+        round `taus` at `budgets` (least squares over a grid of chain tau and ratio): e.g. a trained pair's
+        realized truncation curve (`calibration.truncations`) as a profile for other shapes."""
+        from .project import profile_taus
+        budgets, taus = [int(b) for b in budgets], np.asarray(taus, np.float64)
+        if len(budgets) != len(taus) or not len(budgets):
+            raise ValueError(f"budgets / taus: expected equal non-empty lists, got {len(budgets)} and {len(taus)}")
+        best = None
+        for tc in np.linspace(1.05, min(depth + 0.95, 12.0), 60):
+            for r in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+                got = profile_taus(float(tc), budgets, depth, r)
+                err = float(sum((got[b] - t) ** 2 for b, t in zip(budgets, taus)))
+                if best is None or err < best[0]:
+                    best = (err, float(tc), r)
+        return cls(round(best[1], 3), depth, best[2], K)
+
     def rank_probs(self) -> np.ndarray:
         """q [K]: the probability of each listed rank (the rest, 1 - sum q, lies beyond the list)."""
         return profile_rank_probs(chain_top1(self.tau_chain, self.depth), self.ratio, self.K)

@@ -102,3 +102,16 @@ def test_simulate_needs_a_batched_drafter_and_a_matching_depth(pair):
         Engine(t, d, mode="dflash", simulate=Profile(3.0, 5, K=64), max_len=128)
     with pytest.raises(ValueError, match="Profile"):
         Engine(t, d, mode="dflash", simulate="tau 3", max_len=128)
+
+
+def test_a_profile_fitted_to_its_own_curve_comes_back():
+    """Profile.fit on a profile's own expected tokens recovers it; on a curve that no profile of a lower
+    ratio fits (a flat one), it picks another ratio (the fit can fail to be the original)."""
+    budgets = (1, 4, 16, 64)
+    want = project.profile_taus(4.0, budgets, 7, 0.5)
+    p = Profile.fit(budgets, [want[b] for b in budgets], depth=7)
+    assert abs(p.tau_chain - 4.0) < 0.15 and p.ratio == 0.5 and p.depth == 7
+    flat = Profile.fit(budgets, [want[1]] * 4, depth=7)
+    assert (flat.tau_chain, flat.ratio) != (p.tau_chain, p.ratio)
+    with pytest.raises(ValueError, match="budgets"):
+        Profile.fit((1, 4), [2.0], depth=7)
