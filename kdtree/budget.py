@@ -2,24 +2,26 @@
 
 A round's candidates (`Plan`): plain AR (the root alone, no draft), the DFlash chain (argmax per depth) and
 the best-first tree truncated to B nodes for each B in the engine's `budgets` (every truncation of a
-best-first tree is the B-node tree, so one build at B_max = max(budgets) serves them all). For a batch
-bucket b and the requests i of the round, the policy picks
+best-first tree is the B-node tree). A plan's round builds the tree one size above its own (`builds`), so
+its estimates also cover the next size. For a batch bucket b and the requests i of the round, the policy
+picks
 
-    argmax over plans p of   sum_i E_i(p) / (cost(b, p, context) + host)
+    argmax over plans p of   sum_i E_i(p) / (front(b, build(p), context) + back(b, p, context) + host)
 
 E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibrated acceptance of the plan's
-nodes, from the draft's prefix probabilities; AR: 1). cost: the round's GPU seconds from `CostTable`,
-measured when the engine starts (replays of each plan's graphs per batch bucket and context bucket) and
-refreshed from every round's CUDA-event times; host: the round's host time outside the GPU span (one EMA).
-Within one round every request verifies the plan's whole block: the bucket's rows cost the same whether a
-request fills them or not, and E_i never decreases with B, so a request's own best truncation within the
-bucket is the bucket itself.
+nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: that tree's). front /
+back: the GPU seconds of drafting + building and of verifying the plan's block, from `CostTable`, measured
+when the engine starts (graph replays per batch bucket and context bucket) and refreshed from every round's
+CUDA-event times; host: the round's host time outside them (one EMA). Within one round every request
+verifies the plan's whole block: the bucket's rows cost the same whether a request fills them or not, and
+E_i never decreases with B, so a request's own best truncation within the bucket is the bucket itself.
 
 Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds
-copied back with their output (no extra host sync); "sync" decides AR or not from the previous rounds, then
-drafts and builds, copies the fresh estimates to the host (one more sync per round) and picks the block from
-them. AR is a candidate only before drafting: when AR wins, the engine serves AR rounds for a hold that
-doubles (1, 2, 4, ... MAX_HOLD) each time AR wins again, then drafts once to refresh the estimates.
+copied back with their output (no extra host sync); "sync" decides from the previous rounds which tree to
+build (or AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and
+picks the block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine
+serves AR rounds for a hold that doubles (1, 2, 4, ... MAX_HOLD) each time AR wins again, then drafts once to
+refresh the estimates.
 """
 from __future__ import annotations
 
