@@ -1,14 +1,15 @@
 """End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench_e2e --out DIR` writes
 DIR/e2e.json.
 
-Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 windows), one run:
+Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 ones), one run:
 per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch bucket), the engine's AR, the
 DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" and "sync"), each `repeats`
 times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
 spread, per-user tok/s, tau, whether the outputs equal the same run's AR outputs token for token, and for auto
 the plan each round chose. `calibration_check`: expected tokens per truncation B (raw and calibrated)
-against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). `compiled_ar`: the AR engine through torch.compile as well (the lab's best AR),
-so ratios against it sit beside the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
+against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR
+compiled": the AR engine through torch.compile as well (the lab's best AR), so ratios against it sit beside
+the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
         from .calibration import measure, truncations
         rounds: list = []
-        measure(target, drafter, heldout_prompts(8, prompt_len, seed=2), 64, budget=max(budgets), rounds=rounds)
+        measure(target, drafter, heldout_prompts(8, prompt_len, seed=2), 64, budget=max(budgets),
+                rounds=rounds)
         rec["calibration_check"] = dict(truncations(rounds, (1, 2, 4, 8, 16, 32, 64, 128, 256),
                                                     {"raw": None, "calibrated": drafter.calibration}),
                                         rounds=len(rounds))
@@ -93,8 +95,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
                 kw.update(budgets=tuple(budgets), decide=decide)
             t0 = time.perf_counter()
             try:
-                cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), prompts, max_new,
-                             repeats)
+                cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), prompts,
+                             max_new, repeats)
             except Exception as e:  # recorded, and the run goes on (e.g. a capture the GPU refused)
                 cell = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None,
                         "outputs": None}
@@ -115,7 +117,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
 
 
 def _name(mode, budget, decide, compiled) -> str:
-    base = {"ar": "AR", "dflash": "DFlash"}.get(mode) or (f"auto ({decide})" if budget == "auto" else f"B={budget}")
+    base = {"ar": "AR", "dflash": "DFlash"}.get(mode) or (
+        f"auto ({decide})" if budget == "auto" else f"B={budget}")
     return base + (" compiled" if compiled and mode == "ar" else "")
 
 
@@ -157,7 +160,8 @@ def main(argv=None) -> None:
         raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()}
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "python": platform.python_version()}
     rec["trained"] = trained_pair(a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new,
                                   repeats=a.repeats, compile=a.compile)
     rec["targets"] = rec["trained"].pop("targets")

@@ -43,7 +43,8 @@ def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> 
     its graphs (float32, every plan), and a margin for activations."""
     max_len = context + PROMPT + MAX_NEW + rows + 64
     pool = (1 + n_moe) * batch * max_len * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
-    ctx = 2 * dargs.num_hidden_layers * batch * dargs.num_key_value_heads * (max_len + 16) * dargs.head_dim * 2
+    ctx = (2 * dargs.num_hidden_layers * batch * dargs.num_key_value_heads * (max_len + 16) * dargs.head_dim
+           * 2)
     logits = 2 * batch * (rows + 16) * args.vocab_size * 4 * 2
     return pool + ctx + logits + (8 << 30)
 
@@ -53,13 +54,17 @@ def fit_layers(free: int, batch: int, context: int, rows: int, n_max: int) -> in
     a = k26.target_args(1)
     E, D, I = a.n_routed_experts, a.hidden_size, a.moe_intermediate_size
     expert = E * 3 * D * I // 2 + E * 3 * D * I // 32 * 2                       # INT4 words + bf16 scales
-    attn = 2 * (D * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim) + a.q_lora_rank * a.num_attention_heads
-                * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.kv_lora_rank * a.num_attention_heads
-                * (a.qk_nope_head_dim + a.v_head_dim) + a.num_attention_heads * a.v_head_dim * D)
+    H = a.num_attention_heads
+    attn = 2 * (D * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim)
+                + a.q_lora_rank * H * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+                + a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + H * a.v_head_dim * D)
     layer = expert + attn + 2 * 3 * D * I                                          # + the shared expert
     base = 2 * 2 * a.vocab_size * D + 2 * 3 * D * a.intermediate_size + attn       # embed, head, layer 0
     dargs = k26.drafter_args(a)
-    drafter = 2 * dargs.num_hidden_layers * (D * (64 + 16) * 128 + 64 * 128 * D + 3 * D * 18432) + 2 * 6 * D * D
+    qkv = D * (dargs.num_attention_heads + 2 * dargs.num_key_value_heads) * dargs.head_dim
+    o = dargs.num_attention_heads * dargs.head_dim * D
+    drafter = 2 * (dargs.num_hidden_layers * (qkv + o + 3 * D * dargs.intermediate_size)
+                   + len(dargs.target_layer_ids) * D * D)                          # + fc
     for n in range(n_max, 0, -1):
         if base + drafter + n * layer + cell_bytes(a, dargs, batch, context, rows, n) <= free:
             return n
@@ -100,11 +105,14 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         raise ValueError(f"bench_k26: no cell of {list(cells)} fits in {free / 2**30:.0f} GiB")
     t0 = time.perf_counter()
     target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu)
-    drafter = k26.build_drafter(target, args=None if dargs is None else k26.drafter_args(target.args, **dargs))
+    drafter = k26.build_drafter(target, args=None if dargs is None else
+                                k26.drafter_args(target.args, **dargs))
     rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles)",
-           "built_layers": n_model, "build_s": time.perf_counter() - t0, "weight_bytes": k26.weight_bytes(target),
+           "built_layers": n_model, "build_s": time.perf_counter() - t0,
+           "weight_bytes": k26.weight_bytes(target),
            "cells": [], "targets": [], "layers": {}}
-    free_after = torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter) if gpu else 0
+    free_after = (torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter)
+                  if gpu else 0)
     for context, batch in cells:
         n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
         rec["layers"][f"{context}:{batch}"] = n
@@ -117,8 +125,10 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                       max_len=context + PROMPT + MAX_NEW + rows + 64)
         specs = [("ar", None, None)]
         for spec in profiles:
-            prof = spec if isinstance(spec, Profile) else Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2)
-            specs += [("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets] + [("ddtree", "auto", prof)]
+            prof = (spec if isinstance(spec, Profile) else
+                    Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2))
+            specs += [("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets]
+            specs.append(("ddtree", "auto", prof))
         for mode, budget, prof in specs:
             kw = dict(common, mode=mode)
             if budget is not None:
@@ -136,7 +146,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
             c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget,
-                     profile=None if prof is None else prof.name, tau_chain=None if prof is None else prof.tau_chain,
+                     profile=None if prof is None else prof.name,
+                     tau_chain=None if prof is None else prof.tau_chain,
                      block=None if prof is None else prof.depth + 1)
             rows_cell.append(c)
             gc.collect()
@@ -171,7 +182,8 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
         if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
             out.append(_target(f"{where}: DDTree (auto) / AR", auto["tok_per_s"] / ar["tok_per_s"], 1.6))
     if len(ok) < len(cells):
-        out.append(_target(f"K2.6 batch {batch}, context {context}: every engine ran", len(ok) / len(cells), 1.0))
+        out.append(_target(f"K2.6 batch {batch}, context {context}: every engine ran", len(ok) / len(cells),
+                           1.0))
     return out
 
 

@@ -124,7 +124,8 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     if key not in acc.columns:  # made once, outside any capture (the first call is a warm-up round)
         acc.columns[key] = torch.tensor([min(m, n) - 1 for m in key[0]], device=q.device)
     idx = acc.columns[key]
-    return (1.0 + torch.cat([torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), cum[:, idx]], 1)).float()
+    cols = [torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), cum[:, idx]]   # AR, chain, trees
+    return (1.0 + torch.cat(cols, 1)).float()
 
 
 # ----------------------------------------------------------------------------- the cost table
@@ -132,7 +133,8 @@ class CostTable:
     """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
     + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
     per batch bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds
-    outside its GPU span. A cell never measured borrows the nearest measured context bucket of the same key."""
+    outside its GPU span. A cell never measured borrows the nearest measured context bucket of the same
+    key."""
 
     def __init__(self, ctx_buckets=(0,)):
         self.ctx_buckets = tuple(ctx_buckets)
@@ -178,7 +180,8 @@ class CostTable:
 
 # ----------------------------------------------------------------------------- the policy
 class Policy:
-    """Chooses each round's plan (module docstring). `history` keeps (round, batch, plan name) of every round."""
+    """Chooses each round's plan (module docstring). `history` keeps (round, batch, plan name) of every
+    round."""
 
     def __init__(self, plan_list, costs: CostTable, decide: str = "previous"):
         self.plans, self.costs, self.decide = tuple(plan_list), costs, decide

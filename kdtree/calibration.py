@@ -206,8 +206,9 @@ def truncations(rounds, budgets, calibrations: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    """python -m kdtree.calibration [--ckpt data/trained] [--prompts 16] [--max-new 64] [--budget 256]: measure
-    the pair's drafter on held-out prompts (notebook 02's split) and store the table beside the drafter."""
+    """python -m kdtree.calibration [--ckpt data/trained] [--prompts 16] [--max-new 64] [--budget 256]:
+    measure the pair's drafter on held-out prompts (notebook 02's split) and store the table beside the
+    drafter."""
     import argparse
 
     from . import weights
@@ -217,7 +218,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=256, help="the tree size measured (budget=\"auto\"'s B_max)")
+    ap.add_argument("--budget", type=int, default=256,
+                    help="the tree size measured (budget=\"auto\"'s B_max)")
     a = ap.parse_args(argv)
     ckpt = Path(a.ckpt)
     t = weights.load(ckpt / "target").eval()

@@ -163,9 +163,9 @@ class DraftAttention(nn.Module):
     def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
         """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block states;
         kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T) this
-        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v) (query
-        head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k and v come
-        from one GEMM."""
+        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
+        (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
+        and v come from one GEMM."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -183,7 +183,7 @@ class DraftAttention(nn.Module):
         # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
         G = H // Hk
         o = F.scaled_dot_product_attention(q.reshape(B, Hk, G * T, hd), kbuf, vbuf,
-                                           attn_mask=seen[:, None, None, :])                  # [B, Hk, G*T, hd]
+                                           attn_mask=seen[:, None, None, :])     # [B, Hk, G * T, hd]
         return self.o_proj(o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
 
 

@@ -342,7 +342,8 @@ class Engine:
         else:
             check_drafter(model, drafter)
         if simulate is not None and (mode == "ar" or not hasattr(drafter, "new_context")):
-            raise ValueError("simulate: needs mode 'dflash' or 'ddtree' with a batched drafter (DFlashDrafter)")
+            raise ValueError("simulate: needs mode 'dflash' or 'ddtree' with a batched drafter "
+                             "(DFlashDrafter)")
         auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
         if not auto and (max_budget is not None or budgets is not None or decide != "previous"
                          or calibration is not None):
@@ -391,7 +392,7 @@ class Engine:
         moe = _moe_path(model, moe, deterministic)
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         self.model, self.drafter, self.mode, self.backend = model, drafter, mode, backend
-        self.budget = "auto" if auto else budget   # the tree's nodes (auto: B_max, the tree each round builds)
+        self.budget = "auto" if auto else budget   # the tree's nodes (auto: "auto"; max_budget is B_max)
         self.max_budget = budget
         self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
         self.device = dev
@@ -489,7 +490,8 @@ class Engine:
         from .calibration import Calibration
         top = 1024 if backend == "kernel" else golden.MAX_BUDGET
         if max_budget is not None:
-            max_budget = checks.int_in("max_budget", max_budget, 1, top, f" (the {backend} backend's ceiling)")
+            max_budget = checks.int_in("max_budget", max_budget, 1, top,
+                                       f" (the {backend} backend's ceiling)")
         if budgets is None:
             cand = auto_budget.default_budgets(256 if max_budget is None else max_budget)
         else:
@@ -500,8 +502,8 @@ class Engine:
                                  f"[1, {top if max_budget is None else max_budget}]")
             cand = tuple(sorted({int(x) for x in budgets}))
             if max_budget is not None and max(cand) != max_budget:
-                raise ValueError(f"budgets={budgets!r}: the largest must be max_budget={max_budget} (the tree "
-                                 "each round builds), or leave max_budget out")
+                raise ValueError(f"budgets={budgets!r}: the largest must be max_budget={max_budget} (the "
+                                 "largest tree a round builds), or leave max_budget out")
         checks.one_of("decide", decide, auto_budget.DECIDE)
         if not (calibration is None or calibration is False or isinstance(calibration, Calibration)):
             raise ValueError(f"calibration={calibration!r}: expected a kdtree.calibration.Calibration, False "
@@ -512,9 +514,9 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                     stop_tokens=(), synthetic_context: int = 0) -> int:
         """Queue a request; returns its id. Every argument is checked here (nothing changes on a ValueError).
-        synthetic_context: for benchmarks at long contexts, that many random rows (latent cache rows N(0, 0.5),
-        the drafter's context keys/values N(0, 1)) are inserted before the root once the prompt is prefilled,
-        instead of prefilling them: the request's tokens then mean nothing."""
+        synthetic_context: for benchmarks at long contexts, that many random rows (latent cache rows
+        N(0, 0.5), the drafter's context keys/values N(0, 1)) are inserted before the root once the prompt is
+        prefilled, instead of prefilling them: the request's tokens then mean nothing."""
         prompt = check_prompt(prompt, self.model.args.vocab_size)
         max_new = check_max_new(max_new_tokens)
         temperature = check_temperature(temperature)
@@ -734,7 +736,8 @@ class Engine:
             blk = _chain(None, root, lens)
         else:
             front = self._front_view(b)
-            blk = _chain(None, root, lens, front.chain) if plan.kind == "chain" else truncate(front.blk, plan.rows)
+            blk = (_chain(None, root, lens, front.chain) if plan.kind == "chain" else
+                   truncate(front.blk, plan.rows))
         N = blk.tokens.shape[1]
         with _blas(dev, b * N):
             logits, choice, feats, finite = self._verify(blk.tokens, blk.positions, blk.mask,
@@ -767,11 +770,13 @@ class Engine:
         self.est[:b] = auto_budget.expected(self.acceptance, blk.scores, blk.depths, top_lp, self.plans)
         if self._fbuf is None:  # the first front phase runs eagerly (a warm-up round or an eager engine)
             def room(t, *shape):
-                return None if t is None else torch.zeros(self.max_batch, *shape, dtype=t.dtype, device=t.device)
+                return None if t is None else torch.zeros(self.max_batch, *shape, dtype=t.dtype,
+                                                          device=t.device)
             N, W = self.rows, -(-self.rows // 32)
-            self._fbuf = _Front(type(blk)(*(room(getattr(blk, f), N) for f in ("tokens", "positions", "parents")),
-                                          room(blk.mask, N, N), room(blk.mask_words, N, W),
-                                          room(blk.depths, N), room(blk.scores, N)), room(chain, chain.shape[1]))
+            cols = [room(getattr(blk, f), N) for f in ("tokens", "positions", "parents")]
+            self._fbuf = _Front(type(blk)(*cols, room(blk.mask, N, N), room(blk.mask_words, N, W),
+                                          room(blk.depths, N), room(blk.scores, N)),
+                                room(chain, chain.shape[1]))
         F, N = self._fbuf.blk, blk.tokens.shape[1]
         for f in ("tokens", "positions", "parents", "depths", "scores"):
             getattr(F, f)[:b, :N].copy_(getattr(blk, f))
@@ -785,8 +790,8 @@ class Engine:
     def _front_view(self, b: int) -> _Front:
         F = self._fbuf.blk
         cut = (lambda t: None if t is None else t[:b])
-        return _Front(type(F)(*(cut(getattr(F, f)) for f in ("tokens", "positions", "parents", "mask", "mask_words",
-                                                            "depths", "scores"))), self._fbuf.chain[:b])
+        names = ("tokens", "positions", "parents", "mask", "mask_words", "depths", "scores")
+        return _Front(type(F)(*(cut(getattr(F, f)) for f in names)), self._fbuf.chain[:b])
 
     def _verify_impl(self, tokens, positions, mask, mask_words, b: int, sampling: bool):
         """The target's forward over the blocks and its choice per row. tokens int32 [b, N] -> logits float32
@@ -869,13 +874,14 @@ class Engine:
 
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
-                if self.auto is not None:  # a front graph per tree size, then one per plan reading their buffers
+                if self.auto is not None:  # a front graph per tree size, then one per plan (static buffers)
                     for B in self._tree_ops:
                         capture(("front", b, B), lambda: self._front(b, B))
                     self.graphs[("front", b, self.max_budget)].replay()   # real blocks for the warm-up rounds
                 for sampling in (False, True) if self.graph_sampling else (False,):
                     if self.auto is None:
-                        self._graph_logits[(b, sampling)] = capture((b, sampling), lambda: self._round(b, sampling))
+                        self._graph_logits[(b, sampling)] = capture((b, sampling),
+                                                                    lambda: self._round(b, sampling))
                         continue
                     for i, plan in enumerate(self.plans):
                         self._graph_logits[(b, sampling, i)] = capture(
@@ -987,7 +993,7 @@ class Engine:
         for b in self.buckets:
             for c, ctx in enumerate(self.costs.ctx_buckets):
                 self.lens[:b] = ctx
-                # every tree size's front, the largest last (its blocks feed the plans' rounds), then each plan
+                # every tree size's front, the largest last (its blocks feed the plans' rounds), each plan
                 for i, B in [(None, B) for B in self._tree_ops] + [(i, None) for i in range(len(self.plans))]:
                     marks = []
                     for _ in range(warm + reps):
@@ -1064,7 +1070,8 @@ class Engine:
             if self.auto.decide == "previous":
                 self._take_estimates(self.est_host[:n].numpy())
         host = max(0.0, wall - front - back)
-        costs.host = host if costs.samples == 0 else (1 - auto_budget.EMA) * costs.host + auto_budget.EMA * host
+        ema = auto_budget.EMA
+        costs.host = host if costs.samples == 0 else (1 - ema) * costs.host + ema * host
         costs.samples += 1
         self.auto.history.append((self.rounds, n, self.plans[i].name))
         self.last_round["plan"] = self.plans[i].name

@@ -56,13 +56,14 @@ def _fill(module: nn.Module, g: torch.Generator) -> None:
                 b.normal_(0, 0.01, generator=g)
 
 
-def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k2.6", args: ModelArgs | None = None,
-                 chunk: int = 32, kernel_only: bool = True) -> Transformer:
+def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k2.6",
+                 args: ModelArgs | None = None, chunk: int = 32, kernel_only: bool = True) -> Transformer:
     """The K2.6-shape target (module docstring): bf16 with the kernel attention on a GPU. args: other
     dimensions (tests; their layer count becomes 1 + n_moe), else target_args(n_moe, config). kernel_only
     False: the experts stay in the release format (the CPU's reference path reads it)."""
     args = target_args(n_moe, config) if args is None else dataclasses.replace(
-        args, num_hidden_layers=1 + checks.int_in("n_moe", n_moe, 1, FULL_LAYERS - 1), first_k_dense_replace=1)
+        args, num_hidden_layers=1 + checks.int_in("n_moe", n_moe, 1, FULL_LAYERS - 1),
+        first_k_dense_replace=1)
     dev = torch.device(device)
     with torch.device("meta"):
         m = Transformer(args, attn_impl="kernel" if dev.type == "cuda" else "absorb")
@@ -89,7 +90,8 @@ def drafter_layer_ids(n_layers: int) -> tuple[int, ...]:
 
 def drafter_args(a: ModelArgs, **overrides) -> DrafterArgs:
     """Kimi-K2.5-DFlash's shape for a target of ModelArgs `a` (overrides: other fields)."""
-    base = dict(K25_DFLASH, mask_token_id=a.vocab_size - 2, target_layer_ids=drafter_layer_ids(a.num_hidden_layers),
+    base = dict(K25_DFLASH, mask_token_id=a.vocab_size - 2,
+                target_layer_ids=drafter_layer_ids(a.num_hidden_layers),
                 target_hidden_size=a.hidden_size, vocab_size=a.vocab_size, rms_norm_eps=a.rms_norm_eps,
                 max_position_embeddings=a.max_position_embeddings)
     base.update(overrides)
@@ -111,7 +113,8 @@ def build_drafter(target: Transformer, seed: int = 1, args: DrafterArgs | None =
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's weights on its device, the INT4 experts' kernel copy included (meta tensors
     excluded)."""
-    n = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta)
+    ts = list(model.parameters()) + list(model.buffers())
+    n = sum(t.numel() * t.element_size() for t in ts if not t.is_meta)
     for mod in model.modules():
         mw = getattr(mod, "_kernel_weights", None)
         if mw is not None:

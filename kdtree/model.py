@@ -222,8 +222,8 @@ class Int4Experts(nn.Module):
 
     def _need_release_format(self, what: str) -> None:
         if self.released:
-            raise ValueError(f"Int4Experts.{what}: only the kernel-format copy is kept (keep_kernel_only); the "
-                             "release-format weights this needs were dropped")
+            raise ValueError(f"Int4Experts.{what}: only the kernel-format copy is kept (keep_kernel_only); "
+                             "the release-format weights this needs were dropped")
 
     def keep_kernel_only(self, chunk: int = 32) -> "Int4Experts":
         """Keep one copy of the experts: moe_int4's repacked weights (made `chunk` experts at a time, so the
@@ -231,8 +231,8 @@ class Int4Experts(nn.Module):
         reference path, `expert_weights`, `select` and saving refuse. Returns self."""
         if not self.released:
             src = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
-            self._kernel_weights = _repack_chunks(lambda lo, hi: tuple(t[lo:hi] for t in src), src[0].shape[0],
-                                                  chunk)
+            self._kernel_weights = _repack_chunks(lambda lo, hi: tuple(t[lo:hi] for t in src),
+                                                  src[0].shape[0], chunk)
             self._to_meta()
         return self
 

@@ -46,8 +46,8 @@ def gumbel(seed: torch.Tensor, step: torch.Tensor, N: int, V: int) -> torch.Tens
 
 
 def uniforms(seed: torch.Tensor, step: torch.Tensor, n: int, salt: int = 0) -> torch.Tensor:
-    """Uniforms float32 [b, n] in (0, 1), a pure function of (seed [b], step [b], index, salt): a request's own
-    stream (24 bits), independent of `gumbel`'s for salt != 0."""
+    """Uniforms float32 [b, n] in (0, 1), a pure function of (seed [b], step [b], index, salt): a request's
+    own stream (24 bits), independent of `gumbel`'s for salt != 0."""
     dev = seed.device
     s = seed.long()
     h = _fmix((s & _M32) ^ (0x9E3779B9 ^ (salt & _M32)))
@@ -80,7 +80,7 @@ class VerifyBatch:
     mask: torch.Tensor | None         # bool [b, N, N]
     mask_words: torch.Tensor | None = None  # int32 [b, N, ceil(N/32)] when the builder packs it
     depths: torch.Tensor | None = None      # int32 [b, N] of a tree block: 0 for the root and padding rows
-    scores: torch.Tensor | None = None      # float32 [b, N] of a tree block: the nodes' log prefix probabilities
+    scores: torch.Tensor | None = None      # float32 [b, N] of a tree block: log prefix probabilities
 
 
 def truncate(blk: VerifyBatch, N: int) -> VerifyBatch:

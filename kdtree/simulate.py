@@ -1,4 +1,4 @@
-"""Simulated acceptance (labelled so): rounds at real shapes whose accept lengths follow an acceptance profile.
+"""Simulated acceptance (labelled so): rounds at real shapes whose accept lengths follow a profile.
 
 With random weights (the K2.6 shape runs) the tokens mean nothing, so `Engine(..., simulate=Profile(...))`
 keeps every kernel of the round at its real shape on real data (the drafter runs and its cost is real, the
@@ -60,7 +60,8 @@ class Profile:
         from .project import profile_taus
         budgets, taus = [int(b) for b in budgets], np.asarray(taus, np.float64)
         if len(budgets) != len(taus) or not len(budgets):
-            raise ValueError(f"budgets / taus: expected equal non-empty lists, got {len(budgets)} and {len(taus)}")
+            raise ValueError(f"budgets / taus: expected equal non-empty lists, got {len(budgets)} and "
+                             f"{len(taus)}")
         best = None
         for tc in np.linspace(1.05, min(depth + 0.95, 12.0), 60):
             for r in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):

@@ -266,8 +266,8 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     tensors per expert, the way compressed-tensors writes them)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, ...)")
-    released = [i for i, layer in enumerate(model.model.layers) if getattr(getattr(layer.mlp, "experts", None),
-                                                                           "released", False)]
+    released = [i for i, layer in enumerate(model.model.layers)
+                if getattr(getattr(layer.mlp, "experts", None), "released", False)]
     if released:
         raise ValueError(f"save: layer {released[0]}'s INT4 experts keep only the kernel-format copy "
                          "(Int4Experts.keep_kernel_only): there are no release-format weights to write")

@@ -1,5 +1,6 @@
-"""budget="auto" (kdtree.budget): truncations of one best-first tree, the expected tokens against the calibration,
-the cost table and the policy's choices, and the engine serving auto rounds losslessly on the CPU."""
+"""budget="auto" (kdtree.budget): truncations of one best-first tree, the expected tokens against the
+calibration, the cost table and the policy's choices, and the engine serving auto rounds losslessly on the
+CPU."""
 import math
 
 import numpy as np
@@ -67,7 +68,8 @@ def test_expected_tokens_on_the_device_match_the_calibration():
     plans = kb.plans(7, (1, 5, 16, 64))
     acc = kb.Acceptance(cal, 7, "cpu")
     lg = np.stack([_logits(rng) for _ in range(3)])                                   # [b, L, V]
-    blk = GoldenOps("ddtree", 64, 64)._tree(torch.from_numpy(lg), torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9]))
+    blk = GoldenOps("ddtree", 64, 64)._tree(torch.from_numpy(lg), torch.tensor([1, 2, 3]),
+                                            torch.tensor([0, 5, 9]))
     lp = torch.from_numpy(lg).log_softmax(-1).max(-1).values
     est = kb.expected(acc, blk.scores, blk.depths, lp, plans).numpy()
     raw = kb.expected(kb.Acceptance(None, 7, "cpu"), blk.scores, blk.depths, lp, plans).numpy()

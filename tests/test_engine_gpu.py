@@ -87,7 +87,8 @@ def test_an_invalidated_capture_is_tried_again(pair, monkeypatch):
                     out = ctx.__exit__(*exc)
                     if left[0] > 0:
                         left[0] -= 1
-                        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                        raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                                           "capture")
                     return out
             return Ctx()
         return graph
@@ -250,8 +251,9 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
 
 
 def test_simulated_rounds_on_a_kernel_only_int4_model():
-    """The K2.6 sweep's path at the mid config's dimensions: INT4 experts in one kernel-format copy (moe_int4),
-    the kernel attention over 1,500 synthetic context rows, a K2.5-DFlash-shaped drafter (fewer layers),
+    """The K2.6 sweep's path at the mid config's dimensions: INT4 experts in one kernel-format copy
+    (moe_int4), the kernel attention over 1,500 synthetic context rows, a K2.5-DFlash-shaped drafter (fewer
+    layers),
     simulated acceptance, budget="auto" graphed: every request finishes, accept lengths near the profile's
     (fixed B = 16), every plan's graph captured, pages all back."""
     from kdtree import k26, project

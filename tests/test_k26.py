@@ -22,7 +22,8 @@ def test_random_kernel_only_equals_repacking_the_same_blocks():
     blocks drawn with the same seeds; a different seed differs (the check can fail)."""
     E, D, I, seed = 10, 64, 32, 5
     ex = Int4Experts.random_kernel_only(E, D, I, seed=seed, chunk=4)
-    blocks = [Int4Experts.random(hi - lo, D, I, seed=seed * 100003 + lo) for lo, hi in ((0, 4), (4, 8), (8, 10))]
+    blocks = [Int4Experts.random(hi - lo, D, I, seed=seed * 100003 + lo)
+              for lo, hi in ((0, 4), (4, 8), (8, 10))]
     want = kernels.repack_moe(*(torch.cat([getattr(b, n) for b in blocks]) for n in
                                 ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
     assert ex.released and ex.w13_packed.is_meta and tuple(ex.w13_packed.shape) == (E, 2 * I, D // 8)
@@ -48,7 +49,8 @@ def test_build_target_has_distinct_random_layers_in_one_int4_copy(tmp_path):
     m = k26.build_target(3, device="cpu", seed=4, args=SMALL)
     layers = m.model.layers
     assert len(layers) == 4 and not isinstance(layers[0].mlp, MoE)
-    assert all(isinstance(layer.mlp.experts, Int4Experts) and layer.mlp.experts.released for layer in layers[1:])
+    assert all(isinstance(layer.mlp.experts, Int4Experts) and layer.mlp.experts.released
+               for layer in layers[1:])
     assert torch.equal(m.inv_freq, rope_inv_freq(SMALL)[0])
     qa = [layer.self_attn.kv_a_proj_with_mqa.weight for layer in layers]
     assert all(not torch.equal(qa[0], w) for w in qa[1:])          # no layer shares another's weights
@@ -76,9 +78,9 @@ def test_drafter_layers_map_onto_the_layers_present():
 
 def test_build_drafter_at_small_dimensions_drafts():
     m = k26.build_target(2, device="cpu", seed=1, args=SMALL)
-    d = k26.build_drafter(m, seed=3, args=k26.drafter_args(m.args, num_hidden_layers=2, hidden_size=SMALL.hidden_size,
-                                                           num_attention_heads=4, num_key_value_heads=2,
-                                                           head_dim=48, intermediate_size=128))
+    da = k26.drafter_args(m.args, num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=48, intermediate_size=128)
+    d = k26.build_drafter(m, seed=3, args=da)
     assert d.args.target_layer_ids == k26.drafter_layer_ids(3) and d.args.block_size == 8
     assert torch.isfinite(d.inv_freq).all() and float(d.inv_freq[0]) == 1.0
     ctx = d.new_context(1, 64)
@@ -92,8 +94,8 @@ def test_bench_k26_smoke_on_a_cpu():
     """The K2.6 sweep's code path at small dimensions: every mode of a cell ran, rows labelled simulated,
     targets formed per profile; the simulated tau rises with the budget."""
     from kdtree import bench_k26
-    small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=48, intermediate_size=128)
+    small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=48, intermediate_size=128)
     rec = bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4, 16), repeats=1, progress=False,
                         device="cpu", args=SMALL, dargs=small, layers=2)
     assert rec["label"].startswith("K2.6 shape, random weights, SIMULATED") and rec["layers"] == {"96:2": 2}
