@@ -1,5 +1,5 @@
 """End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench_e2e --out DIR` writes
-DIR/e2e.json.
+DIR/e2e_auto.json.
 
 Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 ones), one run:
 per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch bucket), the engine's AR, the
@@ -147,7 +147,8 @@ def _targets(cells, b: int, compile: bool) -> list:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="end-to-end DDTree with the cost-aware budget (DIR/e2e.json)")
+    ap = argparse.ArgumentParser(description="end-to-end DDTree with the cost-aware budget "
+                                             "(DIR/e2e_auto.json)")
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--ckpt", default="data/trained")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
     rec["trained"] = trained_pair(a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new,
                                   repeats=a.repeats, compile=a.compile)
     rec["targets"] = rec["trained"].pop("targets")
-    write_record(out / "e2e.json", rec)
+    write_record(out / "e2e_auto.json", rec)
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--trained", default=None, help="an e2e.json whose calibration_check (the trained pair's "
-                    "realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
+    ap.add_argument("--trained", default=None,
+                    help="an e2e_auto.json whose calibration_check (the trained pair's realized tokens per "
+                    "truncation) becomes one more profile (Profile.fit, block 16)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
