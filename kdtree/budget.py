@@ -12,7 +12,7 @@ E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibra
 nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: that tree's). front /
 back: the GPU seconds of drafting + building and of verifying the plan's block, from `CostTable`, measured
 when the engine starts (graph replays per batch bucket and context bucket) and refreshed from every round's
-CUDA-event times; host: the round's host time outside them (one EMA). Within one round every request
+CUDA-event times; host: the round's host time outside them (the median of the last rounds'). Within one round every request
 verifies the plan's whole block: the bucket's rows cost the same whether a request fills them or not, and
 E_i never decreases with B, so a request's own best truncation within the bucket is the bucket itself.
 
@@ -33,7 +33,8 @@ import torch
 
 DECIDE = ("previous", "sync")
 MAX_HOLD = 32          # the longest run of AR rounds before the engine drafts again to re-estimate
-EMA = 0.25             # weight of a new sample in the cost table and the host time
+EMA = 0.25             # weight of a new sample in the cost table
+HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
 CTX_BUCKETS = (0, 1024, 4096, 16384, 65536)  # context (mean cached rows of the round's requests) buckets
 
 
@@ -133,14 +134,15 @@ class CostTable:
     """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
     + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
     per batch bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds
-    outside its GPU span. A cell never measured borrows the nearest measured context bucket of the same
-    key."""
+    outside its GPU span (the median of the last HOST_WINDOW rounds, `add_host`). A cell never measured
+    borrows the nearest measured context bucket of the same key."""
 
     def __init__(self, ctx_buckets=(0,)):
         self.ctx_buckets = tuple(ctx_buckets)
         self.front: dict = {}
         self.back: dict = {}
         self.host = 0.0
+        self._host: list[float] = []
         self.samples = 0   # online refreshes so far
 
     def ctx(self, length: float) -> int:
@@ -165,6 +167,10 @@ class CostTable:
     def vector(self, b: int, build_list, ctx: int) -> np.ndarray:
         """cost() of every plan i after building build_list[i], float64 [P] (inf where unmeasured)."""
         return np.array([self.cost(b, i, B, ctx) for i, B in enumerate(build_list)])
+
+    def add_host(self, seconds: float) -> None:
+        self._host = (self._host + [seconds])[-HOST_WINDOW:]
+        self.host = float(np.median(self._host))
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)

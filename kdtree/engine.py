@@ -1069,9 +1069,7 @@ class Engine:
             costs.update(costs.front, (b, info["build"], c), front)
             if self.auto.decide == "previous":
                 self._take_estimates(self.est_host[:n].numpy())
-        host = max(0.0, wall - front - back)
-        ema = auto_budget.EMA
-        costs.host = host if costs.samples == 0 else (1 - ema) * costs.host + ema * host
+        costs.add_host(max(0.0, wall - front - back))
         costs.samples += 1
         self.auto.history.append((self.rounds, n, self.plans[i].name))
         self.last_round["plan"] = self.plans[i].name

@@ -207,3 +207,14 @@ def test_bad_auto_settings_are_refused(pair, kw, needle):
     kw = dict(dict(mode="ddtree"), **kw)
     with pytest.raises(ValueError, match=needle):
         Engine(t, d, max_batch=1, max_len=128, **kw)
+
+
+def test_the_host_time_is_a_median_that_a_stray_round_does_not_move():
+    t = kb.CostTable()
+    for _ in range(20):
+        t.add_host(1e-4)
+    t.add_host(5e-3)                                  # one slow round (a GC pause, say)
+    assert t.host == pytest.approx(1e-4)
+    for _ in range(kb.HOST_WINDOW):
+        t.add_host(2e-4)
+    assert t.host == pytest.approx(2e-4)              # only the last rounds count
