@@ -21,7 +21,7 @@ from . import checks, golden
 
 FILE = "calibration.json"
 EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)  # bins of predicted probability
-MIN_COUNT = 20  # a bin with fewer nodes keeps the drafter's own prediction
+MIN_COUNT = 20  # a bin with fewer nodes takes the prediction scaled by its depth's realized / predicted
 
 
 @dataclass
@@ -82,19 +82,30 @@ class Calibration:
                 out[d, js] = r
         return out
 
+    def depth_scale(self) -> np.ndarray:
+        """[L]: each depth's accepted / predicted nodes over all its bins (1 where the depth holds fewer than
+        MIN_COUNT nodes or no prediction)."""
+        c, a, pr = (np.asarray(t, np.float64).sum(1) for t in (self.count, self.accepted, self.predicted))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where((c >= MIN_COUNT) & (pr > 0), a / pr, 1.0)
+
     def correct(self, scores, depths) -> np.ndarray:
-        """Calibrated acceptance of nodes: scores [n] log-probabilities, depths [n] -> [n] in [0, 1] (the
-        pooled realized rate of the node's bin; its own prediction where the bin holds too few nodes or the
-        depth lies beyond the table)."""
+        """Calibrated acceptance of nodes: scores [n] log-probabilities, depths [n] -> [n] in [0, 1]: the
+        pooled realized rate of the node's bin; where the bin holds too few nodes, the node's prediction
+        times its depth's realized / predicted (`depth_scale`, at most 1 in all); beyond the table's depths,
+        the prediction itself."""
         p = np.exp(np.asarray(scores, np.float64))
         d = np.asarray(depths, np.int64) - 1
         pooled = self._pooled()
         q = p.copy()
         inside = (d >= 0) & (d < self.depths)
+        dc = np.clip(d, 0, self.depths - 1)
         j = self._bins(p)
-        got = pooled[np.clip(d, 0, self.depths - 1), j]
+        got = pooled[dc, j]
         use = inside & np.isfinite(got)
         q[use] = got[use]
+        sparse = inside & ~np.isfinite(got)
+        q[sparse] = np.minimum(1.0, p[sparse] * self.depth_scale()[dc[sparse]])
         return q
 
     def expected_tokens(self, tree: golden.Tree) -> np.ndarray:

@@ -43,17 +43,25 @@ def test_an_overconfident_drafter_is_corrected_and_the_check_can_fail():
     assert np.nanmax(np.abs(real - 0.5 * pred)) < 0.1
 
 
-def test_pooled_rates_never_decrease_and_sparse_bins_keep_the_prediction():
+def test_pooled_rates_never_decrease_and_sparse_bins_scale_the_prediction():
+    """Dense bins: pooled realized rates (monotone). A sparse bin: the prediction times its depth's realized /
+    predicted over all bins (capped at 1). A depth beyond the table: the prediction itself."""
     cal = Calibration.empty(1)
     j = 5  # edges[5] = 0.1 <= p < 0.2
     cal.count[0][j], cal.predicted[0][j], cal.accepted[0][j] = 100, 15.0, 60       # 0.6
     cal.count[0][j + 1], cal.predicted[0][j + 1], cal.accepted[0][j + 1] = 100, 27.0, 40  # 0.4: pooled to 0.5
-    q = cal.correct(np.log([0.15, 0.25, 0.6]), [1, 1, 1])
-    assert np.allclose(q, [0.5, 0.5, 0.6])  # the third bin is empty: its own prediction
+    scale = 100 / 42.0                                    # depth 1: 100 accepted against 42 predicted
+    assert np.isclose(cal.depth_scale()[0], scale)
+    q = cal.correct(np.log([0.15, 0.25, 0.6, 0.02]), [1, 1, 1, 1])
+    assert np.allclose(q, [0.5, 0.5, 1.0, 0.02 * scale])  # bins 3 and 4 are empty
     cal.count[0][j] = MIN_COUNT - 1
     cal.accepted[0][j] = 1
-    assert np.isclose(cal.correct(np.log([0.15]), [1])[0], 0.15)
+    s2 = 41 / 42.0
+    assert np.isclose(cal.correct(np.log([0.15]), [1])[0], 0.15 * s2)
     assert np.isclose(cal.correct(np.log([0.15]), [3])[0], 0.15)  # a depth beyond the table
+    few = Calibration.empty(1)
+    few.count[0][j], few.predicted[0][j], few.accepted[0][j] = MIN_COUNT - 1, 2.0, 10
+    assert few.depth_scale()[0] == 1.0 and np.isclose(few.correct(np.log([0.15]), [1])[0], 0.15)
 
 
 def test_node_acceptance_follows_the_target_down_the_tree():
