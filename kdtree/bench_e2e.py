@@ -61,11 +61,15 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None) ->
 
 def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n_prompts: int = 8,
                  prompt_len: int = 64, max_new: int = 128, repeats: int = 3, compile: bool = False,
-                 decides=("previous", "sync"), progress: bool = True) -> dict:
-    """The trained pair's section (module docstring): {"cells": [...], "targets": [...], settings}."""
+                 decides=("previous", "sync"), progress: bool = True, target=None, drafter=None,
+                 check=(8, 64)) -> dict:
+    """The trained pair's section (module docstring): {"cells": [...], "targets": [...], settings}. target /
+    drafter: the pair already loaded (any device; else from ckpt_dir onto the GPU); check: (prompts, tokens)
+    of the calibration check."""
     ckpt = Path(ckpt_dir)
-    target = weights.load(ckpt / "target", device="cuda").eval()
-    drafter = weights.load_drafter(ckpt / "drafter", target)
+    if target is None:
+        target = weights.load(ckpt / "target", device="cuda").eval()
+        drafter = weights.load_drafter(ckpt / "drafter", target)
     rec = {"checkpoint": str(ckpt), "prompt_len": prompt_len, "max_new_tokens": max_new, "repeats": repeats,
            "compile": compile, "budgets": list(budgets), "dtype": str(target.dtype).replace("torch.", ""),
            "calibration": drafter.calibration is not None, "cells": [], "targets": []}
@@ -73,15 +77,16 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
         from .calibration import measure, truncations
         rounds: list = []
-        measure(target, drafter, heldout_prompts(8, prompt_len, seed=2), 64, budget=max(budgets),
+        measure(target, drafter, heldout_prompts(check[0], prompt_len, seed=2), check[1], budget=max(budgets),
                 rounds=rounds)
-        rec["calibration_check"] = dict(truncations(rounds, (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                                                    {"raw": None, "calibrated": drafter.calibration}),
+        cuts = [B for B in (1, 2, 4, 8, 16, 32, 64, 128, 256) if B <= max(budgets)]
+        rec["calibration_check"] = dict(truncations(rounds, cuts, {"raw": None, "calibrated": drafter.calibration}),
                                         rounds=len(rounds))
     for b in batches:
         prompts = heldout_prompts(max(n_prompts, b), prompt_len, seed=2)[:max(n_prompts, b)]
         common = dict(max_batch=b, max_len=max_len, buckets=(b,), graph_sampling=False)
-        specs = [("ar", None, None, compile), ("ar", None, None, True) if not compile else None,
+        gpu = target.device.type == "cuda"
+        specs = [("ar", None, None, compile), ("ar", None, None, True) if gpu and not compile else None,
                  ("dflash", None, None, compile)]
         specs += [("ddtree", B, None, compile) for B in budgets]
         specs += [("ddtree", "auto", d, compile) for d in decides]
@@ -100,7 +105,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
             except Exception as e:  # recorded, and the run goes on (e.g. a capture the GPU refused)
                 cell = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None,
                         "outputs": None}
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
             cell.update(batch=b, mode=mode, budget=budget, decide=decide, compiled=comp,
                         name=_name(mode, budget, decide, comp))
             cells.append(cell)

@@ -51,8 +51,9 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
 
 
 def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
-    """The end-to-end notebook's CPU smoke set: the committed trained pair on held-out prompts (lossless), and
-    the projection from the committed GPU record of notebook 01."""
+    """The end-to-end notebook's CPU smoke set: the committed trained pair on held-out prompts (lossless), the
+    projection from the committed GPU record of notebook 01, the cost-aware budget's section and the K2.6
+    sweep's code path at tiny dimensions."""
     env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
     cmd = [sys.executable, "-m", "kdtree", "lab", "02", "--device", "cpu", "--out-dir", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -72,6 +73,17 @@ def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
         assert {p["profile_chain_tau"] for p in prof} == {3.0, 5.0, 8.0}
         assert all(p["tau"] >= 1 for p in prof) and (tmp_path / "e2e_profiles.png").stat().st_size > 1000
     assert (tmp_path / "e2e_pair.png").stat().st_size > 1000
+    # section 5: the cost-aware budget through the engine; section 6: the K2.6 sweep's code path (tiny, CPU)
+    auto = rec["auto"]["cells"]
+    assert {(c["batch"], c["name"]) for c in auto} >= {(1, "AR"), (2, "auto (previous)"), (2, "auto (sync)")}
+    assert all(c["equals_ar"] for c in auto) and all(c["plans"] for c in auto if c["budget"] == "auto")
+    k26 = rec["k26"]["cells"]
+    assert rec["k26"]["label"].startswith("K2.6 shape, random weights, SIMULATED") and len(k26) == 5
+    assert not any(c.get("error") for c in k26)
+    names = [t["name"] for t in rec["targets"]]
+    assert any(n.startswith("trained pair, batch 2: auto") for n in names) and any("K2.6 sim" in n for n in names)
+    for png in ("e2e_auto.png", "e2e_k26.png"):
+        assert (tmp_path / png).stat().st_size > 1000
 
 
 def test_notebook_03_smoke_run_on_a_cpu(tmp_path):
