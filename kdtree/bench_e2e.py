@@ -29,9 +29,9 @@ from .engine import Engine
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
 
-def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None) -> dict:
+def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, after=None) -> dict:
     """One engine: built (timed: compile + capture + cost table), one warm-up run, `repeats` timed runs.
-    add: more add_request keywords."""
+    add: more add_request keywords; after(engine) -> dict: more fields, measured on the idle engine last."""
     add = add or {}
     t0 = time.perf_counter()
     e = make()
@@ -56,6 +56,8 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None) ->
         out["plans"] = mid["plans"]
         out["plan_counts"] = dict(Counter(mid["plans"]))
         out["costs"] = e.costs.as_dict(e.plans)
+    if after is not None:
+        out.update(after(e))
     return out
 
 
@@ -80,8 +82,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
         measure(target, drafter, heldout_prompts(check[0], prompt_len, seed=2), check[1], budget=max(budgets),
                 rounds=rounds)
         cuts = [B for B in (1, 2, 4, 8, 16, 32, 64, 128, 256) if B <= max(budgets)]
-        rec["calibration_check"] = dict(truncations(rounds, cuts, {"raw": None, "calibrated": drafter.calibration}),
-                                        rounds=len(rounds))
+        tables = {"raw": None, "calibrated": drafter.calibration}
+        rec["calibration_check"] = dict(truncations(rounds, cuts, tables), rounds=len(rounds))
     for b in batches:
         prompts = heldout_prompts(max(n_prompts, b), prompt_len, seed=2)[:max(n_prompts, b)]
         common = dict(max_batch=b, max_len=max_len, buckets=(b,), graph_sampling=False)

@@ -27,7 +27,7 @@ import torch
 
 from . import k26
 from .bench_e2e import _cell
-from .bench_engine import _target, write_record
+from .bench_engine import _target, stage_kernels, write_record
 from .engine import Engine
 from .simulate import Profile
 
@@ -139,9 +139,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 kw["simulate"] = prof
             dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
             start = time.perf_counter()
+            # the DFlash engine's stages (an eager round under the profiler): the drafter's measured cost
+            after = (lambda e: {"stages": stage_kernels(e, prompts[0])}) if mode == "dflash" and gpu else None
             try:
                 c = _cell(lambda: Engine(t, dd, **kw), prompts, MAX_NEW, repeats,
-                          add=dict(synthetic_context=context - PROMPT))
+                          add=dict(synthetic_context=context - PROMPT), after=after)
             except Exception as e:  # recorded; the sweep goes on
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
@@ -157,6 +159,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
                       f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
+        for c in rows_cell:  # every speculative cell of a profile gets its DFlash engine's draft time
+            src = next((x for x in rows_cell if x["mode"] == "dflash" and x["tau_chain"] == c["tau_chain"]
+                        and x.get("stages")), None)
+            if c["mode"] != "ar" and src is not None:
+                c["draft_s"] = src["stages"]["draft"]["gpu_s"]
         rec["cells"] += rows_cell
         rec["targets"] += _targets(rows_cell, context, batch, n)
     return rec

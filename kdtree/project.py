@@ -85,10 +85,11 @@ def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
 
 def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None, block_size: int = 16,
                 drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1, vocab: int = 163840,
-                hidden: int = 7168) -> dict | None:
+                hidden: int = 7168, draft_s: float | None = None) -> dict | None:
     """Seconds per round by part ({draft, build, verify, walk}, plus extrapolated: bool) for one mode; None
     where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not in
-    the record). Tree round and walk times are interpolated over the measured budgets likewise."""
+    the record). Tree round and walk times are interpolated over the measured budgets likewise. draft_s: the
+    drafter's measured seconds a round (else modelled as drafter_layers dense layers + the head)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if mode == "ddtree" and (not isinstance(budget, int) or budget <= 0):
@@ -107,8 +108,9 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
         d, x3 = layer_time(layers, "dense", context, batch, block_size)
         if d is None:
             return None
-        parts["draft"] = drafter_layers * d + head_time(ceil, vocab, hidden, (block_size - 1) * batch)
-        extrapolated |= x3
+        parts["draft"] = (drafter_layers * d + head_time(ceil, vocab, hidden, (block_size - 1) * batch)
+                          if draft_s is None else float(draft_s))
+        extrapolated |= x3 and draft_s is None
     if mode == "ddtree":
         build, x4 = loglog([(r["budget"], r["gpu_graph_s"]) for r in _pick(rec["tree_round"], batch=batch)
                             if r.get("gpu_graph_s")], budget)
@@ -191,4 +193,27 @@ def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5)
         tt = np.tile(np.arange(K, dtype=np.int32), (depth, 1))
         tree = golden.build_tree(tt, lp, K)
         out[K] = 1.0 + float(np.exp(tree.scores.astype(np.float64)).sum())
+    return out
+
+
+def check_engine(rec: dict, cells, tolerance: float = 0.10, **kw) -> list[dict]:
+    """The projection against measured engine rounds at a partial depth (bench_k26's cells): for every cell
+    {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s (optional)} of AR, DFlash
+    or a fixed DDTree budget, the round time projected at 1 + layers layers (the dense layer 0 and `layers`
+    MoE layers) from `rec` (notebook 01's record). Rows {.., projected_s, measured_s, ratio, within}; cells
+    the record cannot project are left out. kw: round_parts' vocab, hidden, drafter_layers."""
+    out = []
+    for c in cells:
+        if c.get("error") or c.get("budget") == "auto" or not c.get("round_gpu_span_median_s"):
+            continue
+        parts = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"),
+                            block_size=c.get("block") or 16, n_layers=1 + c["layers"], n_dense=1,
+                            draft_s=c.get("draft_s"), **kw)
+        if parts is None:
+            continue
+        ext = parts.pop("extrapolated")
+        t, m = sum(parts.values()), c["round_gpu_span_median_s"]
+        out.append({k: c.get(k) for k in ("mode", "budget", "batch", "context", "layers", "tau_chain")} |
+                   {"projected_s": t, "measured_s": m, "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
+                    "parts": parts, "extrapolated": ext})
     return out

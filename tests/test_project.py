@@ -112,3 +112,24 @@ def test_loglog_merges_repeated_x_and_rejects_bad_points():
     for bad in ([(0, 1.0), (2, 2.0)], [(1, -1.0), (2, 2.0)], [(1, float("nan")), (2, 2.0)]):
         with pytest.raises(ValueError, match="loglog: expected points with finite x > 0 and y > 0"):
             loglog(bad, 1.5)
+
+
+def test_check_engine_projects_partial_depth_rounds_and_flags_misses():
+    """A measured round equal to the projection at its layer count is within; one 20 % slower is not; auto
+    cells, failed cells and unprojectable ones are left out; a measured draft time replaces the model's."""
+    rec = _rec()
+    kw = dict(vocab=1000, hidden=64, drafter_layers=3)
+    want = P.round_parts(rec, "ddtree", 1, 4096, 16, block_size=8, n_layers=5, n_dense=1, **kw)
+    want.pop("extrapolated")
+    t = sum(want.values())
+    cell = dict(mode="ddtree", budget=16, batch=1, context=4096, layers=4, block=8)
+    cells = [dict(cell, round_gpu_span_median_s=t), dict(cell, round_gpu_span_median_s=1.2 * t),
+             dict(cell, budget="auto", round_gpu_span_median_s=t),
+             dict(mode="ar", budget=None, batch=8, context=4096, layers=4, round_gpu_span_median_s=t),
+             dict(error="x", mode="ar", budget=None, batch=1, context=4096, layers=4)]
+    rows = P.check_engine(rec, cells, **kw)
+    assert len(rows) == 2 and rows[0]["within"] and math.isclose(rows[0]["ratio"], 1.0)
+    assert not rows[1]["within"] and math.isclose(rows[1]["ratio"], 1 / 1.2)
+    cells[0]["draft_s"] = 1.0
+    r = P.check_engine(rec, cells[:1], **kw)[0]
+    assert r["parts"]["draft"] == 1.0 and not r["within"]
