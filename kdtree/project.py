@@ -217,3 +217,62 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, **kw) -> list[dict]:
                    {"projected_s": t, "measured_s": m, "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
                     "parts": parts, "extrapolated": ext})
     return out
+
+
+# ----------------------------------------------------------------------------- several GPUs (projected)
+def busiest_rank_experts(touched: int, experts: int, world: int, trials: int = 2000, seed: int = 0) -> float:
+    """Expected experts on the busiest rank when `touched` distinct experts of `experts` (placed in `world`
+    equal contiguous blocks, expert parallelism) are drawn uniformly: the mean over seeded draws of the
+    largest count per rank."""
+    if not (1 <= world <= experts and experts % world == 0 and 0 <= touched <= experts):
+        raise ValueError(f"expected 1 <= world <= experts, experts % world == 0, 0 <= touched <= experts; "
+                         f"got touched={touched}, experts={experts}, world={world}")
+    rng = np.random.default_rng(seed)
+    per = experts // world
+    draws = np.argsort(rng.random((trials, experts)), axis=1)[:, :touched] // per           # rank of each
+    counts = np.stack([(draws == r).sum(1) for r in range(world)], 1)
+    return float(counts.max(1).mean())
+
+
+def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, allreduce_latency_s: float,
+                  allreduce_Bps: float, experts: int = 384, top_k: int = 8, n_layers: int = 61, n_dense: int = 1,
+                  hidden: int = 7168, **kw) -> list[dict]:
+    """PROJECTED rows (labelled so) for `world` GPUs from one GPU's record: per MoE layer, its measured time
+    less its MoE kernel's (`moe_int4` rows, by the round's tokens) split over the ranks (tensor-parallel
+    attention and dense work), plus the MoE kernel on the busiest rank (its share of the round's touched
+    experts, `busiest_rank_experts`, at the kernel's time per expert), plus two all-reduces a layer (latency
+    + rows * hidden * 2 bytes / bandwidth; both given, stated in every row); the dense layers split over
+    the ranks; the drafter, tree build and walk as on one GPU. Rows as `project`'s plus world, the
+    all-reduce settings, "projected": True."""
+    for name, v in (("allreduce_latency_s", allreduce_latency_s), ("allreduce_Bps", allreduce_Bps)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}={v!r}: expected a positive number (state the assumption)")
+    moe_rows = sorted((r["tokens"], r["kernel_s"], r["experts_touched"]) for r in rec.get("moe_int4", []))
+    if not moe_rows:
+        raise ValueError("rec['moe_int4'] is empty: the MoE kernel's times per token count are needed")
+    one = project(rec, taus, batch, context, n_layers=n_layers, n_dense=n_dense, hidden=hidden, **kw)
+    out = []
+    for r in one:
+        N = r["batch"] * ({"ar": 1, "dflash": kw.get("block_size", 16)}.get(r["mode"], (r["budget"] or 0) + 1))
+        layer, ext = layer_time(rec["layer_verify"], "moe", context, batch, N // batch)
+        dense, _ = layer_time(rec["layer_verify"], "dense", context, batch, N // batch)
+        kern, _ = loglog([(t, s) for t, s, _ in moe_rows], min(max(N, moe_rows[0][0]), moe_rows[-1][0]))
+        touched, _ = loglog([(t, u) for t, _, u in moe_rows], min(max(N, moe_rows[0][0]), moe_rows[-1][0]))
+        touched = min(experts, max(top_k, round(touched)))
+        busiest = busiest_rank_experts(touched, experts, world)
+        moe_rank = kern * busiest / touched
+        ar_s = 2 * (allreduce_latency_s + N * hidden * 2 / allreduce_Bps)
+        moe_layer = max(layer - kern, 0.0) / world + moe_rank + ar_s
+        dense_layer = dense / world + ar_s
+        verify = (n_dense * dense_layer + (n_layers - n_dense) * moe_layer
+                  + head_time(rec["ceilings"], kw.get("vocab", 163840), hidden, N) / world)
+        parts = dict(r["parts"], verify=verify)
+        t = sum(parts.values())
+        out.append({**{k: r[k] for k in ("mode", "budget", "batch", "context", "tau")}, "round_s": t,
+                    "parts": parts, "tok_per_s": r["tau"] / t, "extrapolated": r["extrapolated"] or ext,
+                    "world": world, "allreduce_latency_s": allreduce_latency_s, "allreduce_Bps": allreduce_Bps,
+                    "busiest_rank_experts": busiest, "touched_experts": touched, "projected": True})
+    ar = next((r for r in out if r["mode"] == "ar"), None)
+    for r in out:
+        r["speedup_vs_ar"] = r["tok_per_s"] / ar["tok_per_s"] if ar else None
+    return out

@@ -133,3 +133,37 @@ def test_check_engine_projects_partial_depth_rounds_and_flags_misses():
     cells[0]["draft_s"] = 1.0
     r = P.check_engine(rec, cells[:1], **kw)[0]
     assert r["parts"]["draft"] == 1.0 and not r["within"]
+
+
+def _rec_moe():
+    rec = _rec()
+    rec["moe_int4"] = [{"tokens": t, "kernel_s": 1e-4 * t ** 0.5, "experts_touched": min(64, 8 * t)}
+                       for t in (1, 4, 16, 64)]
+    return rec
+
+
+def test_busiest_rank_share_of_the_touched_experts():
+    assert P.busiest_rank_experts(64, 64, 1) == 64 and P.busiest_rank_experts(64, 64, 8) == 8
+    b = P.busiest_rank_experts(16, 64, 8)
+    assert 2 < b < 6            # 16 experts over 8 ranks: more than the mean of 2 on the busiest
+    with pytest.raises(ValueError, match="world"):
+        P.busiest_rank_experts(8, 64, 7)
+
+
+def test_project_multi_reduces_to_one_gpu_and_charges_all_reduces():
+    """One rank and a free all-reduce give back the one-GPU projection; 8 ranks are faster; the all-reduce
+    latency adds 2 per layer; the rows say they are projected and state the assumptions."""
+    rec = _rec_moe()
+    kw = dict(block_size=8, drafter_layers=3, n_layers=10, n_dense=2, vocab=1000, hidden=64, experts=64)
+    taus = {"dflash": 2.0, "ddtree": {16: 3.0}}
+    one = P.project(rec, taus, 1, 4096, **{k: v for k, v in kw.items() if k != "experts"})
+    same = P.project_multi(rec, taus, 1, 4096, world=1, allreduce_latency_s=1e-15, allreduce_Bps=1e30, **kw)
+    for a, b in zip(one, same):
+        assert math.isclose(a["round_s"], b["round_s"], rel_tol=1e-6) and b["projected"] is True
+    eight = P.project_multi(rec, taus, 1, 4096, world=8, allreduce_latency_s=1e-15, allreduce_Bps=1e30, **kw)
+    assert all(e["round_s"] < s["round_s"] for e, s in zip(eight, same))
+    slow = P.project_multi(rec, taus, 1, 4096, world=8, allreduce_latency_s=1e-5, allreduce_Bps=1e30, **kw)
+    assert math.isclose(slow[0]["round_s"] - eight[0]["round_s"], 2 * 10 * 1e-5, rel_tol=1e-6)
+    assert slow[0]["allreduce_latency_s"] == 1e-5 and slow[0]["world"] == 8
+    with pytest.raises(ValueError, match="allreduce_latency_s"):
+        P.project_multi(rec, taus, 1, 4096, world=8, allreduce_latency_s=0, allreduce_Bps=1e9, **kw)
