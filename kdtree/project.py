@@ -235,8 +235,8 @@ def busiest_rank_experts(touched: int, experts: int, world: int, trials: int = 2
 
 
 def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, allreduce_latency_s: float,
-                  allreduce_Bps: float, experts: int = 384, top_k: int = 8, n_layers: int = 61, n_dense: int = 1,
-                  hidden: int = 7168, **kw) -> list[dict]:
+                  allreduce_Bps: float, experts: int = 384, top_k: int = 8, n_layers: int = 61,
+                  n_dense: int = 1, hidden: int = 7168, **kw) -> list[dict]:
     """PROJECTED rows (labelled so) for `world` GPUs from one GPU's record: per MoE layer, its measured time
     less its MoE kernel's (`moe_int4` rows, by the round's tokens) split over the ranks (tensor-parallel
     attention and dense work), plus the MoE kernel on the busiest rank (its share of the round's touched
@@ -253,7 +253,8 @@ def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, a
     one = project(rec, taus, batch, context, n_layers=n_layers, n_dense=n_dense, hidden=hidden, **kw)
     out = []
     for r in one:
-        N = r["batch"] * ({"ar": 1, "dflash": kw.get("block_size", 16)}.get(r["mode"], (r["budget"] or 0) + 1))
+        rows = {"ar": 1, "dflash": kw.get("block_size", 16)}.get(r["mode"], (r["budget"] or 0) + 1)
+        N = r["batch"] * rows                                                   # the round's verify rows
         layer, ext = layer_time(rec["layer_verify"], "moe", context, batch, N // batch)
         dense, _ = layer_time(rec["layer_verify"], "dense", context, batch, N // batch)
         kern, _ = loglog([(t, s) for t, s, _ in moe_rows], min(max(N, moe_rows[0][0]), moe_rows[-1][0]))
@@ -270,7 +271,8 @@ def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, a
         t = sum(parts.values())
         out.append({**{k: r[k] for k in ("mode", "budget", "batch", "context", "tau")}, "round_s": t,
                     "parts": parts, "tok_per_s": r["tau"] / t, "extrapolated": r["extrapolated"] or ext,
-                    "world": world, "allreduce_latency_s": allreduce_latency_s, "allreduce_Bps": allreduce_Bps,
+                    "world": world, "allreduce_latency_s": allreduce_latency_s,
+                    "allreduce_Bps": allreduce_Bps,
                     "busiest_rank_experts": busiest, "touched_experts": touched, "projected": True})
     ar = next((r for r in out if r["mode"] == "ar"), None)
     for r in out:
