@@ -26,6 +26,7 @@ import dataclasses
 import os
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -248,3 +249,74 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
                  nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
+
+
+# ----------------------------------------------------------------------------- all-reduce cost
+def _allreduce_rank(rank: int, world: int, backend: str, port: int, out: str, sizes, repeats: int) -> None:
+    import json
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        dev = f"cuda:{rank}" if cuda else "cpu"
+        rows = []
+        for n in sizes:  # bf16 elements
+            x = torch.ones(max(1, n // 2), dtype=torch.bfloat16, device=dev)
+            for _ in range(5):
+                dist.all_reduce(x)
+            ts = []
+            for _ in range(repeats):
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    dist.all_reduce(x)
+                    b.record()
+                    b.synchronize()
+                    ts.append(a.elapsed_time(b) * 1e-3)
+                else:
+                    t0 = time.perf_counter()
+                    dist.all_reduce(x)
+                    ts.append(time.perf_counter() - t0)
+            rows.append({"bytes": int(x.numel() * 2), "median_s": float(np.median(ts)),
+                         "min_s": float(min(ts))})
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_cost(world: int, backend: str = "nccl", sizes=(2**10, 2**14, 2**17, 2**20, 2**23),
+                   repeats: int = 50) -> dict:
+    """Measured all-reduce times of bf16 buffers of `sizes` bytes over `world` local ranks (CUDA events on
+    NCCL, host clock on gloo; median of `repeats` after 5 warm-up calls), and the model time = latency +
+    bytes / bandwidth that `project.project_multi` takes: latency the smallest buffer's time, bandwidth the
+    slope between the smallest and the largest. {"rows", "latency_s", "Bps", "world", "backend"}."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (one GPU per rank)")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"world={world!r}: expected an int >= 2")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are "
+                         "visible")
+    sizes = [int(s) for s in sizes]
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"sizes={sizes!r}: expected byte counts >= 2")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "allreduce.json")
+        mp.spawn(_allreduce_rank, args=(world, backend, _free_port(), out, sizes, repeats), nprocs=world,
+                 join=True)
+        with open(out) as f:
+            rows = json.load(f)
+    lo, hi = min(rows, key=lambda r: r["bytes"]), max(rows, key=lambda r: r["bytes"])
+    dt = hi["median_s"] - lo["median_s"]
+    return {"rows": rows, "latency_s": lo["median_s"],
+            "Bps": (hi["bytes"] - lo["bytes"]) / dt if dt > 0 else float("inf"), "world": world,
+            "backend": backend}

@@ -127,3 +127,24 @@ def test_world_sizes_that_do_not_divide_are_refused_before_spawning(monkeypatch)
     tp.check_shardable(TINY_B, 4)
     with pytest.raises(ValueError, match="n_routed_experts = 16"):
         tp.check_shardable(TINY_B.replace(num_attention_heads=32), 32)
+
+
+def test_allreduce_cost_on_two_gloo_ranks():
+    """The all-reduce measurement's plumbing on the CPU: one row per size, times positive and growing with
+    the bytes overall, a latency and a bandwidth for project_multi; bad settings refused before spawning."""
+    r = tp.allreduce_cost(2, backend="gloo", sizes=(2**10, 2**22), repeats=5)
+    assert [x["bytes"] for x in r["rows"]] == [2**10, 2**22] and r["world"] == 2 and r["backend"] == "gloo"
+    assert all(x["median_s"] > 0 for x in r["rows"]) and r["latency_s"] == r["rows"][0]["median_s"]
+    assert r["Bps"] > 0
+    with pytest.raises(ValueError, match="world"):
+        tp.allreduce_cost(1, backend="gloo")
+    with pytest.raises(ValueError, match="sizes"):
+        tp.allreduce_cost(2, backend="gloo", sizes=())
+
+
+@pytest.mark.gpu
+def test_allreduce_cost_on_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (the nvidia-h200-x2 kind)")
+    r = tp.allreduce_cost(2, backend="nccl", sizes=(2**12, 2**24), repeats=20)
+    assert 0 < r["latency_s"] < 1e-3 and r["Bps"] > 1e9
