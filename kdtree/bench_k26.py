@@ -194,6 +194,19 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
     return out
 
 
+def merge(old: dict | None, new: dict) -> dict:
+    """A sweep's record `new` over an earlier one: the earlier cells and targets of the (context, batch)
+    cells `new` ran are replaced, the others kept (staged sweeps build one record)."""
+    if not old:
+        return new
+    keep = set(new["layers"])
+    cells = [c for c in old.get("cells", []) if f"{c['context']}:{c['batch']}" not in keep]
+    targets = [t for t in old.get("targets", []) if not any(
+        f"batch {k.split(':')[1]}, context {k.split(':')[0]}" in t["name"] for k in keep)]
+    return {**old, **new, "cells": cells + new["cells"], "targets": targets + new["targets"],
+            "layers": {**old.get("layers", {}), **new["layers"]}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
     ap.add_argument("--out", default="outputs")
@@ -223,12 +236,7 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "e2e_k26.json"
-    old = json.loads(path.read_text()) if path.is_file() else {"cells": [], "targets": [], "layers": {}}
-    keep = {f"{c}:{b}" for c, b in cells}
-    rec["cells"] = [c for c in old["cells"] if f"{c['context']}:{c['batch']}" not in keep] + rec["cells"]
-    rec["targets"] = [t for t in old["targets"] if not any(f"context {c}" in t["name"] and f"batch {b}," in
-                                                           t["name"] for c, b in cells)] + rec["targets"]
-    rec["layers"] = {**old.get("layers", {}), **rec["layers"]}
+    rec = merge(json.loads(path.read_text()) if path.is_file() else None, rec)
     rec["device"] = torch.cuda.get_device_name()
     write_record(path, rec)
 

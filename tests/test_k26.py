@@ -107,3 +107,20 @@ def test_bench_k26_smoke_on_a_cpu():
     assert taus[16] > taus[4] > 1.5
     names = [t["name"] for t in rec["targets"]]
     assert any("auto / best fixed budget" in n for n in names) and any("better of AR" in n for n in names)
+
+
+def test_staged_sweeps_merge_into_one_record():
+    from kdtree.bench_k26 import merge
+
+    def cell(C, b, v):
+        return {"context": C, "batch": b, "tok_per_s": v}
+
+    def tgt(C, b, v):
+        return {"name": f"K2.6 sim tau_c 5, 12 MoE layers, batch {b}, context {C}: x", "measured": v}
+    old = {"cells": [cell(4096, 1, 1.0), cell(4096, 8, 2.0)], "targets": [tgt(4096, 1, 1.0), tgt(4096, 8, 2.0)],
+           "layers": {"4096:1": 12, "4096:8": 12}, "label": "x"}
+    new = {"cells": [cell(4096, 8, 3.0)], "targets": [tgt(4096, 8, 3.0)], "layers": {"4096:8": 11}}
+    m = merge(old, new)
+    assert [c["tok_per_s"] for c in m["cells"]] == [1.0, 3.0]
+    assert [t["measured"] for t in m["targets"]] == [1.0, 3.0]
+    assert m["layers"] == {"4096:1": 12, "4096:8": 11} and m["label"] == "x" and merge(None, new) is new
