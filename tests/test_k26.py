@@ -117,8 +117,8 @@ def test_staged_sweeps_merge_into_one_record():
 
     def tgt(C, b, v):
         return {"name": f"K2.6 sim tau_c 5, 12 MoE layers, batch {b}, context {C}: x", "measured": v}
-    old = {"cells": [cell(4096, 1, 1.0), cell(4096, 8, 2.0)], "targets": [tgt(4096, 1, 1.0), tgt(4096, 8, 2.0)],
-           "layers": {"4096:1": 12, "4096:8": 12}, "label": "x"}
+    old = {"cells": [cell(4096, 1, 1.0), cell(4096, 8, 2.0)],
+           "targets": [tgt(4096, 1, 1.0), tgt(4096, 8, 2.0)], "layers": {"4096:1": 12, "4096:8": 12}, "label": "x"}
     new = {"cells": [cell(4096, 8, 3.0)], "targets": [tgt(4096, 8, 3.0)], "layers": {"4096:8": 11}}
     m = merge(old, new)
     assert [c["tok_per_s"] for c in m["cells"]] == [1.0, 3.0]
