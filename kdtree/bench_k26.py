@@ -7,10 +7,10 @@ many MoE layers as fit the largest cell asked for, and in each (context, batch) 
 every mode (`fit_layers`; a cell that needs fewer runs on the first layers of the same model). The drafter:
 Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance: `kdtree.simulate` profiles
 (chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16; `--trained FILE`: the trained pair's
-realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at
-its real shape on real data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and
-budget="auto" ("previous"), each `repeats` times after a warm-up run: median per-round latency and GPU span,
-per-user and aggregate tok/s (whole requests after their prefill of a short prompt; the long context is
+realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at its real shape on real
+data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and budget="auto" ("previous"),
+each `repeats` times after a warm-up run: median per-round latency and GPU span, per-user and aggregate tok/s
+(whole requests of `max_new(batch)` tokens after their prefill of a short prompt; the long context is
 synthetic, `Engine.add_request(synthetic_context=)`), tau. A top-level `targets` list.
 """
 from __future__ import annotations
@@ -34,7 +34,13 @@ from .simulate import Profile
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
 BUDGETS = (4, 8, 16, 32, 64, 128)
 CELLS = ((4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32))
-PROMPT, MAX_NEW = 16, 64
+PROMPT, MAX_NEW = 16, 256
+
+
+def max_new(batch: int) -> int:
+    """New tokens per request: enough rounds per cell for a stable tau (about 2,000 tokens a run from batch 8
+    on, 256 per request at batch 1)."""
+    return MAX_NEW if batch == 1 else 128 if batch <= 8 else 64
 MIN_LAYERS = 12   # asked for at batch 1 and 8, context 4K
 
 
@@ -87,6 +93,34 @@ def _first_layers(target, drafter, n_moe: int):
     return t, d.attach(t)
 
 
+def experts_touched(engine: Engine, prompts, rounds: int = 3, **add) -> float:
+    """The engine's real routing: distinct routed experts one MoE layer reads per verify forward (mean over
+    the layers and `rounds` eager rounds of every prompt at once; graph replays run no hooks). The engine
+    must be idle; the requests are served to the end (a few rounds each) before it returns."""
+    from .model import MoE
+    seen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel()))
+             for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
+    try:
+        for p in prompts:
+            engine.add_request(p, 3 * engine.max_accept + 2, **add)
+        engine.step()
+        engine.step()
+        b = engine._bucket(len(engine.active))
+        snapshot = [t.clone() for t in (engine.lens, engine.root)]
+        seen.clear()
+        for _ in range(rounds):  # the same round from the same state: no request advances
+            engine._round(b, False)
+            engine.lens.copy_(snapshot[0])
+            engine.root.copy_(snapshot[1])
+        got = list(seen)
+    finally:
+        for h in hooks:
+            h.remove()
+    engine.run()
+    return float(sum(got) / len(got)) if got else float("nan")
+
+
 def _with_block(drafter, block: int):
     d = copy.copy(drafter)   # the same weights drafting `block` positions (block_size is the args')
     d.args = dataclasses.replace(drafter.args, block_size=block)
@@ -94,9 +128,11 @@ def _with_block(drafter, block: int):
 
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
-        progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None) -> dict:
+        progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
+        on_engine=None) -> dict:
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
-    device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU)."""
+    device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
+    on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off)."""
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
@@ -122,7 +158,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
         rows_cell = []
         common = dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
-                      max_len=context + PROMPT + MAX_NEW + rows + 64)
+                      max_len=context + PROMPT + max_new(batch) + rows + 64)
         specs = [("ar", None, None)]
         for spec in profiles:
             prof = (spec if isinstance(spec, Profile) else
@@ -139,11 +175,17 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 kw["simulate"] = prof
             dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
             start = time.perf_counter()
-            # the DFlash engine's stages (an eager round under the profiler): the drafter's measured cost
-            after = (lambda e: {"stages": stage_kernels(e, prompts[0])}) if mode == "dflash" and gpu else None
+            add = dict(synthetic_context=context - PROMPT)
+
+            def after(e, mode=mode, budget=budget):
+                # the routing of every fixed plan's rounds; the DFlash engine's stages (an eager round under
+                # the profiler): the drafter's measured cost
+                out = {} if budget == "auto" else {"experts_touched": experts_touched(e, prompts, **add)}
+                if mode == "dflash" and gpu:
+                    out["stages"] = stage_kernels(e, prompts[0])
+                return out
             try:
-                c = _cell(lambda: Engine(t, dd, **kw), prompts, MAX_NEW, repeats,
-                          add=dict(synthetic_context=context - PROMPT), after=after)
+                c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after)
             except Exception as e:  # recorded; the sweep goes on
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
@@ -152,6 +194,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                      tau_chain=None if prof is None else prof.tau_chain,
                      block=None if prof is None else prof.depth + 1)
             rows_cell.append(c)
+            if on_engine is not None:
+                on_engine({**rec, "cells": rec["cells"] + rows_cell, "partial": True})
             gc.collect()
             torch.cuda.empty_cache()
             if progress:
@@ -232,13 +276,19 @@ def main(argv=None) -> None:
     if a.trained:
         cc = json.loads(Path(a.trained).read_text())["trained"]["calibration_check"]
         profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
-    rec = run(cells, profiles, tuple(a.budgets), a.repeats)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "e2e_k26.json"
-    rec = merge(json.loads(path.read_text()) if path.is_file() else None, rec)
-    rec["device"] = torch.cuda.get_device_name()
-    write_record(path, rec)
+    old = json.loads(path.read_text()) if path.is_file() else None
+
+    def save(rec):
+        rec = merge(old, rec)
+        rec["device"] = torch.cuda.get_device_name()
+        if rec.get("partial"):
+            path.write_text(json.dumps(rec, indent=1) + "\n")
+        else:
+            write_record(path, rec)
+    save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ class DraftAttention(nn.Module):
         G = H // Hk
         o = F.scaled_dot_product_attention(q.reshape(B, Hk, G * T, hd), kbuf, vbuf,
                                            attn_mask=seen[:, None, None, :])     # [B, Hk, G * T, hd]
-        return self.o_proj(o.view(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
 
 
 class DraftLayer(nn.Module):

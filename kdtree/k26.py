@@ -70,7 +70,8 @@ def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k
     moe = [i for i, layer in enumerate(m.model.layers) if isinstance(layer.mlp, MoE)]
     for i in moe:  # no expert weights before their INT4 copy exists
         m.model.layers[i].mlp.experts = nn.Module()
-    m = m.to_empty(device=dev)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    m = m.to(dtype).to_empty(device=dev)   # the dtype on meta: no float32 copy of the weights ever exists
     m.inv_freq.copy_(rope_inv_freq(args)[0])   # to_empty leaves buffers unset
     g = torch.Generator(device=dev).manual_seed(seed)
     _fill(m, g)
@@ -79,7 +80,7 @@ def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k
         make = Int4Experts.random_kernel_only if kernel_only else Int4Experts.random
         kw = dict(chunk=chunk) if kernel_only else {}
         m.model.layers[i].mlp.experts = make(E, D, I, device=dev, seed=seed * 1000 + i, **kw)
-    return m.to(torch.bfloat16 if dev.type == "cuda" else torch.float32).eval()
+    return m.to(dtype).eval()
 
 
 def drafter_layer_ids(n_layers: int) -> tuple[int, ...]:
@@ -103,7 +104,7 @@ def build_drafter(target: Transformer, seed: int = 1, args: DrafterArgs | None =
     initialised there (meta first)."""
     args = drafter_args(target.args) if args is None else args
     with torch.device("meta"):
-        d = DFlashDrafter(args)
+        d = DFlashDrafter(args).to(target.dtype)
     d = d.to_empty(device=target.device)
     d.inv_freq.copy_(draft_inv_freq(args))   # to_empty leaves buffers unset
     _fill(d, torch.Generator(device=target.device).manual_seed(seed))

@@ -43,7 +43,8 @@ def test_round_parts_add_up_as_documented():
     assert math.isclose(dd["build"], 2e-6 * B, rel_tol=1e-9) and math.isclose(dd["walk"], 1e-6 * B, rel_tol=1e-9)
     assert dd["extrapolated"] is False
     small = P.round_parts(rec, "ddtree", 1, 4096, budget=4, **kw)
-    assert small is None  # the tree round was measured from budget 16 on: no extrapolation below
+    # below the smallest measured budget (16) the tree round and the walk are charged budget 16's (an upper bound)
+    assert math.isclose(small["build"], 2e-6 * 16) and math.isclose(small["walk"], 1e-6 * 16)
     assert P.round_parts(rec, "ddtree", 1, 4096, budget=100, **kw)["extrapolated"] is True  # 101 rows > 64
     assert P.round_parts(rec, "ddtree", 1, 4096, budget=200, **kw) is None  # past twice the largest measurement
     assert P.round_parts(rec, "ar", 8, 4096, **kw) is None  # batch 8 not measured
@@ -52,8 +53,9 @@ def test_round_parts_add_up_as_documented():
 def test_project_rows_tokens_per_second_and_break_even_tau():
     rec = _rec()
     kw = dict(block_size=8, drafter_layers=3, n_layers=10, n_dense=2, vocab=1000, hidden=64)
-    rows = P.project(rec, {"dflash": 2.0, "ddtree": {16: 3.0, 64: 4.0, 4: 9.0}}, 1, 4096, **kw)
-    assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 64)]
+    rows = P.project(rec, {"dflash": 2.0, "ddtree": {16: 3.0, 64: 4.0, 4: 9.0, 256: 9.0}}, 1, 4096, **kw)
+    assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
+                                                        ("ddtree", 16), ("ddtree", 64)]   # 257 rows: too far
     ar = rows[0]
     for r in rows:
         assert math.isclose(r["round_s"], sum(r["parts"].values()))
@@ -133,6 +135,35 @@ def test_check_engine_projects_partial_depth_rounds_and_flags_misses():
     cells[0]["draft_s"] = 1.0
     r = P.check_engine(rec, cells[:1], **kw)[0]
     assert r["parts"]["draft"] == 1.0 and not r["within"]
+
+
+def test_routing_correction_charges_the_experts_a_round_reads():
+    """A round whose rows read as many experts as random routing gives them costs the record's time; fewer
+    experts cost the kernel's time per expert less; the full-depth rows scale the MoE layers (can fail: a
+    check that ignores `experts_touched` sees the 16-token round over-projected)."""
+    rec = _rec_moe()   # tokens 1, 4, 16, 64 -> experts 8, 32, 64, 64; kernel 1e-3 sqrt(tokens)
+    for r in rec["moe_int4"]:
+        r["kernel_s"] *= 10
+    assert abs(P.routing_correction(rec, 4, 32)) < 1e-15
+    # 16 rows of random routing read 64 experts in 4e-3 s; reading 32 of them takes half as long
+    assert math.isclose(P.routing_correction(rec, 16, 32), -2e-3, rel_tol=1e-9)
+    assert math.isclose(P.routing_correction(rec, 64, 32), -4e-3, rel_tol=1e-9)   # saturated: 64 of 64 read
+    kw = dict(vocab=1000, hidden=64, drafter_layers=3)
+    base = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, **kw)
+    less = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, touched=32, **kw)
+    assert math.isclose(base["verify"] - less["verify"], 4 * 2e-3, rel_tol=1e-9)   # 4 MoE layers
+    t = sum(v for k, v in less.items() if k != "extrapolated")
+    cell = dict(mode="ddtree", budget=15, batch=1, context=4096, layers=4, block=8, tau=3.0,
+                round_gpu_span_median_s=t, experts_touched=32)
+    row = P.check_engine(rec, [cell], **kw)[0]
+    assert row["within"] and math.isclose(row["ratio"], 1.0)
+    full = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=61, n_dense=1, touched=32, **kw)
+    full_s = sum(v for k, v in full.items() if k != "extrapolated")
+    assert math.isclose(row["full_s"], full_s) and math.isclose(row["full_tok_per_s"], 3.0 / full_s)
+    blind = P.check_engine(rec, [cell], routing=False, **kw)[0]
+    assert not blind["within"] and blind["ratio"] > 1.1
+    with pytest.raises(ValueError, match="moe_int4"):
+        P.routing_correction(_rec(), 4, 8)
 
 
 def _rec_moe():
