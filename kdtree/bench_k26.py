@@ -93,14 +93,16 @@ def _first_layers(target, drafter, n_moe: int):
     return t, d.attach(t)
 
 
-def experts_touched(engine: Engine, prompts, rounds: int = 3, **add) -> float:
-    """The engine's real routing: distinct routed experts one MoE layer reads per verify forward (mean over
-    the layers and `rounds` eager rounds of every prompt at once; graph replays run no hooks). The engine
-    must be idle; the requests are served to the end (a few rounds each) before it returns."""
+def routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
+    """The engine's real routing, from `rounds` eager rounds of every prompt at once (graph replays run no
+    hooks): {"experts_touched": distinct routed experts one MoE layer reads per verify forward, "moe_kernel_s":
+    the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's kernel times}. The
+    engine must be idle; the requests are served to the end (a few rounds each) before it returns."""
+    from torch.profiler import ProfilerActivity, profile
     from .model import MoE
+    moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
     seen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel()))
-             for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
+    hooks = [m.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel())) for m in moe]
     try:
         for p in prompts:
             engine.add_request(p, 3 * engine.max_accept + 2, **add)
@@ -109,16 +111,22 @@ def experts_touched(engine: Engine, prompts, rounds: int = 3, **add) -> float:
         b = engine._bucket(len(engine.active))
         snapshot = [t.clone() for t in (engine.lens, engine.root)]
         seen.clear()
-        for _ in range(rounds):  # the same round from the same state: no request advances
-            engine._round(b, False)
-            engine.lens.copy_(snapshot[0])
-            engine.root.copy_(snapshot[1])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(rounds):  # the same round from the same state: no request advances
+                engine._round(b, False)
+                engine.lens.copy_(snapshot[0])
+                engine.root.copy_(snapshot[1])
+            engine._sync()
         got = list(seen)
     finally:
         for h in hooks:
             h.remove()
     engine.run()
-    return float(sum(got) / len(got)) if got else float("nan")
+    kern = sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
+    return {"experts_touched": float(sum(got) / len(got)) if got else None,
+            "moe_kernel_s": kern / (rounds * len(moe)) if kern > 0 else None}
 
 
 def _with_block(drafter, block: int):
@@ -180,7 +188,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
             def after(e, mode=mode, budget=budget):
                 # the routing of every fixed plan's rounds; the DFlash engine's stages (an eager round under
                 # the profiler): the drafter's measured cost
-                out = {} if budget == "auto" else {"experts_touched": experts_touched(e, prompts, **add)}
+                out = {} if budget == "auto" else routing(e, prompts, **add)
                 if mode == "dflash" and gpu:
                     out["stages"] = stage_kernels(e, prompts[0])
                 return out

@@ -83,31 +83,29 @@ def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
                2 * rows * vocab * hidden / ceilings["bf16_matmul_flops"])
 
 
-def routing_correction(rec: dict, tokens: int, touched: float) -> float:
+def routing_correction(rec: dict, tokens: int, kernel_s: float) -> float:
     """Seconds to add to one MoE layer's recorded verify time (random routing over `tokens` rows) when the
-    round's rows read `touched` distinct routed experts instead (a real tree's siblings share experts): the
-    moe_int4 kernel reads experts at a near-constant time each (it is bandwidth-bound), so its recorded time
-    at `tokens` scales by touched / (the experts random routing gives `tokens` rows), both by `loglog` over
-    the record's moe_int4 rows (tokens clamped to their measured range)."""
-    rows = sorted((r["tokens"], r["experts_touched"], r["kernel_s"]) for r in rec.get("moe_int4", []))
+    routed experts' kernel took `kernel_s` on the round's own routing (measured: a real tree's siblings share
+    experts, so fewer are read, by more tokens each): kernel_s less the record's moe_int4 kernel time at
+    `tokens` (`loglog`, tokens clamped to the measured range)."""
+    rows = sorted((r["tokens"], r["kernel_s"]) for r in rec.get("moe_int4", []))
     if not rows:
-        raise ValueError("rec['moe_int4'] is empty: the MoE kernel's times per expert count are needed")
-    t = min(max(tokens, rows[0][0]), rows[-1][0])
-    u_rand, _ = loglog([(n, u) for n, u, _ in rows], t)
-    k_rand, _ = loglog([(n, k) for n, _, k in rows], t)
-    return k_rand * (float(touched) / u_rand - 1.0)
+        raise ValueError("rec['moe_int4'] is empty: the MoE kernel's times per token count are needed")
+    k_rand, _ = loglog(rows, min(max(tokens, rows[0][0]), rows[-1][0]))
+    return float(kernel_s) - k_rand
 
 
 def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None, block_size: int = 16,
                 drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1, vocab: int = 163840,
-                hidden: int = 7168, draft_s: float | None = None, touched: float | None = None) -> dict | None:
+                hidden: int = 7168, draft_s: float | None = None, moe_kernel_s: float | None = None
+                ) -> dict | None:
     """Seconds per round by part ({draft, build, verify, walk}, plus extrapolated: bool) for one mode; None
     where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not in
     the record). Tree round and walk times are interpolated over the measured budgets likewise (below the
     smallest measured budget, that budget's time: an upper bound). draft_s: the drafter's measured seconds a
-    round (else modelled as drafter_layers dense layers + the head). touched: the distinct routed experts a
-    MoE layer reads in the round, measured on the engine's routing (`routing_correction`; else the record's
-    random routing)."""
+    round (else modelled as drafter_layers dense layers + the head). moe_kernel_s: the routed experts' kernel
+    seconds per MoE layer on the engine's own routing (`routing_correction`; else the record's random
+    routing)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if mode == "ddtree" and (not isinstance(budget, int) or budget <= 0):
@@ -119,8 +117,8 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
     (dense, x1), (moe, x2) = (layer_time(layers, k, context, batch, N) for k in ("dense", "moe"))
     if dense is None or moe is None:
         return None
-    if touched is not None:
-        moe += routing_correction(rec, N * batch, touched)
+    if moe_kernel_s is not None:
+        moe += routing_correction(rec, N * batch, moe_kernel_s)
     parts = {"draft": 0.0, "build": 0.0, "verify": n_dense * dense + (n_layers - n_dense) * moe
              + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0}
     extrapolated = x1 or x2
@@ -222,10 +220,10 @@ def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5)
 def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 61, routing: bool = True,
                  **kw) -> list[dict]:
     """The projection against measured engine rounds at a partial depth (bench_k26's cells): for every cell
-    {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, experts_touched (both
+    {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, moe_kernel_s (both
     optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured
-    routing (`experts_touched`, routing True) and draft time. Rows {.., projected_s, measured_s, ratio,
+    routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s, measured_s, ratio,
     within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers (PROJECTED), full_tok_per_s
     the cell's tau over it. Cells the record cannot project are left out. kw: round_parts' vocab, hidden,
     drafter_layers."""
@@ -234,7 +232,7 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
         if c.get("error") or c.get("budget") == "auto" or not c.get("round_gpu_span_median_s"):
             continue
         at = dict(block_size=c.get("block") or 16, n_dense=1, draft_s=c.get("draft_s"),
-                  touched=c.get("experts_touched") if routing else None, **kw)
+                  moe_kernel_s=c.get("moe_kernel_s") if routing else None, **kw)
         parts = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"),
                             n_layers=1 + c["layers"], **at)
         full = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"), n_layers=full_layers,
@@ -245,7 +243,7 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
         t, m = sum(parts.values()), c["round_gpu_span_median_s"]
         fs = None if full is None else sum(v for k, v in full.items() if k != "extrapolated")
         out.append({k: c.get(k) for k in ("mode", "budget", "batch", "context", "layers", "tau_chain",
-                                          "experts_touched")} |
+                                          "experts_touched", "moe_kernel_s")} |
                    {"projected_s": t, "measured_s": m, "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
                     "parts": parts, "extrapolated": ext, "full_layers": full_layers, "full_s": fs,
                     "full_tok_per_s": c["tau"] / fs if fs and c.get("tau") else None})

@@ -137,33 +137,32 @@ def test_check_engine_projects_partial_depth_rounds_and_flags_misses():
     assert r["parts"]["draft"] == 1.0 and not r["within"]
 
 
-def test_routing_correction_charges_the_experts_a_round_reads():
-    """A round whose rows read as many experts as random routing gives them costs the record's time; fewer
-    experts cost the kernel's time per expert less; the full-depth rows scale the MoE layers (can fail: a
-    check that ignores `experts_touched` sees the 16-token round over-projected)."""
-    rec = _rec_moe()   # tokens 1, 4, 16, 64 -> experts 8, 32, 64, 64; kernel 1e-3 sqrt(tokens)
-    for r in rec["moe_int4"]:
-        r["kernel_s"] *= 10
-    assert abs(P.routing_correction(rec, 4, 32)) < 1e-15
-    # 16 rows of random routing read 64 experts in 4e-3 s; reading 32 of them takes half as long
-    assert math.isclose(P.routing_correction(rec, 16, 32), -2e-3, rel_tol=1e-9)
-    assert math.isclose(P.routing_correction(rec, 64, 32), -4e-3, rel_tol=1e-9)   # saturated: 64 of 64 read
+def test_routing_correction_charges_the_kernel_time_of_the_rounds_own_routing():
+    """The routed experts' kernel measured on the round's routing replaces the record's random-routing kernel
+    time per MoE layer, in the partial-depth check and the full-depth rows (can fail: a check that ignores
+    `moe_kernel_s` sees the round over-projected)."""
+    rec = _rec_moe()   # tokens 1, 4, 16, 64 -> kernel 1e-4 sqrt(tokens)
+    assert abs(P.routing_correction(rec, 4, 2e-4)) < 1e-15
+    assert math.isclose(P.routing_correction(rec, 16, 1e-4), 1e-4 - 4e-4, rel_tol=1e-9)
+    assert math.isclose(P.routing_correction(rec, 256, 1e-4), 1e-4 - 8e-4, rel_tol=1e-9)   # clamped to 64
     kw = dict(vocab=1000, hidden=64, drafter_layers=3)
     base = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, **kw)
-    less = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, touched=32, **kw)
-    assert math.isclose(base["verify"] - less["verify"], 4 * 2e-3, rel_tol=1e-9)   # 4 MoE layers
+    less = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, moe_kernel_s=1e-4,
+                         **kw)
+    assert math.isclose(base["verify"] - less["verify"], 4 * (4e-4 - 1e-4), rel_tol=1e-9)   # 4 MoE layers
     t = sum(v for k, v in less.items() if k != "extrapolated")
     cell = dict(mode="ddtree", budget=15, batch=1, context=4096, layers=4, block=8, tau=3.0,
-                round_gpu_span_median_s=t, experts_touched=32)
+                round_gpu_span_median_s=t, moe_kernel_s=1e-4)
     row = P.check_engine(rec, [cell], **kw)[0]
     assert row["within"] and math.isclose(row["ratio"], 1.0)
-    full = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=61, n_dense=1, touched=32, **kw)
+    full = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=61, n_dense=1, moe_kernel_s=1e-4,
+                         **kw)
     full_s = sum(v for k, v in full.items() if k != "extrapolated")
     assert math.isclose(row["full_s"], full_s) and math.isclose(row["full_tok_per_s"], 3.0 / full_s)
     blind = P.check_engine(rec, [cell], routing=False, **kw)[0]
     assert not blind["within"] and blind["ratio"] > 1.1
     with pytest.raises(ValueError, match="moe_int4"):
-        P.routing_correction(_rec(), 4, 8)
+        P.routing_correction(_rec(), 4, 1e-4)
 
 
 def _rec_moe():
