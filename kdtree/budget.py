@@ -26,6 +26,7 @@ refresh the estimates.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,13 +169,9 @@ class CostTable:
         front = 0.0 if build is None else self._near(self.front, (b, build), ctx)
         return back + (math.inf if front is None else front) + self.host
 
-    def vector(self, b: int, build_list, ctx: int) -> np.ndarray:
-        """cost() of every plan i after building build_list[i], float64 [P] (inf where unmeasured)."""
-        return np.array([self.cost(b, i, B, ctx) for i, B in enumerate(build_list)])
-
     def add_host(self, seconds: float) -> None:
         self._host = (self._host + [seconds])[-HOST_WINDOW:]
-        self.host = float(np.median(self._host))
+        self.host = float(statistics.median(self._host))
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)
@@ -204,10 +201,13 @@ class Policy:
     def score(self, b: int, est: np.ndarray, ctx: int, allow, built: int | None = None) -> np.ndarray:
         """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]; built:
         the tree this round has built already (its cost for every plan), else each plan's own build."""
-        tot = np.asarray(est, np.float64).sum(0)
-        c = self.costs.vector(b, self.builds if built is None else [built] * len(self.plans), ctx)
-        ok = np.array([allow(p) for p in self.plans]) & np.isfinite(c) & (c > 0)
-        return np.where(ok, tot / np.where(ok, c, 1.0), -np.inf)
+        tot = np.asarray(est, np.float64).sum(0).tolist()
+        cost = self.costs.cost
+        out = []
+        for i, p in enumerate(self.plans):   # a few plans: plain Python beats numpy's per-call overhead
+            c = cost(b, i, self.builds[i] if built is None else built, ctx)
+            out.append(tot[i] / c if allow(p) and 0 < c < math.inf else -math.inf)
+        return np.array(out)
 
     def before(self, b: int, est: np.ndarray, ctx: int) -> int:
         """The plan decided before drafting, from the previous rounds' estimates est [n, P]: 0 (AR) or the

@@ -463,6 +463,7 @@ class Engine:
         self.warmup_s = 0.0
         self.capture_retries: list[str] = []
         self.auto = None
+        self._timing: list = []   # budget="auto": rounds whose phase times wait for _auto_flush
         if auto:
             L = drafter.block_size - 1
             plans = auto_budget.plans(L, cand)
@@ -924,7 +925,7 @@ class Engine:
         ids = [r.rid for r in self.active]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=b, graph=graph, ids=ids)
         if info is not None:
-            self._auto_account(b, n, i, info, stages["round"])
+            self._auto_take(n, i, info, stages["round"])
         self.rounds += 1
         for i, (r, row) in enumerate(zip(list(self.active), host)):
             k, ok, new = row[0], row[1], row[2:2 + row[0]]
@@ -947,6 +948,8 @@ class Engine:
             if finish(res.tokens, new, r.max_new, r.stop):
                 self._release(r)
         self._features = None
+        if self.auto is not None and not self.active:
+            self._auto_flush()   # idle: the last round's times into the cost table now
         if self.debug:
             self.check_state()
 
@@ -956,15 +959,15 @@ class Engine:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _stamp(self, slot: int | None = None):
-        """A time mark on the stream: a CUDA event (slot: one of the engine's four reused ones) or the host
-        clock."""
+        """A time mark on the stream: a CUDA event (slot: one of the engine's eight reused ones, two rounds'
+        worth: a round's marks are read after the next round recorded its own) or the host clock."""
         if self.device.type != "cuda":
             return time.perf_counter()
         if slot is None:
             e = torch.cuda.Event(enable_timing=True)
         else:
             if not hasattr(self, "_events"):
-                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
             e = self._events[slot]
         e.record()
         return e
@@ -1036,8 +1039,8 @@ class Engine:
 
     def _auto_round(self, b: int, n: int, sampling: bool, clock):
         """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
-        _auto_account)."""
-        pol = self.auto
+        _auto_take)."""
+        pol, ev = self.auto, 4 * (self.rounds % 2)   # this round's event slots
         ctx = self.costs.ctx(sum(r.length for r in self.active) / n)
         est = self._estimates()
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
@@ -1045,34 +1048,43 @@ class Engine:
         build = pol.builds[i]
         marks = {}
         if build is not None:
-            marks["f0"] = self._stamp(0)
+            marks["f0"] = self._stamp(ev)
             self._phase(b, sampling, None, build, clock)
-            marks["f1"] = self._stamp(1)
+            marks["f1"] = self._stamp(ev + 1)
             if pol.decide == "sync":  # the fresh estimates to the host, then the block within the tree built
                 self.est_host[:n].copy_(self.est[:n], non_blocking=True)
                 self._sync()
                 fresh = self.est_host[:n].numpy().copy()
                 self._take_estimates(fresh)
                 i = self._agree(pol.after(b, fresh, ctx, build))
-        marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(2)
+        marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(ev + 2)
         logits = self._phase(b, sampling, i, clock=clock)
-        marks["b1"] = self._stamp(3)
-        return logits, i, dict(marks=marks, ctx=ctx, build=build, drafted=build is not None)
+        marks["b1"] = self._stamp(ev + 3)
+        self._auto_flush()   # the previous round's times, while the GPU runs this one
+        return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
-    def _auto_account(self, b: int, n: int, i: int, info: dict, wall: float) -> None:
-        """After the round's sync: its phases' times into the cost table, its estimates to the requests."""
-        m, c, costs = info["marks"], info["ctx"], self.costs
-        back = self._secs(m["b0"], m["b1"])
-        front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
-        costs.update(costs.back, (b, i, c), back)
-        if info["drafted"]:
-            costs.update(costs.front, (b, info["build"], c), front)
-            if self.auto.decide == "previous":
-                self._take_estimates(self.est_host[:n].numpy())
-        costs.add_host(max(0.0, wall - front - back))
-        costs.samples += 1
+    def _auto_take(self, n: int, i: int, info: dict, wall: float) -> None:
+        """After the round's sync: its estimates to the requests, its plan to the history; its phases' times
+        wait in `_timing` for `_auto_flush` (run after the next round is launched, off the GPU's idle gap)."""
+        if info["drafted"] and self.auto.decide == "previous":
+            self._take_estimates(self.est_host[:n].numpy())
         self.auto.history.append((self.rounds, n, self.plans[i].name))
         self.last_round["plan"] = self.plans[i].name
+        self._timing.append((i, info, wall))
+
+    def _auto_flush(self) -> None:
+        """The waiting rounds' phase times into the cost table (CUDA events read after their round's sync)."""
+        costs = self.costs
+        for i, info, wall in self._timing:
+            m, c, b = info["marks"], info["ctx"], info["b"]
+            back = self._secs(m["b0"], m["b1"])
+            front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
+            costs.update(costs.back, (b, i, c), back)
+            if info["drafted"]:
+                costs.update(costs.front, (b, info["build"], c), front)
+            costs.add_host(max(0.0, wall - front - back))
+            costs.samples += 1
+        self._timing.clear()
 
     def check_state(self) -> None:
         """The device state against the host's bookkeeping (reads the device; debug=True runs it every round):
