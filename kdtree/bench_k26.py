@@ -93,7 +93,7 @@ def _first_layers(target, drafter, n_moe: int):
     return t, d.attach(t)
 
 
-def routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
+def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     """The engine's real routing, from `rounds` eager rounds of every prompt at once (graph replays run no
     hooks): {"experts_touched": distinct routed experts one MoE layer reads per verify forward, "moe_kernel_s":
     the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's kernel times}. The
@@ -137,10 +137,12 @@ def _with_block(drafter, block: int):
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
-        on_engine=None) -> dict:
+        on_engine=None, routing: str = "model") -> dict:
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
     device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
-    on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off)."""
+    on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off).
+    routing: `k26.build_target`'s ("model": the random router's concentrated choice; "uniform": every row
+    its own experts, the spread of a trained router across requests)."""
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
@@ -148,11 +150,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     if n_model == 0:
         raise ValueError(f"bench_k26: no cell of {list(cells)} fits in {free / 2**30:.0f} GiB")
     t0 = time.perf_counter()
-    target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu)
+    target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu, routing=routing)
     drafter = k26.build_drafter(target, args=None if dargs is None else
                                 k26.drafter_args(target.args, **dargs))
-    rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles)",
-           "built_layers": n_model, "build_s": time.perf_counter() - t0,
+    rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles), routing "
+                    f"{routing}", "routing": routing, "built_layers": n_model, "build_s": time.perf_counter() - t0,
            "weight_bytes": k26.weight_bytes(target),
            "cells": [], "targets": [], "layers": {}}
     free_after = (torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter)
@@ -188,7 +190,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
             def after(e, mode=mode, budget=budget):
                 # the routing of every fixed plan's rounds; the DFlash engine's stages (an eager round under
                 # the profiler): the drafter's measured cost
-                out = {} if budget == "auto" else routing(e, prompts, **add)
+                out = {} if budget == "auto" else measure_routing(e, prompts, **add)
                 if mode == "dflash" and gpu:
                     out["stages"] = stage_kernels(e, prompts[0])
                 return out
@@ -251,6 +253,9 @@ def merge(old: dict | None, new: dict) -> dict:
     cells `new` ran are replaced, the others kept (staged sweeps build one record)."""
     if not old:
         return new
+    if old.get("routing", "model") != new.get("routing", "model"):
+        raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
+                         f"{old.get('routing', 'model')!r} record (each routing has its own record)")
     keep = set(new["layers"])
     cells = [c for c in old.get("cells", []) if f"{c['context']}:{c['batch']}" not in keep]
     targets = [t for t in old.get("targets", []) if not any(
@@ -266,6 +271,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--routing", choices=k26.ROUTINGS, default="model",
+                    help="the random router as it is, or uniform (DIR/e2e_k26_uniform.json)")
     ap.add_argument("--trained", default=None,
                     help="an e2e_auto.json whose calibration_check (the trained pair's realized tokens per "
                     "truncation) becomes one more profile (Profile.fit, block 16)")
@@ -286,7 +293,7 @@ def main(argv=None) -> None:
         profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "e2e_k26.json"
+    path = out / ("e2e_k26.json" if a.routing == "model" else f"e2e_k26_{a.routing}.json")
     old = json.loads(path.read_text()) if path.is_file() else None
 
     def save(rec):
@@ -296,7 +303,7 @@ def main(argv=None) -> None:
             path.write_text(json.dumps(rec, indent=1) + "\n")
         else:
             write_record(path, rec)
-    save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save))
+    save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save, routing=a.routing))
 
 
 if __name__ == "__main__":

@@ -464,6 +464,8 @@ class Engine:
         self.capture_retries: list[str] = []
         self.auto = None
         self._timing: list = []   # budget="auto": rounds whose phase times wait for _auto_flush
+        self.pend, self.pend_n = None, torch.zeros(B, dtype=torch.int64, device=dev)
+        self._pending = 0   # budget="auto": AR plan rounds since the last catch-up (host count)
         if auto:
             L = drafter.block_size - 1
             plans = auto_budget.plans(L, cand)
@@ -481,6 +483,10 @@ class Engine:
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
             self._fbuf: _Front | None = None   # the front phase's outputs, static (allocated by the first)
+            # AR plan rounds leave the drafter's context behind: their rows' target features wait in `pend`
+            # [B, MAX_HOLD, F] (pend_n [B] per slot) until the next drafting round's catch-up extends it
+            self.pend = (torch.zeros(B, auto_budget.MAX_HOLD, len(self.layers) * a.hidden_size,
+                                     dtype=model.dtype, device=dev) if self.batched_drafter else None)
         if self.graph_reason is None:
             self._capture()
         if auto:
@@ -680,11 +686,15 @@ class Engine:
                 t[s] = t[last]
             if self.ctx is not None:
                 self.ctx.move(last, s)
+            if self.auto is not None and self.pend is not None:
+                self.pend[s], self.pend_n[s] = self.pend[last], self.pend_n[last]
             m.slot = s
             self.active[s] = m
         self.active.pop()
         self.page_table[last] = 0
         self.lens[last], self.root[last], self.temp[last], self.live[last] = 0, 0, 0.0, 0
+        if self.auto is not None and self.pend is not None:
+            self.pend_n[last] = 0
         r.result.wall_time = time.perf_counter() - r.t0
         r.slot = -1
         if r.rid not in self.errors:
@@ -754,7 +764,8 @@ class Engine:
         if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
         with _blas(dev, b * A):
-            self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b)
+            self._features = self._commit(blk.tokens, feats, acc, acc_len, bonus, finite, b,
+                                          plan is not None and plan.kind == "ar" and self.pend is not None)
         mark("commit")
         return logits
 
@@ -788,6 +799,13 @@ class Engine:
         self._fbuf.chain[:b].copy_(chain)
         mark("build")
 
+    def _catchup(self, b: int) -> None:
+        """The AR plan rounds' waiting rows into the drafter's context over slots [0, b): pend_n[s] rows at
+        positions lens[s] - pend_n[s] ... lens[s] - 1; the counts zeroed. No host reads."""
+        lens, n = self.lens[:b], self.pend_n[:b]
+        self.drafter.extend(self.ctx, self.pend[:b], lens - n, n)
+        n.zero_()
+
     def _front_view(self, b: int) -> _Front:
         F = self._fbuf.blk
         cut = (lambda t: None if t is None else t[:b])
@@ -806,15 +824,20 @@ class Engine:
         feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]
         return out.logits, choice, feats, torch.isfinite(out.logits).all(-1).all(-1)
 
-    def _commit_impl(self, tokens, feats, acc, acc_len, bonus, finite, b: int):
-        """The accepted rows' features to the drafter's context, the round's output row per request
-        (acc_len, finite, emitted tokens), lengths and roots advanced. Returns the accepted features [b, A, F]
-        for a host drafter (else None)."""
+    def _commit_impl(self, tokens, feats, acc, acc_len, bonus, finite, b: int, defer: bool = False):
+        """The accepted rows' features to the drafter's context (defer, an AR plan's round: to `pend`, for the
+        next catch-up), the round's output row per request (acc_len, finite, emitted tokens), lengths and
+        roots advanced. Returns the accepted features [b, A, F] for a host drafter (else None)."""
         lens, root = self.lens[:b], self.root[:b]
         if feats is not None:
             rows = acc.long().clamp_min(0)
             feats = feats.gather(1, rows[..., None].expand(-1, -1, feats.shape[-1]))          # [b, A, F]
-            if self.batched_drafter:
+            if self.batched_drafter and defer:   # one row a request; padding slots do not count it
+                slot = torch.arange(b, device=feats.device)
+                self.pend[slot, self.pend_n[:b]] = feats[:, 0].to(self.pend.dtype)
+                self.pend_n[:b] += self.live[:b]
+                feats = None
+            elif self.batched_drafter:
                 self.drafter.extend(self.ctx, feats, lens, acc_len)
                 feats = None
         A = self.max_accept
@@ -878,6 +901,8 @@ class Engine:
                 if self.auto is not None:  # a front graph per tree size, then one per plan (static buffers)
                     for B in self._tree_ops:
                         capture(("front", b, B), lambda: self._front(b, B))
+                    if self.pend is not None:
+                        capture(("catchup", b), lambda: self._catchup(b))
                     self.graphs[("front", b, self.max_budget)].replay()   # real blocks for the warm-up rounds
                 for sampling in (False, True) if self.graph_sampling else (False,):
                     if self.auto is None:
@@ -888,7 +913,7 @@ class Engine:
                         self._graph_logits[(b, sampling, i)] = capture(
                             (b, sampling, i), lambda: self._round(b, sampling, plan=plan))
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out):
+        for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out, self.pend_n):
             t.zero_()
         torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -1009,7 +1034,7 @@ class Engine:
                         self.costs.front[(b, B, c)] = sec
                     else:
                         self.costs.back[(b, i, c)] = sec
-        for t in (self.lens, self.root, self.out, self.est):
+        for t in (self.lens, self.root, self.out, self.est, self.pend_n):
             t.zero_()
         self._sync()
         self.warmup_s += time.perf_counter() - t0
@@ -1046,6 +1071,12 @@ class Engine:
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
         i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx))
         build = pol.builds[i]
+        if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
+            g = self.graphs.get(("catchup", b))   # the drafter's context before it drafts (or pend is full)
+            g.replay() if g is not None else self._catchup(b)
+            self._pending = 0
+        if build is None and self.pend is not None:
+            self._pending += 1
         marks = {}
         if build is not None:
             marks["f0"] = self._stamp(ev)

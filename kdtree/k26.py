@@ -20,12 +20,13 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import checks
 from .config import ModelArgs, load_config
 from .drafter import DFlashDrafter, DrafterArgs, draft_inv_freq
-from .model import Int4Experts, MoE, Transformer, rope_inv_freq
+from .model import Gate, Int4Experts, MoE, Transformer, rope_inv_freq
 
 K25_DFLASH = dict(num_hidden_layers=6, hidden_size=7168, num_attention_heads=64, num_key_value_heads=8,
                   head_dim=128, intermediate_size=18432, block_size=8)
@@ -56,11 +57,30 @@ def _fill(module: nn.Module, g: torch.Generator) -> None:
                 b.normal_(0, 0.01, generator=g)
 
 
+class HashedGate(Gate):
+    """A random-weight model's router with a trained router's spread: the scores are a pseudo-random
+    function of the row (sin-hash of its router logits), so rows that differ at all pick their experts
+    independently and uniformly (as notebook 01's random rows do), and equal rows pick alike. Random
+    weights' own router concentrates: their hidden states share most of their direction, so a batch's
+    tokens read a few experts between them."""
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x.float(), self.weight.float())                                   # [N, E]
+        return torch.frac(torch.sin(h * 12345.678) * 43758.5453).abs()                 # [N, E] in [0, 1)
+
+
+ROUTINGS = ("model", "uniform")
+
+
 def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k2.6",
-                 args: ModelArgs | None = None, chunk: int = 32, kernel_only: bool = True) -> Transformer:
+                 args: ModelArgs | None = None, chunk: int = 32, kernel_only: bool = True,
+                 routing: str = "model") -> Transformer:
     """The K2.6-shape target (module docstring): bf16 with the kernel attention on a GPU. args: other
     dimensions (tests; their layer count becomes 1 + n_moe), else target_args(n_moe, config). kernel_only
-    False: the experts stay in the release format (the CPU's reference path reads it)."""
+    False: the experts stay in the release format (the CPU's reference path reads it). routing "model": the
+    random router as it is (concentrated); "uniform": `HashedGate` (every row its own experts)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing={routing!r}: expected one of {ROUTINGS}")
     args = target_args(n_moe, config) if args is None else dataclasses.replace(
         args, num_hidden_layers=1 + checks.int_in("n_moe", n_moe, 1, FULL_LAYERS - 1),
         first_k_dense_replace=1)
@@ -80,6 +100,8 @@ def build_target(n_moe: int, device="cuda", seed: int = 0, config: str = "kimi-k
         make = Int4Experts.random_kernel_only if kernel_only else Int4Experts.random
         kw = dict(chunk=chunk) if kernel_only else {}
         m.model.layers[i].mlp.experts = make(E, D, I, device=dev, seed=seed * 1000 + i, **kw)
+        if routing == "uniform":
+            m.model.layers[i].mlp.gate.__class__ = HashedGate   # the same parameters, hashed scores
     return m.to(dtype).eval()
 
 

@@ -187,6 +187,44 @@ def test_forced_plans_serve_their_blocks(pair):
             assert names[1] == "AR" and 1 <= probes <= math.log2(len(names)) + 1, names
 
 
+def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair):
+    """Forced AR holds: an AR plan's round leaves its row's features in `pend` (the drafter's context is
+    not extended), and the next drafting round extends the context first, so after it the context equals
+    that of an engine extending every AR round (pend off), and so do the plans and tokens. Can fail: the
+    context lacks the held rows before the catch-up."""
+    t, d = pair
+    prompt = random_prompts(t.args, 1, seed=12, min_len=20, max_len=20)[0]
+
+    def forced():
+        e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=1, max_len=256)
+        for key in list(e.costs.back):
+            e.costs.back[key] = 1e-6 if key[1] == 0 else 1.0
+        for key in e.costs.front:
+            e.costs.front[key] = 0.0
+        e.costs.update = lambda *a: None
+        e.add_request(prompt, 60)
+        return e
+    e, ref = forced(), forced()
+    ref.pend = None                               # extends the context in every AR round
+    held = caught = 0
+    while e.waiting or e.active:
+        e.step()
+        ref.step()
+        assert e.auto.history == ref.auto.history and e.lens.tolist() == ref.lens.tolist()
+        if not e.active:
+            break
+        L, n = int(e.lens[0]), int(e.pend_n[0])
+        rows = [(a[0, :, :L - n], b[0, :, :L - n]) for a, b in zip(e.ctx.k + e.ctx.v, ref.ctx.k + ref.ctx.v)]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in rows)
+        if n:   # held rows: not in the context yet
+            held += 1
+            assert not torch.allclose(e.ctx.k[0][0, :, L - n:L], ref.ctx.k[0][0, :, L - n:L])
+        elif e.auto.history[-1][2] != "AR" and len(e.auto.history) > 2 and e.auto.history[-2][2] == "AR":
+            caught += 1   # a probe right after a hold: the whole context caught up
+    assert held >= 3 and caught >= 2, (held, caught)
+    assert e.finished[0].tokens == ref.finished[0].tokens
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(mode="dflash", budget="auto"), "only mode='ddtree' takes a budget"),
     (dict(budget=16, max_budget=32), "only budget='auto'"),

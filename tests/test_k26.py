@@ -66,6 +66,29 @@ def test_build_target_has_distinct_random_layers_in_one_int4_copy(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_uniform_routing_spreads_rows_that_the_random_router_concentrates():
+    """Rows sharing most of their direction (a random model's hidden states do): the random router as it is
+    reads few experts between them, HashedGate about what independent uniform choices read; equal rows
+    route alike; a bad routing name is refused."""
+    import math
+    m = k26.build_target(1, device="cpu", seed=3, args=SMALL)
+    u = k26.build_target(1, device="cpu", seed=3, args=SMALL, routing="uniform")
+    assert isinstance(u.model.layers[1].mlp.gate, k26.HashedGate)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, SMALL.hidden_size, generator=g)
+    x = base + 0.02 * torch.randn(64, SMALL.hidden_size, generator=g)                  # [64, D]
+    E, k = SMALL.n_routed_experts, SMALL.num_experts_per_tok
+    want = E * (1 - (1 - k / E) ** 8)                  # 8 rows of independent uniform choices
+    spread = lambda gate: sum(gate(x[i:i + 8])[1].unique().numel() for i in range(0, 64, 8)) / 8
+    got_m, got_u = spread(m.model.layers[1].mlp.gate), spread(u.model.layers[1].mlp.gate)
+    assert abs(got_u - want) < 0.2 * want and got_m < 0.8 * got_u, (got_m, got_u, want)
+    with torch.no_grad():
+        w, idx = u.model.layers[1].mlp.gate(torch.cat([x[:1], x[:1]]))
+    assert torch.equal(idx[0], idx[1]) and math.isfinite(float(w.sum()))
+    with pytest.raises(ValueError, match="routing='hashed'"):
+        k26.build_target(1, device="cpu", args=SMALL, routing="hashed")
+
+
 def test_drafter_layers_map_onto_the_layers_present():
     assert k26.drafter_layer_ids(61) == k26.K25_LAYER_IDS
     assert k26.drafter_layer_ids(13) == (0, 2, 5, 7, 9, 12)
@@ -124,3 +147,6 @@ def test_staged_sweeps_merge_into_one_record():
     assert [c["tok_per_s"] for c in m["cells"]] == [1.0, 3.0]
     assert [t["measured"] for t in m["targets"]] == [1.0, 3.0]
     assert m["layers"] == {"4096:1": 12, "4096:8": 11} and m["label"] == "x" and merge(None, new) is new
+    with pytest.raises(ValueError, match="routing 'uniform' sweep"):
+        merge(old, dict(new, routing="uniform"))
+    assert merge(dict(old, routing="uniform"), dict(new, routing="uniform"))["routing"] == "uniform"
