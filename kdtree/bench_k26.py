@@ -95,9 +95,9 @@ def _first_layers(target, drafter, n_moe: int):
 
 def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     """The engine's real routing, from `rounds` eager rounds of every prompt at once (graph replays run no
-    hooks): {"experts_touched": distinct routed experts one MoE layer reads per verify forward, "moe_kernel_s":
-    the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's kernel times}. The
-    engine must be idle; the requests are served to the end (a few rounds each) before it returns."""
+    hooks): {"experts_touched": distinct routed experts one MoE layer reads per verify forward,
+    "moe_kernel_s": the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's
+    kernel times}. The engine must be idle; the requests are served to the end (a few rounds each)."""
     from torch.profiler import ProfilerActivity, profile
     from .model import MoE
     moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
@@ -154,7 +154,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     drafter = k26.build_drafter(target, args=None if dargs is None else
                                 k26.drafter_args(target.args, **dargs))
     rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles), routing "
-                    f"{routing}", "routing": routing, "built_layers": n_model, "build_s": time.perf_counter() - t0,
+                    f"{routing}", "routing": routing, "built_layers": n_model,
+           "build_s": time.perf_counter() - t0,
            "weight_bytes": k26.weight_bytes(target),
            "cells": [], "targets": [], "layers": {}}
     free_after = (torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter)

@@ -223,9 +223,9 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
     {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, moe_kernel_s (both
     optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured
-    routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s, measured_s, ratio,
-    within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers (PROJECTED), full_tok_per_s
-    the cell's tau over it. Cells the record cannot project are left out. kw: round_parts' vocab, hidden,
+    routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s,
+    measured_s, ratio, within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers
+    (PROJECTED), full_tok_per_s the cell's tau over it. Cells the record cannot project are left out. kw: round_parts' vocab, hidden,
     drafter_layers."""
     out = []
     for c in cells:

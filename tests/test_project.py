@@ -43,7 +43,7 @@ def test_round_parts_add_up_as_documented():
     assert math.isclose(dd["build"], 2e-6 * B, rel_tol=1e-9) and math.isclose(dd["walk"], 1e-6 * B, rel_tol=1e-9)
     assert dd["extrapolated"] is False
     small = P.round_parts(rec, "ddtree", 1, 4096, budget=4, **kw)
-    # below the smallest measured budget (16) the tree round and the walk are charged budget 16's (an upper bound)
+    # below the smallest measured budget (16): the tree round and walk at budget 16's (an upper bound)
     assert math.isclose(small["build"], 2e-6 * 16) and math.isclose(small["walk"], 1e-6 * 16)
     assert P.round_parts(rec, "ddtree", 1, 4096, budget=100, **kw)["extrapolated"] is True  # 101 rows > 64
     assert P.round_parts(rec, "ddtree", 1, 4096, budget=200, **kw) is None  # past twice the largest measurement
