@@ -1,6 +1,7 @@
 """K2.6 shape end to end on one GPU through the engine, with SIMULATED acceptance (labelled so in every row):
-`python -m kdtree.bench_k26 --out DIR [--cells 4096:1 4096:8 ...] [--profiles 5:8 ...]` merges its cells into
-DIR/e2e_k26.json (so a long sweep runs as several commands).
+`python -m kdtree.bench_k26 --out DIR [--cells 4096:1 4096:8 ...] [--profiles 5:8 ...]` merges its rows into
+DIR/e2e_k26.json per cell and profile (`merge`: a long sweep runs as several commands, a cell's profiles
+too; every row names its run, and each ratio pairs rows of one run).
 
 The target: `k26.build_target` (real dimensions, distinct random layers, INT4 experts in one copy) with as
 many MoE layers as fit the largest cell asked for, and in each (context, batch) cell the same layer count for
@@ -153,6 +154,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu, routing=routing)
     drafter = k26.build_drafter(target, args=None if dargs is None else
                                 k26.drafter_args(target.args, **dargs))
+    run_id = time.strftime("%Y%m%dT%H%M%S")   # each row's sweep: ratios pair rows of one run
     rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance (kdtree.simulate profiles), routing "
                     f"{routing}", "routing": routing, "built_layers": n_model,
            "build_s": time.perf_counter() - t0,
@@ -200,7 +202,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
             except Exception as e:  # recorded; the sweep goes on
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
-            c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget,
+            c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=run_id,
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
                      block=None if prof is None else prof.depth + 1)
@@ -227,9 +229,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
 def _targets(cells, context: int, batch: int, n: int) -> list:
     out = []
     ok = [c for c in cells if not c.get("error")]
-    ar = next((c for c in ok if c["mode"] == "ar"), None)
     for tau in sorted({c["tau_chain"] for c in ok if c["tau_chain"] is not None}):
         mine = [c for c in ok if c["tau_chain"] == tau]
+        ar = next((c for c in ok if c["mode"] == "ar" and c.get("run") == mine[0].get("run")), None)
         fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
         auto = next((c for c in mine if c["budget"] == "auto"), None)
         dfl = next((c for c in mine if c["mode"] == "dflash"), None)
@@ -250,19 +252,32 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
 
 
 def merge(old: dict | None, new: dict) -> dict:
-    """A sweep's record `new` over an earlier one: the earlier cells and targets of the (context, batch)
-    cells `new` ran are replaced, the others kept (staged sweeps build one record)."""
+    """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
+    (context, batch) cell replace that profile's earlier rows there, an AR row is kept while rows of its run
+    remain, and every cell's targets are formed again from its rows (each ratio within one run). ValueError
+    for another routing, or for a cell whose layer count would mix."""
     if not old:
         return new
     if old.get("routing", "model") != new.get("routing", "model"):
         raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
                          f"{old.get('routing', 'model')!r} record (each routing has its own record)")
-    keep = set(new["layers"])
-    cells = [c for c in old.get("cells", []) if f"{c['context']}:{c['batch']}" not in keep]
-    targets = [t for t in old.get("targets", []) if not any(
-        f"batch {k.split(':')[1]}, context {k.split(':')[0]}" in t["name"] for k in keep)]
-    return {**old, **new, "cells": cells + new["cells"], "targets": targets + new["targets"],
-            "layers": {**old.get("layers", {}), **new["layers"]}}
+    key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c["mode"] != "ar" else
+           (c["context"], c["batch"], None, c.get("run")))
+    fresh = {key(c) for c in new["cells"]}
+    cells = [c for c in old.get("cells", []) if key(c) not in fresh] + new["cells"]
+    runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
+    cells = [c for c in cells if c["mode"] != "ar" or (c["context"], c["batch"], c.get("run")) in runs]
+    layers = {**old.get("layers", {}), **new["layers"]}
+    by_cell: dict = {}
+    for c in cells:
+        by_cell.setdefault((c["context"], c["batch"]), []).append(c)
+    targets = []
+    for (C, b), rows in sorted(by_cell.items()):
+        if len({c["layers"] for c in rows}) > 1:
+            raise ValueError(f"merge: cell {C}:{b} would mix {sorted({c['layers'] for c in rows})} MoE "
+                             "layers (run the whole cell again)")
+        targets += _targets(rows, C, b, rows[0]["layers"])
+    return {**old, **new, "cells": cells, "targets": targets, "layers": layers}
 
 
 def main(argv=None) -> None:

@@ -133,20 +133,43 @@ def test_bench_k26_smoke_on_a_cpu():
 
 
 def test_staged_sweeps_merge_into_one_record():
+    """A later sweep's profile rows replace that profile's rows of the cell, other profiles and cells stay,
+    each profile's ratios use the AR row of its own run, and targets are formed again from the rows; mixing
+    routings or layer counts is refused."""
     from kdtree.bench_k26 import merge
 
-    def cell(C, b, v):
-        return {"context": C, "batch": b, "tok_per_s": v}
+    def rows(C, b, tau, run, scale, layers=12):
+        base = dict(context=C, batch=b, layers=layers, run=run, tau_chain=tau, block=8)
+        out = [dict(base, mode="dflash", budget=None, tok_per_s=2.0 * scale),
+               dict(base, mode="ddtree", budget=4, tok_per_s=3.0 * scale),
+               dict(base, mode="ddtree", budget="auto", tok_per_s=3.0 * scale)]
+        return out
 
-    def tgt(C, b, v):
-        return {"name": f"K2.6 sim tau_c 5, 12 MoE layers, batch {b}, context {C}: x", "measured": v}
-    old = {"cells": [cell(4096, 1, 1.0), cell(4096, 8, 2.0)],
-           "targets": [tgt(4096, 1, 1.0), tgt(4096, 8, 2.0)], "layers": {"4096:1": 12, "4096:8": 12}, "label": "x"}
-    new = {"cells": [cell(4096, 8, 3.0)], "targets": [tgt(4096, 8, 3.0)], "layers": {"4096:8": 11}}
+    def ar(C, b, run, v, layers=12):
+        return dict(context=C, batch=b, layers=layers, run=run, tau_chain=None, mode="ar", budget=None,
+                    tok_per_s=v)
+    old = {"cells": [ar(4096, 1, "r1", 1.0)] + rows(4096, 1, 3.0, "r1", 1.0) + rows(4096, 1, 5.0, "r1", 1.0)
+           + [ar(4096, 8, "r1", 1.0)] + rows(4096, 8, 3.0, "r1", 1.0),
+           "targets": [], "layers": {"4096:1": 12, "4096:8": 12}, "label": "x"}
+    new = {"cells": [ar(4096, 1, "r2", 2.0)] + rows(4096, 1, 5.0, "r2", 3.0), "targets": [],
+           "layers": {"4096:1": 12}}
     m = merge(old, new)
-    assert [c["tok_per_s"] for c in m["cells"]] == [1.0, 3.0]
-    assert [t["measured"] for t in m["targets"]] == [1.0, 3.0]
-    assert m["layers"] == {"4096:1": 12, "4096:8": 11} and m["label"] == "x" and merge(None, new) is new
+    got = {(c["batch"], c["tau_chain"], c["run"], c["mode"]) for c in m["cells"]}
+    assert (1, 3.0, "r1", "dflash") in got and (1, 5.0, "r2", "dflash") in got
+    assert (1, 5.0, "r1", "dflash") not in got
+    assert (1, None, "r1", "ar") in got and (1, None, "r2", "ar") in got and (8, 3.0, "r1", "ddtree") in got
+    t = {x["name"]: x["measured"] for x in m["targets"]}
+    five = next(v for k, v in t.items() if "tau_c 5, 12 MoE layers, batch 1" in k and "(auto) / AR" in k)
+    assert five == 9.0 / 2.0                        # r2's auto over r2's AR, not r1's
+    three = next(v for k, v in t.items() if "tau_c 3, 12 MoE layers, batch 1" in k and "better of AR" in k)
+    assert three == 3.0 / 2.0                       # r1's rows with r1's AR
+    assert m["layers"] == {"4096:1": 12, "4096:8": 12} and m["label"] == "x" and merge(None, new) is new
+    again = merge(m, {"cells": [ar(4096, 1, "r3", 1.0)] + rows(4096, 1, 3.0, "r3", 1.0), "targets": [],
+                      "layers": {"4096:1": 12}})
+    assert not any(c["run"] == "r1" and c["batch"] == 1 for c in again["cells"])   # r1's AR left too
+    with pytest.raises(ValueError, match="mix"):
+        merge(old, {"cells": rows(4096, 1, 5.0, "r2", 1.0, layers=11), "targets": [],
+                    "layers": {"4096:1": 11}})
     with pytest.raises(ValueError, match="routing 'uniform' sweep"):
         merge(old, dict(new, routing="uniform"))
     assert merge(dict(old, routing="uniform"), dict(new, routing="uniform"))["routing"] == "uniform"
