@@ -1072,7 +1072,9 @@ class Engine:
         i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx))
         build = pol.builds[i]
         if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
-            g = self.graphs.get(("catchup", b))   # the drafter's context before it drafts (or pend is full)
+            # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
+            # time falls to the host share, a median that a rare catch-up round does not move
+            g = self.graphs.get(("catchup", b))
             g.replay() if g is not None else self._catchup(b)
             self._pending = 0
         if build is None and self.pend is not None:
