@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog="python -m kdtree bench", description="GPU kernel benchmarks")
         ap.add_argument("--out", default=None, help="output folder (default: outputs/<gpu>/)")
         ap.add_argument("--quick", action="store_true", help="a few shapes only")
+        ap.add_argument("--bridge", action="store_true", help="the bridges' benchmark (bridge.json) instead")
         a = ap.parse_args(rest)
         import torch
         if not torch.cuda.is_available():
@@ -28,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from . import bench
         from .lab import output_dir
+        if a.bridge:
+            from . import bench_bridge
+            rec = bench_bridge.run(a.out or output_dir("cuda"))
+            print(bench_bridge.summary(rec))
+            return 0
         rec = bench.run(a.out or output_dir("cuda"), quick=a.quick)
         print(bench.summary(rec))
         return 0

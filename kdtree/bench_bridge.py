@@ -1,0 +1,110 @@
+"""The bridges' benchmark (GPU): the public reference's tree path against kdtree.bridge, in one run.
+
+    run(out_dir, cells=((1, 64), (8, 256), (32, 1024)), V=163840, L=15) -> record, written to bridge.json
+
+Per (batch, budget) cell, draft logits [b, L, V] bf16 in input sets rotated past L2:
+  reference_s       bench.reference_tree_round eager (torch.topk + logsumexp, copy to the host, Python heap,
+                    numpy visibility, request by request), wall time: its best repeat is the baseline (the host's
+                    noise never inflates a ratio), its median is reported beside it
+  native_graph_s    bridge.build_trees captured in a CUDA graph, replays timed by events
+  native_eager_s    bridge.build_trees eager with its value checks, wall time
+  typed_s           bridge.build_ddtree_tree (the reference-typed drop-in: the one copy to the host and the
+                    child maps built there), eager wall time; batch 1 only, as the reference calls it
+  sglang_graph_s    bridge.build_trees + to_sglang (qlen_only) + sglang_verify_greedy in one graph
+Every ratio is to reference_s of the same cell; the targets are checked in `targets`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from . import bench, bridge
+
+TARGETS = (("native_graph", 1, 64, 10.0), ("native_graph", 32, 1024, 100.0), ("typed", 1, 64, 3.0))
+
+
+def bench_cell(b: int, B: int, V: int = 163840, L: int = 15, repeats: int = 50, ref_repeats: int = 7,
+               seed: int = 0) -> dict:
+    set_bytes = b * L * V * 2
+    n_sets = max(2, min(16, math.ceil(3 * bench.L2_BYTES / set_bytes)))
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + b * 131 + B)
+    xs = [(torch.randn(b, L, V, device="cuda", generator=g) * 3).to(torch.bfloat16) for _ in range(n_sets)]
+    root = torch.randint(0, V, (b,), device="cuda", dtype=torch.int32, generator=g)
+    start = torch.full((b,), 1000, device="cuda", dtype=torch.int32)
+    choice = torch.randint(0, V, (b, B + 1), device="cuda", generator=g)
+    k = [0]
+
+    def rotating(fn):
+        def call():
+            fn(xs[k[0] % n_sets])
+            k[0] += 1
+        return call
+    rr, ss = root.cpu().numpy(), start.cpu().numpy()
+    ref = bench._wall_times(rotating(lambda x: bench.reference_tree_round(x, B, rr, ss)), ref_repeats)
+    row = {"batch": b, "budget": B, "V": V, "L": L, "logit_bytes": set_bytes, "input_sets": n_sets,
+           "reference_s": min(ref), "reference_median_s": statistics.median(ref)}
+    row["native_graph_s"] = bench._graph_median(
+        [lambda x=x: bridge.build_trees(x, B, root, start, check_values=False) for x in xs], repeats)
+    row["native_eager_s"] = bench._wall_median(rotating(lambda x: bridge.build_trees(x, B, root, start)),
+                                               max(5, repeats // 5))
+    if b == 1:
+        row["typed_s"] = bench._wall_median(rotating(lambda x: bridge.build_ddtree_tree(x[0], B)), repeats)
+        row["typed_unchecked_s"] = bench._wall_median(
+            rotating(lambda x: bridge.build_ddtree_tree(x[0], B, check_values=False)), repeats)
+
+    def sglang_round(x):
+        sg = bridge.to_sglang(bridge.build_trees(x, B, root, start, check_values=False))
+        bridge.sglang_verify_greedy(sg, choice, L + 1)
+    row["sglang_graph_s"] = bench._graph_median([lambda x=x: sglang_round(x) for x in xs], repeats)
+    for key in ("native_graph", "native_eager", "typed", "typed_unchecked", "sglang_graph"):
+        if f"{key}_s" in row:
+            row[f"{key}_speedup"] = row["reference_s"] / row[f"{key}_s"]
+    del xs
+    torch.cuda.empty_cache()
+    return row
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for key, b, B, goal in TARGETS:
+        r = next((r for r in rows if r["batch"] == b and r["budget"] == B and f"{key}_speedup" in r), None)
+        got = None if r is None else r[f"{key}_speedup"]
+        out.append({"what": f"{key} / reference", "batch": b, "budget": B, "goal": goal, "value": got,
+                    "met": got is not None and got >= goal})
+    return out
+
+
+def run(out_dir, cells=((1, 64), (8, 256), (32, 1024)), V: int = 163840, L: int = 15, repeats: int = 50,
+        progress: bool = True) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the bridge benchmark needs a CUDA GPU")
+    it = list(cells)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="bridge cells")
+    st = bench.gpu_state()
+    rows = [bench_cell(b, B, V, L, repeats) for b, B in it]
+    rec = {"device": torch.cuda.get_device_name(), "gpu_state": st, "rows": rows, "targets": targets(rows)}
+    path = Path(out_dir) / "bridge.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def summary(rec: dict) -> str:
+    lines = [f"bridges on {rec['device']} (ms; ratios to the reference path's best repeat)"]
+    for r in rec["rows"]:
+        typed = f"  typed {r['typed_s'] * 1e3:.3f} ({r['typed_speedup']:.1f}x)" if "typed_s" in r else ""
+        lines.append(f"b {r['batch']:>3} B {r['budget']:>5}: reference {r['reference_s'] * 1e3:.3f} "
+                     f"(median {r['reference_median_s'] * 1e3:.3f})  native graph {r['native_graph_s'] * 1e3:.3f} "
+                     f"({r['native_graph_speedup']:.1f}x)  eager {r['native_eager_s'] * 1e3:.3f}{typed}  "
+                     f"sglang round {r['sglang_graph_s'] * 1e3:.3f}")
+    for t in rec["targets"]:
+        got = "-" if t["value"] is None else f"{t['value']:.1f}x"
+        lines.append(f"target {t['what']} b {t['batch']} B {t['budget']}: >= {t['goal']}x, got {got}  "
+                     f"{'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)

@@ -1,0 +1,400 @@
+"""Bridges to other DDTree code: drop-ins for the public reference's tree functions, batch variants that stay
+on the device, and SGLang's EAGLE tree format. Each runs the CUDA kernels on CUDA tensors and the golden
+twins (golden.py) on CPU tensors.
+
+Reference-typed (the public DDTree release's ddtree.py; same signatures and return types, so an integration
+switches by changing one import):
+    build_ddtree_tree(draft_logits [L, V], budget)
+        -> (node_token_ids long [n], node_depths long [n], parents list[int] (n + 1, parents[0] = -1),
+            child_maps list[dict[token, row]] (n + 1, row 0 the root), visibility bool [n + 1, n + 1], subtimes)
+    compile_ddtree_tree(root_token_id, start, node_token_ids, node_depths, visibility_cpu, past_length, dtype,
+                        device, <4 buffers>, previous_tree_start, previous_tree_length)
+        -> (input_ids [1, n + 1], position_ids [1, n + 1], attention_mask [1, 1, n + 1, past + n + 1],
+            past_length, n + 1)
+    follow_verified_tree(child_maps, posterior [1, n + 1]) -> (accepted rows list[int] from 0, next token)
+    compact_dynamic_cache(past_key_values, past_length, keep_current_indices) -> None
+  Where the reference and this module differ (golden.py's module docstring states the order):
+    - equal scores: the reference breaks ties by the rank path, kdtree by (depth, parent row, rank), so under
+      exact ties at the budget's edge the two may keep different (equally likely) nodes; scores are float32
+      sums root-down here, float64 there, so nodes whose scores differ by float32 rounding may swap rows;
+    - tokens of probability 0 (-inf logits) are never nodes here: with fewer finite prefixes than the budget
+      the tree is smaller (the reference pads with -inf-scored nodes); NaN and +inf logits are refused;
+    - the budget is at most kernels.MAX_BUDGET (1024) and L at most kernels.MAX_DEPTH on the GPU;
+    - subtimes has the reference's keys: tree_build_copy (kernels and the one copy to the host),
+      tree_build_heap (the child maps), tree_build_visibility (unpacking the mask bits).
+
+Tensor-native (a batch; no host copy, no dicts; on the GPU capturable in a CUDA graph):
+    build_trees(draft_logits [b, L, V], budget, root_tokens [b], start_pos [b]) -> kernels.TreeBatch
+    follow_trees(tree, posterior [b, N], max_accept) -> (accepted int32 [b, A], acc_len int32 [b], bonus [b])
+    tree_attention_mask(tree, past_length, dtype) -> additive mask [b, 1, N, past_length + N]
+  compact_dynamic_cache also takes a 1-D long tensor of rows on the cache's device (no host copy of them).
+
+SGLang (sgl-kernel's build_tree_kernel_efficient outputs and verify_tree_greedy; golden.SglangTree states
+the layouts):
+    to_sglang(tree, mode, tree_mask=None) -> SglangTensors (the whole batch in one launch)
+    sglang_verify_greedy(sg, target_predict [b, N], num_spec_steps) -> (predicts, accept_index, accept_token_num)
+  sgl-kernel cannot be installed here, so these follow its source (golden.py names the commit read), not a run
+  of it: an integration should compare one batch of its own build_tree_kernel_efficient outputs with to_sglang's
+  before switching (docs/bridges.md lists what to check).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import checks, golden, kernels
+from .kernels import TreeBatch
+
+REFERENCE_SUBTIMES = ("tree_build_copy", "tree_build_heap", "tree_build_visibility")
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- tensor-native
+def _golden_batch(logits: torch.Tensor, budget: int, root: torch.Tensor, start: torch.Tensor) -> TreeBatch:
+    """kernels.tree_build's outputs from the golden twins, request by request (CPU tensors)."""
+    b, L, V = logits.shape
+    N = budget + 1
+    W = (N + 31) // 32
+    x = logits.float().numpy()
+    roots, starts = root.tolist(), start.tolist()
+    toks = np.tile(np.array(roots, np.int32)[:, None], (1, N))
+    pos = np.tile(np.array(starts, np.int32)[:, None], (1, N))
+    par = np.full((b, N), -1, np.int32)
+    dep, sc = np.zeros((b, N), np.int32), np.zeros((b, N), np.float32)
+    mask = np.zeros((b, N, W), np.uint32)
+    n = np.zeros(b, np.int32)
+    for i in range(b):
+        t = golden.ddtree(x[i], budget)
+        vb = golden.compile_tree(t, roots[i], starts[i])
+        k = vb.n
+        toks[i, :k], pos[i, :k], par[i, :k] = vb.tokens, vb.positions, vb.parents
+        dep[i, 1:k], sc[i, 1:k], n[i] = t.depths, t.scores, t.n
+        full = np.eye(N, dtype=bool)
+        full[:k, :k] = vb.mask
+        mask[i] = golden.pack_mask_bits(full)
+    t = torch.from_numpy
+    return TreeBatch(t(toks), t(pos), t(par), t(dep), t(sc), t(mask.view(np.int32)), t(n))
+
+
+def build_trees(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, start_pos: torch.Tensor,
+                check_values: bool = True) -> TreeBatch:
+    """Draft logits [b, L, V] -> each request's best-first tree of `budget` nodes as a verify block of
+    N = budget + 1 rows (kernels.TreeBatch; root_tokens, start_pos [b] give row 0). check_values=False skips
+    the NaN / +inf scan, which reads the device (for graph capture)."""
+    checks.tensor("draft_logits", draft_logits, _LOGIT_DTYPES, ndim=3)
+    budget = checks.int_in("budget", budget, 1, kernels.MAX_BUDGET)
+    b = draft_logits.shape[0]
+    checks.tensor("root_tokens", root_tokens, _INT_DTYPES, shape=(b,))
+    checks.tensor("start_pos", start_pos, _INT_DTYPES, shape=(b,))
+    if draft_logits.is_cuda:
+        x = draft_logits if draft_logits.dtype != torch.float16 else draft_logits.float()
+        return kernels.tree_build(x.contiguous(), budget, root_tokens, start_pos, check_values=check_values)
+    if 0 in draft_logits.shape:
+        raise ValueError(f"draft_logits: expected a non-empty [b, L, V], got {tuple(draft_logits.shape)}")
+    return _golden_batch(draft_logits, budget, root_tokens, start_pos)
+
+
+def follow_trees(tree: TreeBatch, posterior: torch.Tensor, max_accept: int | None = None):
+    """The walk for a batch: posterior [b, N] is the target's token at every row (argmax or a sample).
+    Returns accepted int32 [b, A] (rows, root first, -1 padded; A = max_accept, default the tree's
+    deepest possible path), acc_len int32 [b], bonus int32 [b] (the target's token after the path)."""
+    b, N = tree.tokens.shape
+    checks.tensor("posterior", posterior, _INT_DTYPES, shape=(b, N))
+    A = min(N, kernels.MAX_DEPTH + 1) if max_accept is None else checks.int_in("max_accept", max_accept, 1, 1024)
+    if tree.tokens.is_cuda:
+        return kernels.tree_walk(tree.tokens, tree.parents, posterior, max_accept=A)
+    t, p, c = tree.tokens.numpy(), tree.parents.numpy(), posterior.numpy()
+    acc = np.full((b, A), -1, np.int32)
+    n, bonus = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    for i in range(b):
+        path, _ = golden.walk(t[i], p[i], c[i])
+        n[i] = min(len(path), A)
+        acc[i, :n[i]] = path[:n[i]]
+        bonus[i] = c[i][path[n[i] - 1]]
+    return torch.from_numpy(acc), torch.from_numpy(n), torch.from_numpy(bonus)
+
+
+def tree_attention_mask(tree: TreeBatch, past_length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The additive mask an eager attention takes: [b, 1, N, past_length + N], 0 where a row may attend (every
+    past column, its tree ancestors and itself), dtype's most negative value elsewhere."""
+    past_length = checks.int_in("past_length", past_length, 0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    vis = tree.dense_mask()  # [b, N, N]
+    b, N, _ = vis.shape
+    out = torch.zeros(b, 1, N, past_length + N, dtype=dtype, device=vis.device)
+    out[:, 0, :, past_length:].masked_fill_(~vis, torch.finfo(dtype).min)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference-typed
+def _empty_tree(subtimes: dict):
+    vis = torch.ones(1, 1, dtype=torch.bool)
+    return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [-1], [dict()], vis, subtimes
+
+
+def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = True):
+    """The reference's build_ddtree_tree: draft logits [L, V] of one request -> the best-first tree of at most
+    `budget` nodes, on the host as the reference returns it (module docstring). budget <= 0 or L = 0 gives the
+    root alone, as in the reference."""
+    checks.tensor("draft_logits", draft_logits, _LOGIT_DTYPES, ndim=2)
+    if isinstance(budget, bool) or not checks.is_int(budget):
+        raise ValueError(f"budget={budget!r}: expected an integer")
+    subtimes = {k: 0.0 for k in REFERENCE_SUBTIMES}
+    L, V = draft_logits.shape
+    if budget <= 0 or L == 0:
+        return _empty_tree(subtimes)
+    budget = checks.int_in("budget", budget, 1, kernels.MAX_BUDGET)
+    if V == 0:
+        raise ValueError("draft_logits: expected a vocabulary of at least one token, got V=0")
+    t0 = time.perf_counter()
+    zero = torch.zeros(1, dtype=torch.int32, device=draft_logits.device)
+    tb = build_trees(draft_logits[None], budget, zero, zero, check_values=check_values)
+    N = budget + 1
+    flat = torch.cat([tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)])
+    h = flat.cpu().numpy()  # the one copy to the host
+    t1 = time.perf_counter()
+    n = int(h[0])
+    tok, par, dep = h[1:1 + N], h[1 + N:1 + 2 * N], h[1 + 2 * N:1 + 3 * N]
+    parents = par[:n + 1].tolist()
+    tokens = tok[1:n + 1].tolist()
+    child_maps: list[dict[int, int]] = [dict() for _ in range(n + 1)]
+    for row in range(1, n + 1):
+        child_maps[parents[row]][tokens[row - 1]] = row
+    t2 = time.perf_counter()
+    words = np.ascontiguousarray(h[1 + 3 * N:]).view(np.uint32).reshape(N, -1)
+    bits = np.unpackbits(words.view(np.uint8).reshape(N, -1), axis=1, bitorder="little")
+    visibility = torch.from_numpy(bits[:n + 1, :n + 1].astype(bool))
+    t3 = time.perf_counter()
+    subtimes.update(tree_build_copy=t1 - t0, tree_build_heap=t2 - t1, tree_build_visibility=t3 - t2)
+    return (torch.tensor(tokens, dtype=torch.long), torch.from_numpy(dep[1:n + 1].astype(np.int64)), parents,
+            child_maps, visibility, subtimes)
+
+
+def compile_ddtree_tree(root_token_id, start: int, node_token_ids: torch.Tensor, node_depths: torch.Tensor,
+                        visibility_cpu: torch.Tensor, past_length: int, dtype: torch.dtype, device,
+                        verify_input_ids_buffer: torch.Tensor, verify_position_ids_buffer: torch.Tensor,
+                        attention_mask_buffer: torch.Tensor, tree_visibility_buffer: torch.Tensor,
+                        previous_tree_start: int, previous_tree_length: int):
+    """The reference's compile_ddtree_tree: writes the verify block into the caller's buffers and returns views
+    of them. The previous round's tree block of the additive mask is first cleared to 0 (those columns are
+    now past); the new block holds 0 where visibility is true and dtype's most negative value elsewhere."""
+    n1 = 1 + checks.tensor("node_token_ids", node_token_ids, (torch.int64, torch.int32), ndim=1).numel()
+    checks.tensor("node_depths", node_depths, (torch.int64, torch.int32), shape=(n1 - 1,))
+    checks.tensor("visibility_cpu", visibility_cpu, (torch.bool,), shape=(n1, n1))
+    start = checks.int_in("start", start, 0)
+    past_length = checks.int_in("past_length", past_length, 0)
+    prev_start = checks.int_in("previous_tree_start", previous_tree_start, 0)
+    prev_len = checks.int_in("previous_tree_length", previous_tree_length, 0)
+    checks.tensor("verify_input_ids_buffer", verify_input_ids_buffer, ndim=2)
+    checks.tensor("verify_position_ids_buffer", verify_position_ids_buffer, ndim=2)
+    checks.tensor("attention_mask_buffer", attention_mask_buffer, ndim=4)
+    checks.tensor("tree_visibility_buffer", tree_visibility_buffer, (torch.bool,), ndim=2)
+    rows, cols = attention_mask_buffer.shape[2:]
+    for name, have, need in (("verify_input_ids_buffer", verify_input_ids_buffer.shape[1], n1),
+                             ("verify_position_ids_buffer", verify_position_ids_buffer.shape[1], n1),
+                             ("tree_visibility_buffer", min(tree_visibility_buffer.shape), n1),
+                             ("attention_mask_buffer rows", rows, max(n1, prev_len)),
+                             ("attention_mask_buffer columns", cols, max(past_length + n1, prev_start + prev_len))):
+        if have < need:
+            raise ValueError(f"{name}: holds {have}, the tree needs {need}")
+    m = attention_mask_buffer
+    if prev_len:
+        m[0, 0, :prev_len, prev_start:prev_start + prev_len] = 0
+    ids = verify_input_ids_buffer[:, :n1]
+    ids[0, 0] = root_token_id
+    ids[0, 1:].copy_(node_token_ids)
+    pos = verify_position_ids_buffer[:, :n1]
+    pos[0, 0] = start
+    pos[0, 1:].copy_(node_depths)
+    pos[0, 1:] += start
+    vis = tree_visibility_buffer[:n1, :n1]
+    vis.copy_(visibility_cpu)
+    block = m[0, 0, :n1, past_length:past_length + n1]
+    block.copy_(torch.where(vis, 0.0, torch.finfo(dtype).min))
+    return ids, pos, m[:, :, :n1, :past_length + n1], past_length, n1
+
+
+def follow_verified_tree(child_maps: list, posterior: torch.Tensor) -> tuple[list[int], int]:
+    """The reference's follow_verified_tree: from row 0, move to the child whose token is the target's choice
+    (posterior [1, n + 1]: the target's token at every row) while one exists. Returns (accepted rows, starting
+    with 0; the target's token at the last of them)."""
+    if not isinstance(child_maps, list) or not child_maps or not all(isinstance(c, dict) for c in child_maps):
+        raise ValueError("child_maps: expected a non-empty list of dicts (build_ddtree_tree's fourth output)")
+    checks.tensor("posterior", posterior, _INT_DTYPES, ndim=2)
+    if posterior.shape[1] != len(child_maps):
+        raise ValueError(f"posterior: expected [1, {len(child_maps)}] (one token per tree row), got "
+                         f"{tuple(posterior.shape)}")
+    choice = posterior[0].tolist()
+    path = [0]
+    while (nxt := child_maps[path[-1]].get(choice[path[-1]])) is not None:
+        path.append(nxt)
+    return path, int(choice[path[-1]])
+
+
+def _cache_tensors(past_key_values) -> list[torch.Tensor]:
+    """Every key and value tensor [..., seq, D] of a transformers DynamicCache (5.x layers or 4.x lists)."""
+    if hasattr(past_key_values, "layers"):
+        out = []
+        for layer in past_key_values.layers:
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if isinstance(k, torch.Tensor) and k.numel():
+                out += [k, v]
+        return out
+    if hasattr(past_key_values, "key_cache"):
+        return [t for pair in zip(past_key_values.key_cache, past_key_values.value_cache) for t in pair]
+    raise ValueError(f"past_key_values: expected a transformers DynamicCache, got {type(past_key_values).__name__}")
+
+
+def compact_dynamic_cache(past_key_values, past_length: int, keep_current_indices) -> None:
+    """The reference's compact_dynamic_cache: the appended rows past_length + keep[j] move to past_length + j
+    (gather semantics), then the cache is cut to past_length + len(keep) rows. keep: a list of rows of the
+    appended window, or a 1-D int64 tensor of them on the cache's device (then nothing is copied to the host).
+    Everything is checked before the cache is touched."""
+    tensors = _cache_tensors(past_key_values)
+    past_length = checks.int_in("past_length", past_length, 0)
+    seq = {t.shape[-2] for t in tensors}
+    if len(seq) > 1:
+        raise ValueError(f"past_key_values: layers of different lengths {sorted(seq)}")
+    seq_len = seq.pop() if seq else past_length
+    if past_length > seq_len:
+        raise ValueError(f"past_length={past_length}: the cache holds only {seq_len} rows")
+    window = seq_len - past_length
+    if isinstance(keep_current_indices, torch.Tensor):
+        keep = checks.tensor("keep_current_indices", keep_current_indices, (torch.int64,), ndim=1)
+        if tensors and keep.device != tensors[0].device:
+            raise ValueError(f"keep_current_indices: expected a tensor on {tensors[0].device}, got {keep.device}")
+    else:
+        rows = [checks.int_in(f"keep_current_indices[{i}]", r, 0, max(window - 1, 0))
+                for i, r in enumerate(keep_current_indices)]
+        keep = torch.tensor(rows, dtype=torch.long, device=tensors[0].device if tensors else "cpu")
+    k = keep.numel()
+    if k > window:
+        raise ValueError(f"keep_current_indices: {k} rows kept of an appended window of {window}")
+    if k and 0 < k < window:
+        by_dev = {}
+        for t in tensors:
+            idx = by_dev.setdefault(t.device, keep.to(t.device))
+            tail = t.narrow(-2, past_length, window)
+            t.narrow(-2, past_length, k).copy_(tail.index_select(-2, idx))
+    if window - k:  # a negative crop removes that many rows under transformers 4.x and 5.x alike
+        past_key_values.crop(-(window - k))
+
+
+# ----------------------------------------------------------------------------- SGLang
+@dataclass
+class SglangTensors:
+    """golden.SglangTree's arrays as torch tensors on the tree's device (same names, dtypes and layouts)."""
+    draft_tokens: torch.Tensor          # int64 [b, N]
+    positions: torch.Tensor             # int64 [b * N]
+    tree_mask: torch.Tensor             # bool (full, qlen_only) or uint8 [b * N, nbytes] (qlen_only_bitpacking)
+    retrive_index: torch.Tensor         # int64 [b, N]
+    retrive_next_token: torch.Tensor    # int64 [b, N]
+    retrive_next_sibling: torch.Tensor  # int64 [b, N]
+    mode: str
+
+
+_MODE_ID = {m: i for i, m in enumerate(golden.SGLANG_MODES)}
+SGLANG_MAX_N = 2047  # cuda/sglang_tree.cu sorts (parent + 1) << 11 | row
+
+
+def _mask_size(tree: TreeBatch, mode: str) -> int:
+    b, N = tree.tokens.shape
+    if mode == "full":
+        return int(tree.positions[:, 0].long().sum()) * N + b * N * N  # a host read: pass tree_mask to avoid it
+    return b * N * N if mode == "qlen_only" else b * N * golden.sglang_mask_bytes(N)
+
+
+def to_sglang(tree: TreeBatch, mode: str = "qlen_only", tree_mask: torch.Tensor | None = None) -> SglangTensors:
+    """Our verify blocks (kernels.TreeBatch: root row 0 at position seq_len) -> SGLang's tree arrays, the whole
+    batch in one launch on the GPU. tree_mask: the caller's buffer (SGLang allocates it; in "full" mode
+    only the tree columns are written, the prefix columns are the caller's, true in SGLang); without one,
+    a buffer is made ("full" then reads the lengths on the host, and fills the prefix with true)."""
+    mode = checks.one_of("mode", mode, golden.SGLANG_MODES)
+    checks.tensor("tree.tokens", tree.tokens, (torch.int32,), ndim=2)
+    b, N = tree.tokens.shape
+    if not 1 <= N <= SGLANG_MAX_N:
+        raise ValueError(f"tree: {N} rows a request; to_sglang takes 1 to {SGLANG_MAX_N}")
+    for name in ("parents", "positions"):
+        checks.tensor(f"tree.{name}", getattr(tree, name), (torch.int32,), shape=(b, N))
+    W = (N + 31) // 32
+    checks.tensor("tree.mask", tree.mask, (torch.int32,), shape=(b, N, W))
+    nbytes = golden.sglang_mask_bytes(N) if mode == "qlen_only_bitpacking" else 1
+    dt = torch.uint8 if mode == "qlen_only_bitpacking" else torch.bool
+    dev = tree.tokens.device
+    if tree_mask is not None:
+        want = (b * N, nbytes) if mode == "qlen_only_bitpacking" else None
+        checks.tensor("tree_mask", tree_mask, (dt,), ndim=2 if want else 1, shape=want, contiguous=True,
+                      device=dev)
+        if want is None and tree_mask.numel() < b * N * N:  # full: the lengths' part is the caller's to size
+            raise ValueError(f"tree_mask: holds {tree_mask.numel()}, expected at least {b * N * N}")
+    if not tree.tokens.is_cuda:
+        g = golden.sglang_tree(tree.tokens.numpy(), tree.parents.numpy(), tree.positions[:, 0].numpy(), mode)
+        out = SglangTensors(*(torch.from_numpy(a) for a in (g.draft_tokens, g.positions, g.tree_mask,
+                                                               g.retrive_index, g.retrive_next_token,
+                                                               g.retrive_next_sibling)), mode)
+        if tree_mask is not None:
+            _copy_mask(tree_mask, out.tree_mask, tree, mode)
+            out.tree_mask = tree_mask
+        return out
+    kernels._on_one_gpu(tokens=tree.tokens, parents=tree.parents, positions=tree.positions, mask=tree.mask)
+    if tree_mask is None:
+        size = _mask_size(tree, mode)
+        if mode == "full":
+            tree_mask = torch.ones(size, dtype=dt, device=dev)
+        elif mode == "qlen_only":
+            tree_mask = kernels._empty(size, dtype=dt, device=dev)
+        else:
+            tree_mask = kernels._empty(b * N, nbytes, dtype=dt, device=dev)
+    out = SglangTensors(kernels._empty(b, N, dtype=torch.int64, device=dev),
+                        kernels._empty(b * N, dtype=torch.int64, device=dev), tree_mask,
+                        *(kernels._empty(b, N, dtype=torch.int64, device=dev) for _ in range(3)), mode)
+    p = kernels._p
+    kernels._launch("sglang_tree", "sglang_tree", (b,), (1024,),
+                    (p(tree.tokens), p(tree.parents), p(tree.mask), p(tree.positions), kernels._i(N),
+                     kernels._i(_MODE_ID[mode]), kernels._i(nbytes), p(out.draft_tokens), p(out.positions),
+                     p(out.retrive_index), p(out.retrive_next_token), p(out.retrive_next_sibling),
+                     p(tree_mask)))
+    return out
+
+
+def _copy_mask(dst: torch.Tensor, src: torch.Tensor, tree: TreeBatch, mode: str) -> None:
+    """The CPU path into a caller's buffer, writing what the kernel writes (full: the tree columns only)."""
+    if mode != "full":
+        dst[:src.numel() if src.dim() == 1 else None].copy_(src)
+        return
+    b, N = tree.tokens.shape
+    at = 0
+    for i in range(b):
+        s = int(tree.positions[i, 0])
+        blk = src[at:at + N * (s + N)].view(N, s + N)
+        dst[at:at + N * (s + N)].view(N, s + N)[:, s:].copy_(blk[:, s:])
+        at += N * (s + N)
+
+
+def sglang_verify_greedy(sg: SglangTensors, target_predict: torch.Tensor, num_spec_steps: int):
+    """verify_tree_greedy over to_sglang's arrays: target_predict int64 [b, N] (the target's token at every
+    row). Returns predicts int32 [b * N] (the target's token at each accepted row, -1 elsewhere),
+    accept_index int32 [b, num_spec_steps] (flat rows, root first, -1 padded), accept_token_num int32 [b]."""
+    b, N = sg.draft_tokens.shape
+    checks.tensor("target_predict", target_predict, (torch.int64,), shape=(b, N))
+    S = checks.int_in("num_spec_steps", num_spec_steps, 1, 1024)
+    if not sg.draft_tokens.is_cuda:
+        g = golden.SglangTree(*(t.numpy() for t in (sg.draft_tokens, sg.positions, sg.tree_mask, sg.retrive_index,
+                                                    sg.retrive_next_token, sg.retrive_next_sibling)), sg.mode)
+        return tuple(torch.from_numpy(a) for a in golden.sglang_verify_greedy(g, target_predict.numpy(), S))
+    dev = sg.draft_tokens.device
+    tp = target_predict.contiguous()
+    kernels._on_one_gpu(draft_tokens=sg.draft_tokens, target_predict=tp)
+    predicts = torch.full((b * N,), -1, dtype=torch.int32, device=dev)
+    accept = kernels._empty(b, S, dtype=torch.int32, device=dev)
+    n_acc = kernels._empty(b, dtype=torch.int32, device=dev)
+    p = kernels._p
+    kernels._launch("sglang_tree", "sglang_verify_greedy", (b,), (1,),
+                    (p(sg.draft_tokens), p(sg.retrive_index), p(sg.retrive_next_token), p(sg.retrive_next_sibling),
+                     p(tp), kernels._i(N), kernels._i(S), p(predicts), p(accept), p(n_acc)))
+    return predicts, accept, n_acc
