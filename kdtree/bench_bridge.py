@@ -63,7 +63,7 @@ def bench_cell(b: int, B: int, V: int = 163840, L: int = 15, repeats: int = 50, 
     for key in ("native_graph", "native_eager", "typed", "typed_unchecked", "sglang_graph"):
         if f"{key}_s" in row:
             row[f"{key}_speedup"] = row["reference_s"] / row[f"{key}_s"]
-    del xs
+    xs.clear()
     torch.cuda.empty_cache()
     return row
 
