@@ -9,7 +9,7 @@ LAB_ARGS ?=
 PYTEST_ARGS ?=
 CUDA_ARCH ?= 90a
 
-.PHONY: setup lab test test-fast cuda-check clean
+.PHONY: setup lab test test-fast cuda-check clean lib
 
 $(VENV)/.kdtree-setup: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,28 @@ cuda-check:
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+
+# libkdtree.so: the C ABI of include/kdtree.h. Each kernel family is built twice by nvcc (sm_90a, and a generic
+# target: sm_80 + PTX, sm_90 + PTX for moe_int4) and embedded; the host code is plain C++ (driver API by dlopen).
+LIB_DIR ?= build
+FATBIN  := $(LIB_DIR)/capi
+FAMILIES := tree_build tree_walk verify_attn moe_int4
+generic_arch = $(if $(filter moe_int4,$(1)),90,80)
+NVCC_LIB = nvcc -std=c++17 -O3 -fatbin -Icuda
+
+lib: $(LIB_DIR)/libkdtree.so
+
+$(FATBIN)/%_sm90a.fatbin: cuda/%.cu cuda/common.cuh | $(FATBIN)
+	$(NVCC_LIB) -gencode=arch=compute_90a,code=sm_90a $(if $(filter verify_attn,$*),-DKDTREE_WGMMA=1) $< -o $@
+
+$(FATBIN)/%.fatbin: cuda/%.cu cuda/common.cuh | $(FATBIN)
+	$(NVCC_LIB) "-gencode=arch=compute_$(call generic_arch,$*),code=[sm_$(call generic_arch,$*),compute_$(call generic_arch,$*)]" $< -o $@
+
+$(FATBIN)/fatbin_%.h: $(FATBIN)/%.fatbin
+	bin2c -c -n fb_$* $< > $@
+
+$(FATBIN):
+	mkdir -p $@
+
+$(LIB_DIR)/libkdtree.so: cuda/capi/kdtree_capi.cpp include/kdtree.h $(foreach f,$(FAMILIES),$(FATBIN)/fatbin_$(f).h $(FATBIN)/fatbin_$(f)_sm90a.h)
+	g++ -std=c++17 -O2 -fPIC -shared -Wall -Iinclude -I$(FATBIN) $< -o $@ -ldl -lpthread

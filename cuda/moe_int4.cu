@@ -42,6 +42,11 @@
 //             active int32 [S], S = min(E, P): the experts with pairs by id, then the empty ones by id.
 //   Ids outside [0, E) are dropped (kdtree.kernels rejects them before launch unless told not to check).
 //   Golden twin: kdtree/golden.py group_pairs (stable order: compare within an expert as multisets).
+// moe_repack_words / moe_repack_scales   grid ceil(n / 256), block 256, one thread per output element
+//   The checkpoint layout -> the fragment order above, for `mats` stacked matrices [R, K] (R % 16 == 0,
+//   K % 32 == 0): packed int32 [mats, R, K/8] -> wr int32 [mats, R/16, K/32, 32, 2]; scale bf16 [mats, R, K/32]
+//   -> sr bf16 [mats, R/16, K/32, 8, 2] (sr[.., t, grp, g, half] = scale[.., 16 t + 8 half + g, grp]).
+//   Golden twin: kdtree/kernels.py repack_int4_mma (torch ops); used by the C ABI (include/kdtree.h).
 // Shapes: D % 32 == 0, I % 32 == 0 (checked by kdtree.kernels).
 #include <cuda_bf16.h>
 #include "common.cuh"
@@ -534,3 +539,38 @@ __device__ __forceinline__ void moe_fused_impl(
     }
 MOE_FUSED(i32, int32_t, MOE_FUSED_U, MOE_FUSED_UD)
 MOE_FUSED(i64, int64_t, MOE_FUSED_U, MOE_FUSED_UD)
+
+extern "C" __global__ void __launch_bounds__(256) moe_repack_words(
+    const uint8_t* __restrict__ packed, long long mats, int R, int K, int32_t* __restrict__ wr) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int G = K / 32;
+    const long long per_mat = (long long)R * K / 8;
+    if (i >= mats * per_mat) return;
+    const int j = (int)(i % 2), lane = (int)((i / 2) % 32), grp = (int)((i / 64) % G);
+    const long long rest = i / (64LL * G);
+    const int tile = (int)(rest % (R / 16));
+    const long long m = rest / (R / 16);
+    const int g = lane / 4, c = lane % 4;
+    const uint8_t* base = packed + m * per_mat * 4;
+    uint32_t word = 0;
+    for (int b = 0; b < 4; ++b) {  // register b = 2 w + half
+        const int w = b >> 1, half = b & 1;
+        const int row = tile * 16 + half * 8 + g;
+        const uint32_t byte = base[(size_t)row * (K / 2) + grp * 16 + j * 8 + w * 4 + c];
+        word |= ((byte & 0xfu) << (4 * b)) | ((byte >> 4) << (4 * b + 16));
+    }
+    wr[i] = (int32_t)word;
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_repack_scales(
+    const uint16_t* __restrict__ scale, long long mats, int R, int K, uint16_t* __restrict__ sr) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int G = K / 32;
+    const long long per_mat = (long long)R * G;
+    if (i >= mats * per_mat) return;
+    const int half = (int)(i % 2), g = (int)((i / 2) % 8), grp = (int)((i / 16) % G);
+    const long long rest = i / (16LL * G);
+    const int tile = (int)(rest % (R / 16));
+    const long long m = rest / (R / 16);
+    sr[i] = scale[m * per_mat + (size_t)(tile * 16 + half * 8 + g) * G + grp];
+}
