@@ -137,10 +137,79 @@ def _empty_tree(subtimes: dict):
     return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [-1], [dict()], vis, subtimes
 
 
-def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = True):
+def _bad_values(x: torch.Tensor) -> torch.Tensor:
+    """int32 [1]: bit 0 a NaN, bit 1 a +inf, bit 2 a row of -inf only (kernels.check_logit_values, on the device)."""
+    return (torch.isnan(x).any().int() | (torch.isposinf(x).any().int() << 1)
+            | (torch.isneginf(x).all(-1).any().int() << 2)).view(1)
+
+
+def _refuse(bad: int) -> None:
+    for bit, what in ((1, "NaN present; expected finite values or -inf"),
+                      (2, "+inf present; expected finite values or -inf"),
+                      (4, "a row is all -inf; expected at least one finite logit per depth")):
+        if bad & bit:
+            raise ValueError(f"draft_logits: {what}")
+
+
+class _GraphedBuild:
+    """build_ddtree_tree's device work for one (device, L, V, budget, dtype), captured once in a CUDA graph:
+    the logits copied into a static buffer, the value scan, the tree kernels, and everything the host reads
+    packed into one int32 buffer [bad, n_nodes, tokens (N), parents (N), depths (N), mask words (N * W)]."""
+
+    def __init__(self, logits: torch.Tensor, budget: int):
+        dev = logits.device
+        self.x = torch.empty(logits.shape, dtype=logits.dtype if logits.dtype == torch.bfloat16 else torch.float32,
+                             device=dev)
+        self.x.normal_()  # the warm-up's values (kernels compile, modules load)
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+
+        def work():
+            tb = kernels.tree_build(self.x[None], budget, zero, zero, check_values=False)
+            return torch.cat([_bad_values(self.x), tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0],
+                              tb.mask[0].reshape(-1)])
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            work()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = work()
+
+    def __call__(self, logits: torch.Tensor) -> np.ndarray:
+        self.x.copy_(logits)
+        self.graph.replay()
+        return self.out.cpu().numpy()  # the one copy to the host
+
+
+_GRAPHS: dict = {}
+_GRAPHS_KEPT = 8  # shapes whose graphs are kept (each holds a copy of its logits' size)
+
+
+def _device_build(x: torch.Tensor, budget: int, check_values: bool, graph: bool) -> np.ndarray:
+    """The packed host buffer of _GraphedBuild, from a graph replay or (graph=False, or inside someone's capture)
+    eagerly."""
+    if graph and not torch.cuda.is_current_stream_capturing():
+        key = (x.device.index, *x.shape, budget, x.dtype)
+        g = _GRAPHS.pop(key, None) or _GraphedBuild(x, budget)
+        _GRAPHS[key] = g  # most recent last
+        while len(_GRAPHS) > _GRAPHS_KEPT:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        h = g(x)
+        if check_values:
+            _refuse(int(h[0]))
+        return h
+    zero = torch.zeros(1, dtype=torch.int32, device=x.device)
+    tb = build_trees(x[None], budget, zero, zero, check_values=check_values)
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    return torch.cat([bad, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)]).cpu().numpy()
+
+
+def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = True, graph: bool = True):
     """The reference's build_ddtree_tree: draft logits [L, V] of one request -> the best-first tree of at most
     `budget` nodes, on the host as the reference returns it (module docstring). budget <= 0 or L = 0 gives the
-    root alone, as in the reference."""
+    root alone, as in the reference. On the GPU the device work is one CUDA graph per shape (graph=False:
+    eager launches), its value scan included, and one copy to the host."""
     checks.tensor("draft_logits", draft_logits, _LOGIT_DTYPES, ndim=2)
     if isinstance(budget, bool) or not checks.is_int(budget):
         raise ValueError(f"budget={budget!r}: expected an integer")
@@ -152,11 +221,15 @@ def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: 
     if V == 0:
         raise ValueError("draft_logits: expected a vocabulary of at least one token, got V=0")
     t0 = time.perf_counter()
-    zero = torch.zeros(1, dtype=torch.int32, device=draft_logits.device)
-    tb = build_trees(draft_logits[None], budget, zero, zero, check_values=check_values)
+    if draft_logits.is_cuda:
+        kernels._on_one_gpu(draft_logits=draft_logits)
+        h = _device_build(draft_logits, budget, check_values, graph)
+    else:
+        zero = torch.zeros(1, dtype=torch.int32)
+        tb = build_trees(draft_logits[None], budget, zero, zero, check_values=check_values)
+        h = torch.cat([zero, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)]).numpy()
     N = budget + 1
-    flat = torch.cat([tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)])
-    h = flat.cpu().numpy()  # the one copy to the host
+    h = h[1:]  # past the value flags
     t1 = time.perf_counter()
     n = int(h[0])
     tok, par, dep = h[1:1 + N], h[1 + N:1 + 2 * N], h[1 + 2 * N:1 + 3 * N]

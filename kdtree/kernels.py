@@ -160,7 +160,7 @@ POISON = False  # tests set this: outputs are filled with NaN / -7777 before eve
 def _empty(*shape, dtype, device) -> torch.Tensor:
     t = torch.empty(*shape, dtype=dtype, device=device)
     if POISON:
-        t.fill_(float("nan") if dtype.is_floating_point else -7777)
+        t.fill_(float("nan") if dtype.is_floating_point else 0xA5 if dtype == torch.uint8 else -7777)
     return t
 
 

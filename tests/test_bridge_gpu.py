@@ -91,9 +91,21 @@ def test_reference_dropins_on_the_gpu_equal_the_cpu_path(dtype, L, V, budget):
     rng = np.random.default_rng(L * V + budget)
     lg = tied_logits(rng, 1, L, V, levels=5)[0].to(dtype)
     got = bridge.build_ddtree_tree(lg.cuda(), budget)
+    again = bridge.build_ddtree_tree(lg.cuda(), budget)  # the graph replayed
+    eager = bridge.build_ddtree_tree(lg.cuda(), budget, graph=False)
     want = bridge.build_ddtree_tree(lg.float() if dtype == torch.float16 else lg, budget)
-    for g, w in zip(got[:5], want[:5]):
-        assert (torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w)
+    for out in (got, again, eager):
+        for g, w in zip(out[:5], want[:5]):
+            assert (torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w)
+    bad = lg.cuda().clone()
+    bad[2, 5] = float("nan")
+    for graph in (True, False):
+        with pytest.raises(ValueError, match="NaN"):
+            bridge.build_ddtree_tree(bad, budget, graph=graph)
+    bad[2, 5] = float("-inf")
+    bad[1] = float("-inf")
+    with pytest.raises(ValueError, match="all -inf"):
+        bridge.build_ddtree_tree(bad, budget)
     n = got[0].numel()
     for _ in range(4):
         post = torch.from_numpy(rng.integers(0, V, (1, n + 1))).cuda()

@@ -220,7 +220,7 @@ def test_verify_attn_equals_the_cupy_path(lib, impl, b, N, ctx):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("case,mode", [(0, (None, None)), (1, (8, False)), (2, (16, False)), (2, (8, True)),
+@pytest.mark.parametrize("case,mode", [(0, (None, None)), (1, (8, False)), (1, (8, True)), (2, (16, False)),
                                        (3, (None, None)), (4, (None, None)), (5, (16, False))])
 def test_moe_equals_the_cupy_path(lib, case, mode):
     from test_moe_gpu import CASES, _case, _check_golden
