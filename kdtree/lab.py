@@ -55,10 +55,15 @@ def output_dir(device: str) -> Path:
 
 
 def parse_value(text: str):
-    """-p values: JSON when it parses (numbers, true/false/null, lists), else the plain string."""
+    """-p values: JSON when it parses (numbers, true/false/null, lists), else a Python literal (True, False,
+    None, tuples, quoted strings), else the plain string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
         return text
 
 

@@ -111,6 +111,8 @@ def test_parse_value():
     assert lab.parse_value("3") == 3 and lab.parse_value("0.5") == 0.5
     assert lab.parse_value("[1, 2]") == [1, 2] and lab.parse_value("true") is True
     assert lab.parse_value("tiny-a") == "tiny-a"
+    assert lab.parse_value("False") is False and lab.parse_value("None") is None  # Python's spelling too
+    assert lab.parse_value("[[3.0, 8]]") == [[3.0, 8]] and lab.parse_value("model") == "model"
 
 
 def test_bad_lab_arguments(tmp_path):
