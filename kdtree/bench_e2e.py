@@ -5,8 +5,8 @@ Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibra
 per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch bucket), the engine's AR, the
 DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" and "sync"), each `repeats`
 times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
-spread, per-user tok/s, tau, whether the outputs equal the same run's AR outputs token for token, and for auto
-the plan each round chose. `calibration_check`: expected tokens per truncation B (raw and calibrated)
+spread, the decode tok/s (prefill's wall time left out) and the prefill's wall time, per-user tok/s, tau,
+whether the outputs equal the same run's AR outputs token for token, and for auto the plan each round chose. `calibration_check`: expected tokens per truncation B (raw and calibrated)
 against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR
 compiled": the AR engine through torch.compile as well (the lab's best AR), so ratios against it sit beside
 the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
@@ -46,7 +46,10 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
         runs.append(r)
     tps = [r["tok_per_s"] for r in runs]
     mid = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+    dec = [r["decode_tok_per_s"] for r in runs if r.get("decode_tok_per_s")]
     out = {"tok_per_s": statistics.median(tps), "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
+           "decode_tok_per_s": statistics.median(dec) if dec else None,
+           "prefill_s": statistics.median(r["prefill_s"] for r in runs),
            "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
            "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],
            "round_gpu_span_median_s": mid["round_gpu_span_median_s"], "build_s": build_s,

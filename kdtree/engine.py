@@ -449,6 +449,8 @@ class Engine:
         self.active: list[Request] = []
         self.finished: dict[int, GenerationResult] = {}
         self.errors: dict[int, Exception] = {}
+        self.prefill_forwards = 0   # target forwards spent on prompts (same-length chunks share one)
+        self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
         self._next_id = 0
         self._features = None
         self.rounds = 0
@@ -593,16 +595,15 @@ class Engine:
 
     # ------------------------------------------------------------- admission and prefill
     def _admit(self, emitted) -> None:
+        new = []
         while self.waiting and len(self.active) < self.max_batch and self.pages.can_reserve(self.waiting[0].reserve):
             r = self.waiting.pop(0)
             self.pages.reserved += r.reserve
             r.slot = len(self.active)
             self.active.append(r)
-            try:
-                self._prefill(r, emitted)
-            except Exception as e:  # the request fails alone; the batch in flight is untouched
-                self.errors[r.rid] = e
-                self._release(r)
+            new.append(r)
+        if new:
+            self._prefill(new, emitted)
 
     def _grow(self, r: Request, rows: int) -> None:
         """Give request r pages for cache rows [0, rows)."""
@@ -613,49 +614,102 @@ class Engine:
             self.page_table[r.slot, len(r.pages)] = page
             r.pages.append(page)
 
-    def _prefill(self, r: Request, emitted) -> None:
+    def _prefill(self, reqs: list[Request], emitted) -> None:
+        """The admitted requests' prompts, chunk by chunk: one forward per chunk for every request whose chunk has
+        the same length (so same-length prompts share each forward; deterministic engines prefill each request
+        alone, keeping a request's arithmetic independent of its batch mates), then each request's first token
+        from one batched choice. A request that fails (its pages, or non-finite logits) leaves alone; the others'
+        slots stay put until every prefill forward is done."""
         t0 = time.perf_counter()
-        r.t0 = t0
-        dev, s, P = self.device, r.slot, len(r.prompt)
-        self._grow(r, P)
-        r.committed = list(r.prompt)
-        feats, logits = [], None
-        for c0 in range(0, P, self.prefill_chunk):
-            chunk = r.prompt[c0:c0 + self.prefill_chunk]
-            T = len(chunk)
-            start = torch.tensor([c0], device=dev)
-            mask = torch.ones(1, T, T, dtype=torch.bool, device=dev).tril()
-            meta = PagedMeta.build(self.page_table[s:s + 1], start, start[:, None] + torch.arange(T, device=dev),
-                                   mask, self.page_size, self.model.attn_impl, self.moe)
-            with _blas(dev, T):
-                out = self.model.forward_paged(torch.tensor([chunk], device=dev), self.pool, meta,
-                                               self.layers, logits_for=[-1])
-            r.result.target_forwards += 1
-            logits = out.logits[0]
-            if self.layers:
-                f = torch.cat([out.hidden[i] for i in self.layers], -1)    # [1, T, F]
-                if self.batched_drafter:
-                    self.drafter.extend(self.ctx, f, start, torch.tensor([T], device=dev), slot=s)
-                else:
-                    feats.append(f[0])
-        if not bool(torch.isfinite(logits).all()):
-            raise ValueError("target logits: NaN or inf in verify row(s) [0] of the prefill: the target's weights "
-                             "or inputs are not finite")
-        first = int(choose(logits[None], torch.tensor([r.temperature], device=dev),
-                           torch.tensor([r.seed], device=dev), torch.tensor([P - 1], device=dev),
-                           r.temperature > 0)[0, -1])
-        if self.mode != "ar" and not self.batched_drafter:
-            r.session = self.drafter.session(self.kv_cap)
-            r.session.start(r.prompt, torch.cat(feats) if feats else None)
-        self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = first, P, r.temperature, r.seed, 1
-        r.length = P
-        r.committed.append(first)
-        if r.synthetic:
-            self._synthesize(r)
-        r.result.stage_times["prefill"] += time.perf_counter() - t0
-        emitted[r.rid] = [first]
-        if finish(r.result.tokens, [first], r.max_new, r.stop):
+        dev, leave, ok = self.device, [], []
+        for r in reqs:
+            r.t0 = t0
+            try:
+                self._grow(r, len(r.prompt))
+            except Exception as e:
+                self.errors[r.rid] = e
+                leave.append(r)
+                continue
+            r.committed = list(r.prompt)
+            ok.append(r)
+        feats = {r.rid: [] for r in ok}
+        last = {}
+        for c0 in range(0, max((len(r.prompt) for r in ok), default=0), self.prefill_chunk):
+            groups: dict = {}
+            for r in ok:
+                T = min(self.prefill_chunk, len(r.prompt) - c0)
+                if T > 0:
+                    groups.setdefault(r.rid if self.deterministic else T, []).append(r)
+            for group in groups.values():
+                try:
+                    self._prefill_chunk(group, c0, feats, last)
+                except Exception as e:  # these requests fail alone; the batch in flight is untouched
+                    for r in group:
+                        self.errors[r.rid] = e
+                        leave.append(r)
+                        ok.remove(r)
+        if ok:
+            logits = torch.stack([last[r.rid] for r in ok])                                 # [n, V]
+            finite = torch.isfinite(logits).all(-1)
+            pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
+            first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
+                           torch.tensor([r.seed for r in ok], device=dev), pos,
+                           any(r.temperature > 0 for r in ok))[:, -1]
+            both = torch.stack([finite.long(), first]).tolist()                             # one host read
+        for i, r in enumerate(ok):
+            if not both[0][i]:
+                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of the prefill: "
+                                                "the target's weights or inputs are not finite")
+                leave.append(r)
+                continue
+            tok, s, P = both[1][i], r.slot, len(r.prompt)
+            if self.mode != "ar" and not self.batched_drafter:
+                r.session = self.drafter.session(self.kv_cap)
+                r.session.start(r.prompt, torch.cat(feats[r.rid]) if feats[r.rid] else None)
+            self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = tok, P, r.temperature, r.seed, 1
+            r.length = P
+            r.committed.append(tok)
+            if r.synthetic:
+                self._synthesize(r)
+            r.result.stage_times["prefill"] += time.perf_counter() - t0
+            emitted[r.rid] = [tok]
+            if finish(r.result.tokens, [tok], r.max_new, r.stop):
+                leave.append(r)
+        for r in leave:  # slots move only now
             self._release(r)
+        self.prefill_s += time.perf_counter() - t0
+
+    def _prefill_chunk(self, group: list[Request], c0: int, feats: dict, last: dict) -> None:
+        """Prompt rows [c0, c0 + T) of every request in `group` (all of one chunk length T) in one forward."""
+        dev, n = self.device, len(group)
+        T = min(self.prefill_chunk, len(group[0].prompt) - c0)
+        slots = torch.tensor([r.slot for r in group], device=dev)
+        start = torch.full((n,), c0, device=dev)
+        mask = torch.ones(n, T, T, dtype=torch.bool, device=dev).tril()
+        meta = PagedMeta.build(self.page_table[slots], start, start[:, None] + torch.arange(T, device=dev), mask,
+                               self.page_size, self.model.attn_impl, self.moe)
+        tokens = torch.tensor([r.prompt[c0:c0 + T] for r in group], device=dev)              # [n, T]
+        with _blas(dev, n * T):
+            out = self.model.forward_paged(tokens, self.pool, meta, self.layers, logits_for=[-1])
+        for i, r in enumerate(group):
+            r.result.target_forwards += 1
+            if c0 + T == len(r.prompt):
+                last[r.rid] = out.logits[i, -1]
+        self.prefill_forwards += 1
+        if not self.layers:
+            return
+        f = torch.cat([out.hidden[i] for i in self.layers], -1)                             # [n, T, F]
+        count = torch.full((n,), T, device=dev)
+        if self.batched_drafter:
+            first = group[0].slot
+            if [r.slot for r in group] == list(range(first, first + n)):  # admitted together: adjacent slots
+                self.drafter.extend(self.ctx, f, start, count, slot=first)
+            else:
+                for i, r in enumerate(group):
+                    self.drafter.extend(self.ctx, f[i:i + 1], start[i:i + 1], count[i:i + 1], slot=r.slot)
+        else:
+            for i, r in enumerate(group):
+                feats[r.rid].append(f[i])
 
     @torch.no_grad()
     def _synthesize(self, r: Request) -> None:

@@ -267,6 +267,32 @@ def test_chunked_prefill_stop_tokens_and_one_token_requests(tiny):
     assert e.free_pages == e.pages.capacity
 
 
+def test_prompts_of_one_chunk_length_share_each_prefill_forward(tiny):
+    """Admitted together, prompts whose chunks have one length are prefilled by one forward per chunk: the
+    outputs equal the oracle's, the drafter's context equals a one-request-at-a-time prefill's (deterministic
+    engines prefill each request alone), and the forwards are counted."""
+    _, args, model = tiny
+    g = np.random.default_rng(21)
+    lens = [24, 24, 10, 30]
+    prompts = [g.integers(0, args.vocab_size, n).tolist() for n in lens]
+    refs = [oracle_ar(model, p, 6).tokens for p in prompts]
+    d = build_drafter(model, block_size=4)
+    for det, forwards in ((False, 7), (True, 4 + 4 + 2 + 5)):  # chunks of 7: see the groups below
+        e = Engine(model, d, mode="ddtree", budget=8, max_batch=4, max_len=128, prefill_chunk=7,
+                   deterministic=det, moe="dense", backend="golden")
+        ids = [e.add_request(p, 6) for p in prompts]
+        e._admit({})  # admission and every prefill, no round yet
+        assert e.prefill_forwards == forwards, det
+        ctx = [t[:4].clone() for t in e.ctx.k + e.ctx.v]
+        if det:
+            for a, b in zip(ctx, batched):
+                for slot, n in enumerate(lens):
+                    torch.testing.assert_close(a[slot, :, :n], b[slot, :, :n], rtol=1e-4, atol=1e-5)
+        batched = ctx
+        res = e.run()
+        assert [res[i].tokens for i in ids] == refs
+
+
 def test_int4_experts_through_the_engine(tiny):
     """Routed experts in the INT4 release format (the CPU reference path) batched through the engine."""
     import copy
