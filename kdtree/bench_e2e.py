@@ -6,8 +6,8 @@ per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch b
 DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" and "sync"), each `repeats`
 times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
 spread, the decode tok/s (prefill's wall time left out) and the prefill's wall time, per-user tok/s, tau,
-whether the outputs equal the same run's AR outputs token for token, and for auto the plan each round chose. `calibration_check`: expected tokens per truncation B (raw and calibrated)
-against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR
+whether the outputs equal the same run's AR outputs token for token, and for auto the plan each round chose.
+`calibration_check`: expected tokens per truncation B (raw and calibrated) against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR
 compiled": the AR engine through torch.compile as well (the lab's best AR), so ratios against it sit beside
 the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
 """
