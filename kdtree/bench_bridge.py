@@ -4,13 +4,13 @@
 
 Per (batch, budget) cell, draft logits [b, L, V] bf16 in input sets rotated past L2:
   reference_s       bench.reference_tree_round eager (torch.topk + logsumexp, copy to the host, Python heap,
-                    numpy visibility, request by request), wall time: its best repeat is the baseline (the host's
-                    noise never inflates a ratio), its median is reported beside it
+                    numpy visibility, request by request), wall time: its best repeat is the baseline (the
+                    host's noise never inflates a ratio), its median is reported beside it
   native_graph_s    bridge.build_trees captured in a CUDA graph, replays timed by events
   native_eager_s    bridge.build_trees eager with its value checks, wall time
-  typed_s           bridge.build_ddtree_tree (the reference-typed drop-in: one graph replay with its value scan,
-                    the one copy to the host and the child maps built there), wall time; batch 1 only, as the
-                    reference calls it; typed_eager_s the same with eager launches (graph=False)
+  typed_s           bridge.build_ddtree_tree (the reference-typed drop-in: one graph replay with its value
+                    scan, the one copy to the host and the child maps built there), wall time; batch 1 only,
+                    as the reference calls it; typed_eager_s the same with eager launches (graph=False)
   sglang_graph_s    bridge.build_trees + to_sglang (qlen_only) + sglang_verify_greedy in one graph
 Every ratio is to reference_s of the same cell; the targets are checked in `targets`.
 """
@@ -113,8 +113,8 @@ def targets(rows: list[dict], rec: dict | None = None) -> list[dict]:
     smoke, hc = rec.get("capi_smoke"), rec.get("host_cost", {})
     if smoke:
         got = smoke["tree_walk_beyond_launch_s"] * 1e6
-        out.append({"what": "C ABI host cost beyond its launch, us (tree_walk, from C)", "goal": 2.0, "value": got,
-                    "met": got <= 2.0})
+        out.append({"what": "C ABI host cost beyond its launch, us (tree_walk, from C)", "goal": 2.0,
+                    "value": got, "met": got <= 2.0})
     if "capi_tree_walk_s" in hc:
         got = hc["capi_tree_walk_s"] / hc["cupy_tree_walk_s"]
         out.append({"what": "C ABI call (ctypes) / CuPy path call, host time", "goal": 1.0, "value": got,
@@ -148,7 +148,8 @@ def summary(rec: dict) -> str:
     for r in rec["rows"]:
         typed = f"  typed {r['typed_s'] * 1e3:.3f} ({r['typed_speedup']:.1f}x)" if "typed_s" in r else ""
         lines.append(f"b {r['batch']:>3} B {r['budget']:>5}: reference {r['reference_s'] * 1e3:.3f} "
-                     f"(median {r['reference_median_s'] * 1e3:.3f})  native graph {r['native_graph_s'] * 1e3:.3f} "
+                     f"(median {r['reference_median_s'] * 1e3:.3f})  "
+                     f"native graph {r['native_graph_s'] * 1e3:.3f} "
                      f"({r['native_graph_speedup']:.1f}x)  eager {r['native_eager_s'] * 1e3:.3f}{typed}  "
                      f"sglang round {r['sglang_graph_s'] * 1e3:.3f}")
     hc = rec.get("host_cost", {})
@@ -158,5 +159,6 @@ def summary(rec: dict) -> str:
     for t in rec["targets"]:
         got = "-" if t["value"] is None else f"{t['value']:.2f}"
         where = f" b {t['batch']} B {t['budget']}" if "batch" in t else ""
-        lines.append(f"target {t['what']}{where}: goal {t['goal']}, got {got}  {'met' if t['met'] else 'MISSED'}")
+        met = "met" if t["met"] else "MISSED"
+        lines.append(f"target {t['what']}{where}: goal {t['goal']}, got {got}  {met}")
     return "\n".join(lines)

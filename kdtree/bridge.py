@@ -6,7 +6,8 @@ Reference-typed (the public DDTree release's ddtree.py; same signatures and retu
 switches by changing one import):
     build_ddtree_tree(draft_logits [L, V], budget)
         -> (node_token_ids long [n], node_depths long [n], parents list[int] (n + 1, parents[0] = -1),
-            child_maps list[dict[token, row]] (n + 1, row 0 the root), visibility bool [n + 1, n + 1], subtimes)
+            child_maps list[dict[token, row]] (n + 1, row 0 the root), visibility bool [n + 1, n + 1],
+            subtimes)
     compile_ddtree_tree(root_token_id, start, node_token_ids, node_depths, visibility_cpu, past_length, dtype,
                         device, <4 buffers>, previous_tree_start, previous_tree_length)
         -> (input_ids [1, n + 1], position_ids [1, n + 1], attention_mask [1, 1, n + 1, past + n + 1],
@@ -32,10 +33,11 @@ Tensor-native (a batch; no host copy, no dicts; on the GPU capturable in a CUDA 
 SGLang (sgl-kernel's build_tree_kernel_efficient outputs and verify_tree_greedy; golden.SglangTree states
 the layouts):
     to_sglang(tree, mode, tree_mask=None) -> SglangTensors (the whole batch in one launch)
-    sglang_verify_greedy(sg, target_predict [b, N], num_spec_steps) -> (predicts, accept_index, accept_token_num)
+    sglang_verify_greedy(sg, target_predict [b, N], num_spec_steps)
+        -> (predicts, accept_index, accept_token_num)
   sgl-kernel cannot be installed here, so these follow its source (golden.py names the commit read), not a run
-  of it: an integration should compare one batch of its own build_tree_kernel_efficient outputs with to_sglang's
-  before switching (docs/bridges.md lists what to check).
+  of it: an integration should compare one batch of its own build_tree_kernel_efficient outputs with
+  to_sglang's before switching (docs/bridges.md lists what to check).
 """
 from __future__ import annotations
 
@@ -104,7 +106,10 @@ def follow_trees(tree: TreeBatch, posterior: torch.Tensor, max_accept: int | Non
     deepest possible path), acc_len int32 [b], bonus int32 [b] (the target's token after the path)."""
     b, N = tree.tokens.shape
     checks.tensor("posterior", posterior, _INT_DTYPES, shape=(b, N))
-    A = min(N, kernels.MAX_DEPTH + 1) if max_accept is None else checks.int_in("max_accept", max_accept, 1, 1024)
+    if max_accept is None:
+        A = min(N, kernels.MAX_DEPTH + 1)
+    else:
+        A = checks.int_in("max_accept", max_accept, 1, 1024)
     if tree.tokens.is_cuda:
         return kernels.tree_walk(tree.tokens, tree.parents, posterior, max_accept=A)
     t, p, c = tree.tokens.numpy(), tree.parents.numpy(), posterior.numpy()
@@ -118,7 +123,8 @@ def follow_trees(tree: TreeBatch, posterior: torch.Tensor, max_accept: int | Non
     return torch.from_numpy(acc), torch.from_numpy(n), torch.from_numpy(bonus)
 
 
-def tree_attention_mask(tree: TreeBatch, past_length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tree_attention_mask(tree: TreeBatch, past_length: int,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The additive mask an eager attention takes: [b, 1, N, past_length + N], 0 where a row may attend (every
     past column, its tree ancestors and itself), dtype's most negative value elsewhere."""
     past_length = checks.int_in("past_length", past_length, 0)
@@ -138,7 +144,8 @@ def _empty_tree(subtimes: dict):
 
 
 def _bad_values(x: torch.Tensor) -> torch.Tensor:
-    """int32 [1]: bit 0 a NaN, bit 1 a +inf, bit 2 a row of -inf only (kernels.check_logit_values, on the device)."""
+    """int32 [1]: bit 0 a NaN, bit 1 a +inf, bit 2 a row of -inf only (kernels.check_logit_values on the
+    device)."""
     return (torch.isnan(x).any().int() | (torch.isposinf(x).any().int() << 1)
             | (torch.isneginf(x).all(-1).any().int() << 2)).view(1)
 
@@ -158,8 +165,8 @@ class _GraphedBuild:
 
     def __init__(self, logits: torch.Tensor, budget: int):
         dev = logits.device
-        self.x = torch.empty(logits.shape, dtype=logits.dtype if logits.dtype == torch.bfloat16 else torch.float32,
-                             device=dev)
+        dt = logits.dtype if logits.dtype == torch.bfloat16 else torch.float32
+        self.x = torch.empty(logits.shape, dtype=dt, device=dev)
         self.x.normal_()  # the warm-up's values (kernels compile, modules load)
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -187,8 +194,8 @@ _GRAPHS_KEPT = 8  # shapes whose graphs are kept (each holds a copy of its logit
 
 
 def _device_build(x: torch.Tensor, budget: int, check_values: bool, graph: bool) -> np.ndarray:
-    """The packed host buffer of _GraphedBuild, from a graph replay or (graph=False, or inside someone's capture)
-    eagerly."""
+    """The packed host buffer of _GraphedBuild, from a graph replay or (graph=False, or inside someone's
+    capture) eagerly."""
     if graph and not torch.cuda.is_current_stream_capturing():
         key = (x.device.index, *x.shape, budget, x.dtype)
         g = _GRAPHS.pop(key, None) or _GraphedBuild(x, budget)
@@ -202,10 +209,12 @@ def _device_build(x: torch.Tensor, budget: int, check_values: bool, graph: bool)
     zero = torch.zeros(1, dtype=torch.int32, device=x.device)
     tb = build_trees(x[None], budget, zero, zero, check_values=check_values)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    return torch.cat([bad, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)]).cpu().numpy()
+    flat = torch.cat([bad, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)])
+    return flat.cpu().numpy()
 
 
-def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = True, graph: bool = True):
+def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = True,
+                      graph: bool = True):
     """The reference's build_ddtree_tree: draft logits [L, V] of one request -> the best-first tree of at most
     `budget` nodes, on the host as the reference returns it (module docstring). budget <= 0 or L = 0 gives the
     root alone, as in the reference. On the GPU the device work is one CUDA graph per shape (graph=False:
@@ -227,7 +236,8 @@ def build_ddtree_tree(draft_logits: torch.Tensor, budget: int, *, check_values: 
     else:
         zero = torch.zeros(1, dtype=torch.int32)
         tb = build_trees(draft_logits[None], budget, zero, zero, check_values=check_values)
-        h = torch.cat([zero, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0], tb.mask[0].reshape(-1)]).numpy()
+        h = torch.cat([zero, tb.n_nodes, tb.tokens[0], tb.parents[0], tb.depths[0],
+                       tb.mask[0].reshape(-1)]).numpy()
     N = budget + 1
     h = h[1:]  # past the value flags
     t1 = time.perf_counter()
@@ -253,9 +263,9 @@ def compile_ddtree_tree(root_token_id, start: int, node_token_ids: torch.Tensor,
                         verify_input_ids_buffer: torch.Tensor, verify_position_ids_buffer: torch.Tensor,
                         attention_mask_buffer: torch.Tensor, tree_visibility_buffer: torch.Tensor,
                         previous_tree_start: int, previous_tree_length: int):
-    """The reference's compile_ddtree_tree: writes the verify block into the caller's buffers and returns views
-    of them. The previous round's tree block of the additive mask is first cleared to 0 (those columns are
-    now past); the new block holds 0 where visibility is true and dtype's most negative value elsewhere."""
+    """The reference's compile_ddtree_tree: writes the verify block into the caller's buffers and returns
+    views of them. The previous round's tree block of the additive mask is first cleared to 0 (those columns
+    are now past); the new block holds 0 where visibility is true and dtype's most negative value elsewhere."""
     n1 = 1 + checks.tensor("node_token_ids", node_token_ids, (torch.int64, torch.int32), ndim=1).numel()
     checks.tensor("node_depths", node_depths, (torch.int64, torch.int32), shape=(n1 - 1,))
     checks.tensor("visibility_cpu", visibility_cpu, (torch.bool,), shape=(n1, n1))
@@ -272,7 +282,8 @@ def compile_ddtree_tree(root_token_id, start: int, node_token_ids: torch.Tensor,
                              ("verify_position_ids_buffer", verify_position_ids_buffer.shape[1], n1),
                              ("tree_visibility_buffer", min(tree_visibility_buffer.shape), n1),
                              ("attention_mask_buffer rows", rows, max(n1, prev_len)),
-                             ("attention_mask_buffer columns", cols, max(past_length + n1, prev_start + prev_len))):
+                             ("attention_mask_buffer columns", cols,
+                              max(past_length + n1, prev_start + prev_len))):
         if have < need:
             raise ValueError(f"{name}: holds {have}, the tree needs {need}")
     m = attention_mask_buffer
@@ -320,7 +331,8 @@ def _cache_tensors(past_key_values) -> list[torch.Tensor]:
         return out
     if hasattr(past_key_values, "key_cache"):
         return [t for pair in zip(past_key_values.key_cache, past_key_values.value_cache) for t in pair]
-    raise ValueError(f"past_key_values: expected a transformers DynamicCache, got {type(past_key_values).__name__}")
+    raise ValueError("past_key_values: expected a transformers DynamicCache, got "
+                     f"{type(past_key_values).__name__}")
 
 
 def compact_dynamic_cache(past_key_values, past_length: int, keep_current_indices) -> None:
@@ -340,7 +352,8 @@ def compact_dynamic_cache(past_key_values, past_length: int, keep_current_indice
     if isinstance(keep_current_indices, torch.Tensor):
         keep = checks.tensor("keep_current_indices", keep_current_indices, (torch.int64,), ndim=1)
         if tensors and keep.device != tensors[0].device:
-            raise ValueError(f"keep_current_indices: expected a tensor on {tensors[0].device}, got {keep.device}")
+            raise ValueError(f"keep_current_indices: expected a tensor on {tensors[0].device}, got "
+                             f"{keep.device}")
     else:
         rows = [checks.int_in(f"keep_current_indices[{i}]", r, 0, max(window - 1, 0))
                 for i, r in enumerate(keep_current_indices)]
@@ -364,7 +377,7 @@ class SglangTensors:
     """golden.SglangTree's arrays as torch tensors on the tree's device (same names, dtypes and layouts)."""
     draft_tokens: torch.Tensor          # int64 [b, N]
     positions: torch.Tensor             # int64 [b * N]
-    tree_mask: torch.Tensor             # bool (full, qlen_only) or uint8 [b * N, nbytes] (qlen_only_bitpacking)
+    tree_mask: torch.Tensor             # bool (full, qlen_only); uint8 [b * N, nbytes] (bit-packed)
     retrive_index: torch.Tensor         # int64 [b, N]
     retrive_next_token: torch.Tensor    # int64 [b, N]
     retrive_next_sibling: torch.Tensor  # int64 [b, N]
@@ -378,13 +391,14 @@ SGLANG_MAX_N = 2047  # cuda/sglang_tree.cu sorts (parent + 1) << 11 | row
 def _mask_size(tree: TreeBatch, mode: str) -> int:
     b, N = tree.tokens.shape
     if mode == "full":
-        return int(tree.positions[:, 0].long().sum()) * N + b * N * N  # a host read: pass tree_mask to avoid it
+        return int(tree.positions[:, 0].long().sum()) * N + b * N * N  # a host read (pass tree_mask)
     return b * N * N if mode == "qlen_only" else b * N * golden.sglang_mask_bytes(N)
 
 
-def to_sglang(tree: TreeBatch, mode: str = "qlen_only", tree_mask: torch.Tensor | None = None) -> SglangTensors:
-    """Our verify blocks (kernels.TreeBatch: root row 0 at position seq_len) -> SGLang's tree arrays, the whole
-    batch in one launch on the GPU. tree_mask: the caller's buffer (SGLang allocates it; in "full" mode
+def to_sglang(tree: TreeBatch, mode: str = "qlen_only",
+              tree_mask: torch.Tensor | None = None) -> SglangTensors:
+    """Our verify blocks (kernels.TreeBatch: root row 0 at position seq_len) -> SGLang's tree arrays, the
+    whole batch in one launch on the GPU. tree_mask: the caller's buffer (SGLang allocates it; in "full" mode
     only the tree columns are written, the prefix columns are the caller's, true in SGLang); without one,
     a buffer is made ("full" then reads the lengths on the host, and fills the prefix with true)."""
     mode = checks.one_of("mode", mode, golden.SGLANG_MODES)
@@ -457,8 +471,9 @@ def sglang_verify_greedy(sg: SglangTensors, target_predict: torch.Tensor, num_sp
     checks.tensor("target_predict", target_predict, (torch.int64,), shape=(b, N))
     S = checks.int_in("num_spec_steps", num_spec_steps, 1, 1024)
     if not sg.draft_tokens.is_cuda:
-        g = golden.SglangTree(*(t.numpy() for t in (sg.draft_tokens, sg.positions, sg.tree_mask, sg.retrive_index,
-                                                    sg.retrive_next_token, sg.retrive_next_sibling)), sg.mode)
+        arrays = (sg.draft_tokens, sg.positions, sg.tree_mask, sg.retrive_index, sg.retrive_next_token,
+                  sg.retrive_next_sibling)
+        g = golden.SglangTree(*(t.numpy() for t in arrays), sg.mode)
         return tuple(torch.from_numpy(a) for a in golden.sglang_verify_greedy(g, target_predict.numpy(), S))
     dev = sg.draft_tokens.device
     tp = target_predict.contiguous()
@@ -468,6 +483,7 @@ def sglang_verify_greedy(sg: SglangTensors, target_predict: torch.Tensor, num_sp
     n_acc = kernels._empty(b, dtype=torch.int32, device=dev)
     p = kernels._p
     kernels._launch("sglang_tree", "sglang_verify_greedy", (b,), (1,),
-                    (p(sg.draft_tokens), p(sg.retrive_index), p(sg.retrive_next_token), p(sg.retrive_next_sibling),
-                     p(tp), kernels._i(N), kernels._i(S), p(predicts), p(accept), p(n_acc)))
+                    (p(sg.draft_tokens), p(sg.retrive_index), p(sg.retrive_next_token),
+                     p(sg.retrive_next_sibling), p(tp), kernels._i(N), kernels._i(S), p(predicts), p(accept),
+                     p(n_acc)))
     return predicts, accept, n_acc

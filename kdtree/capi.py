@@ -25,8 +25,9 @@ import torch
 
 from . import checks, kernels
 
-STATUS = {0: "KDTREE_OK", 1: "KDTREE_ERR_NULL", 2: "KDTREE_ERR_ALIGN", 3: "KDTREE_ERR_SIZE", 4: "KDTREE_ERR_LIMIT",
-          5: "KDTREE_ERR_WORKSPACE", 6: "KDTREE_ERR_NO_CUDA", 7: "KDTREE_ERR_ARCH", 8: "KDTREE_ERR_CUDA"}
+STATUS = {0: "KDTREE_OK", 1: "KDTREE_ERR_NULL", 2: "KDTREE_ERR_ALIGN", 3: "KDTREE_ERR_SIZE",
+          4: "KDTREE_ERR_LIMIT", 5: "KDTREE_ERR_WORKSPACE", 6: "KDTREE_ERR_NO_CUDA", 7: "KDTREE_ERR_ARCH",
+          8: "KDTREE_ERR_CUDA"}
 ARGUMENT_ERRORS = (1, 2, 3, 4, 5)
 F32, BF16, I32, I64 = 0, 1, 2, 3
 VERIFY_IMPLS = {None: 0, "wgmma": 1, "ws": 2, "mma": 3}
@@ -43,7 +44,8 @@ _SIGNATURES = {
     "kdtree_kv_compact": (_i, [_p, _i, _s, _i, _p, _i, _i, _i, _p, _p, _i, _p, _p]),
     "kdtree_verify_attn_splits": (_i, [_i, _i, _i, _i, _i]),
     "kdtree_verify_attn_workspace": (_z, [_i, _i, _i, _i, _i, _i]),
-    "kdtree_verify_attn": (_i, [_p, _p, _s, _p, _i, _i, _p, _p, _i, _i, _i, _f, _i, _i, _i, _p, _p, _p, _z, _p]),
+    "kdtree_verify_attn": (_i, [_p, _p, _s, _p, _i, _i, _p, _p, _i, _i, _i, _f, _i, _i, _i, _p, _p, _p, _z,
+                                _p]),
     "kdtree_moe_repack": (_i, [_p, _p, _s, _i, _i, _p, _p, _p]),
     "kdtree_moe_workspace": (_z, [_i, _i, _i, _i, _i]),
     "kdtree_moe_int4": (_i, [_p, _p, _i, _p, _i, _i, _p, _p, _p, _p, _i, _i, _i, _i, _i, _p, _p, _z, _p]),
@@ -107,11 +109,13 @@ def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, sta
     e = kernels._empty
     out = kernels.TreeBatch(*(e(b, N, dtype=dt, device=dev) for dt in
                               (torch.int32, torch.int32, torch.int32, torch.int32, torch.float32)),
-                            mask=e(b, N, W, dtype=torch.int32, device=dev), n_nodes=e(b, dtype=torch.int32, device=dev))
+                            mask=e(b, N, W, dtype=torch.int32, device=dev),
+                            n_nodes=e(b, dtype=torch.int32, device=dev))
+    outs = (out.tokens, out.positions, out.parents, out.depths, out.scores, out.mask, out.n_nodes)
     _check("kdtree_tree_build", lib.kdtree_tree_build(
-        logits.data_ptr(), BF16 if logits.dtype == torch.bfloat16 else F32, b, L, V, budget, root_tokens.data_ptr(),
-        start_pos.data_ptr(), *(_ptr(t) for t in (out.tokens, out.positions, out.parents, out.depths, out.scores,
-                                                  out.mask, out.n_nodes)), ws.data_ptr(), ws.numel(), _stream()))
+        logits.data_ptr(), BF16 if logits.dtype == torch.bfloat16 else F32, b, L, V, budget,
+        root_tokens.data_ptr(), start_pos.data_ptr(), *(_ptr(t) for t in outs), ws.data_ptr(), ws.numel(),
+        _stream()))
     return out
 
 
@@ -125,14 +129,14 @@ def tree_walk(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor,
     acc = kernels._empty(b, A, dtype=torch.int32, device=dev)
     n = kernels._empty(b, dtype=torch.int32, device=dev)
     bonus = kernels._empty(b, dtype=torch.int32, device=dev)
-    _check("kdtree_tree_walk", library().kdtree_tree_walk(tokens.data_ptr(), parents.data_ptr(), choice.data_ptr(),
-                                                          b, N, A, acc.data_ptr(), n.data_ptr(), bonus.data_ptr(),
-                                                          _stream()))
+    _check("kdtree_tree_walk", library().kdtree_tree_walk(
+        tokens.data_ptr(), parents.data_ptr(), choice.data_ptr(), b, N, A, acc.data_ptr(), n.data_ptr(),
+        bonus.data_ptr(), _stream()))
     return acc, n, bonus
 
 
-def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch.Tensor, accepted: torch.Tensor,
-               acc_len: torch.Tensor, page_size: int = kernels.PAGE_SIZE) -> None:
+def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch.Tensor,
+               accepted: torch.Tensor, acc_len: torch.Tensor, page_size: int = kernels.PAGE_SIZE) -> None:
     checks.tensor("cache", cache, (torch.bfloat16, torch.float16, torch.float32), ndim=3, contiguous=True)
     n_layers, rows, D = cache.shape
     checks.tensor("page_table", page_table, (torch.int32,), ndim=2, contiguous=True)
@@ -141,14 +145,15 @@ def kv_compact(cache: torch.Tensor, page_table: torch.Tensor, block_start: torch
     checks.tensor("accepted", accepted, (torch.int32,), ndim=2, contiguous=True)
     checks.tensor("acc_len", acc_len, (torch.int32,), shape=(b,), contiguous=True)
     _check("kdtree_kv_compact", library().kdtree_kv_compact(
-        cache.data_ptr(), n_layers, rows, D * cache.element_size(), page_table.data_ptr(), b, max_pages, page_size,
-        block_start.data_ptr(), accepted.data_ptr(), accepted.shape[1], acc_len.data_ptr(), _stream()))
+        cache.data_ptr(), n_layers, rows, D * cache.element_size(), page_table.data_ptr(), b, max_pages,
+        page_size, block_start.data_ptr(), accepted.data_ptr(), accepted.shape[1], acc_len.data_ptr(),
+        _stream()))
 
 
 # ----------------------------------------------------------------------------- verify attention
 def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_len: torch.Tensor,
-                mask: torch.Tensor, scale: float, page_size: int = kernels.PAGE_SIZE, max_seq_len: int | None = None,
-                impl: str | None = None, n_splits: int | None = None):
+                mask: torch.Tensor, scale: float, page_size: int = kernels.PAGE_SIZE,
+                max_seq_len: int | None = None, impl: str | None = None, n_splits: int | None = None):
     """kernels.verify_attn through the C ABI: mask as packed int32 words [b, N, ceil(N / 32)]; max_seq_len
     (default: the page table's capacity) sizes the context splits."""
     checks.tensor("q", q, (torch.bfloat16,), ndim=4, contiguous=True)
@@ -170,8 +175,8 @@ def verify_attn(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, 
         raise ValueError(f"scale={scale!r}: expected a positive finite float")
     _check("kdtree_verify_attn", lib.kdtree_verify_attn(
         q.data_ptr(), cache.data_ptr(), cache.shape[0], page_table.data_ptr(), page_table.shape[1], page_size,
-        seq_len.data_ptr(), mask.data_ptr(), b, N, H, float(scale), keys, VERIFY_IMPLS[impl], ns, out.data_ptr(),
-        lse.data_ptr(), ws.data_ptr(), ws.numel(), _stream()))
+        seq_len.data_ptr(), mask.data_ptr(), b, N, H, float(scale), keys, VERIFY_IMPLS[impl], ns,
+        out.data_ptr(), lse.data_ptr(), ws.data_ptr(), ws.numel(), _stream()))
     return out, lse
 
 
@@ -209,11 +214,11 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     lib, dev = library(), x.device
     E, D, I = weights.E, weights.D, weights.I
     ws = _workspace(lib.kdtree_moe_workspace(T, k, E, D, I), dev)
-    ws[:4 * (4 + kernels.FUSED_MAX_PAIRS)].zero_()  # the fused counters lead (calls leave them zero; new memory is not)
+    ws[:4 * (4 + kernels.FUSED_MAX_PAIRS)].zero_()  # the fused path's counters: calls leave them zero
     out = kernels._empty(T, D, dtype=torch.float32, device=dev)
     _check("kdtree_moe_int4", lib.kdtree_moe_int4(
-        x.data_ptr(), topk_ids.data_ptr(), I64 if topk_ids.dtype == torch.int64 else I32, topk_weights.data_ptr(),
-        T, k, weights.w13.data_ptr(), weights.s13.data_ptr(), weights.w2.data_ptr(), weights.s2.data_ptr(), E, D, I,
-        tile_tokens or 0, -1 if fused is None else int(bool(fused)), out.data_ptr(), ws.data_ptr(), ws.numel(),
-        _stream()))
+        x.data_ptr(), topk_ids.data_ptr(), I64 if topk_ids.dtype == torch.int64 else I32,
+        topk_weights.data_ptr(), T, k, weights.w13.data_ptr(), weights.s13.data_ptr(), weights.w2.data_ptr(),
+        weights.s2.data_ptr(), E, D, I, tile_tokens or 0, -1 if fused is None else int(bool(fused)),
+        out.data_ptr(), ws.data_ptr(), ws.numel(), _stream()))
     return out
