@@ -33,8 +33,9 @@
 #define SORT_THREADS 1024
 
 extern "C" __global__ void sglang_tree(
-    const int32_t* __restrict__ tokens, const int32_t* __restrict__ parents, const uint32_t* __restrict__ mask,
-    const int32_t* __restrict__ positions, int N, int mode, int nbytes, int64_t* __restrict__ draft,
+    const int32_t* __restrict__ tokens, const int32_t* __restrict__ parents,
+    const uint32_t* __restrict__ mask, const int32_t* __restrict__ positions, int N, int mode, int nbytes,
+    int64_t* __restrict__ draft,
     int64_t* __restrict__ pos, int64_t* __restrict__ ridx, int64_t* __restrict__ next_tok,
     int64_t* __restrict__ next_sib, uint8_t* __restrict__ tree_mask) {
     __shared__ uint32_t keys[SORT_KEYS];
@@ -102,8 +103,9 @@ extern "C" __global__ void sglang_tree(
 }
 
 extern "C" __global__ void sglang_verify_greedy(
-    const int64_t* __restrict__ candidates, const int64_t* __restrict__ ridx, const int64_t* __restrict__ next_tok,
-    const int64_t* __restrict__ next_sib, const int64_t* __restrict__ target, int N, int S,
+    const int64_t* __restrict__ candidates, const int64_t* __restrict__ ridx,
+    const int64_t* __restrict__ next_tok, const int64_t* __restrict__ next_sib,
+    const int64_t* __restrict__ target, int N, int S,
     int32_t* __restrict__ predicts, int32_t* __restrict__ accept, int32_t* __restrict__ n_acc) {
     const int b = blockIdx.x;
     const size_t row0 = (size_t)b * N;

@@ -1,5 +1,5 @@
-"""kdtree.bridge on the CPU (golden paths): the reference-typed drop-ins, the tensor-native batch functions and
-SGLang's EAGLE tree format, against golden.py; the GPU kernels are checked in test_bridge_gpu.py."""
+"""kdtree.bridge on the CPU (golden paths): the reference-typed drop-ins, the tensor-native batch functions
+and SGLang's EAGLE tree format, against golden.py; the GPU kernels are checked in test_bridge_gpu.py."""
 import numpy as np
 import pytest
 import torch
@@ -86,8 +86,8 @@ def planted_choice(rng, tb, V):
     return torch.from_numpy(ch.astype(np.int64))
 
 
-SGLANG_CASES = [(m, B, k) for m in golden.SGLANG_MODES for B, k in ((1, 0), (7, 0), (24, 0), (31, 19), (64, 0),
-                                                                    (200, 18))
+SGLANG_TREES = ((1, 0), (7, 0), (24, 0), (31, 19), (64, 0), (200, 18))  # budget, -inf tokens a row
+SGLANG_CASES = [(m, B, k) for m in golden.SGLANG_MODES for B, k in SGLANG_TREES
                 if m != "qlen_only_bitpacking" or B < golden.SGLANG_BITPACK_MAX_N]  # 32 rows at most packed
 
 
@@ -179,7 +179,8 @@ def test_build_ddtree_tree_equals_golden(budget, masked):
     t = golden.ddtree(lg.numpy(), budget)
     vb = golden.compile_tree(t, 0, 0)
     assert tok.dtype == torch.long and dep.dtype == torch.long and vis.dtype == torch.bool
-    assert isinstance(parents, list) and isinstance(child_maps, list) and set(sub) == set(bridge.REFERENCE_SUBTIMES)
+    assert isinstance(parents, list) and isinstance(child_maps, list)
+    assert set(sub) == set(bridge.REFERENCE_SUBTIMES)
     assert tok.tolist() == t.tokens.tolist() and dep.tolist() == t.depths.tolist()
     assert parents == vb.parents.tolist() and torch.equal(vis, torch.from_numpy(vb.mask))
     assert len(child_maps) == t.n + 1
@@ -304,7 +305,8 @@ def test_tensor_native_batch_equals_golden_per_request():
         vb = golden.compile_tree(t, int(root[i]), int(start[i]))
         n = vb.n
         assert int(tb.n_nodes[i]) == t.n
-        assert tb.tokens[i, :n].tolist() == vb.tokens.tolist() and tb.parents[i, :n].tolist() == vb.parents.tolist()
+        assert tb.tokens[i, :n].tolist() == vb.tokens.tolist()
+        assert tb.parents[i, :n].tolist() == vb.parents.tolist()
         assert (tb.parents[i, n:] == -1).all() and (tb.tokens[i, n:] == int(root[i])).all()
         assert torch.equal(tb.dense_mask()[i, :n, :n], torch.from_numpy(vb.mask))
     with pytest.raises(ValueError, match="root_tokens"):

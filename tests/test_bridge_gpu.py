@@ -23,8 +23,8 @@ def _numpy(sg):
                                                          sg.retrive_next_sibling)), sg.mode)
 
 
-SHAPES = [(1, 4, 50, 1, 0), (3, 5, 20, 31, 19), (4, 7, 300, 31, 0), (2, 15, 163840, 64, 0), (8, 6, 40, 255, 37),
-          (3, 15, 1000, 1024, 0)]  # b, L, V, budget, -inf tokens a row
+SHAPES = [(1, 4, 50, 1, 0), (3, 5, 20, 31, 19), (4, 7, 300, 31, 0), (2, 15, 163840, 64, 0),
+          (8, 6, 40, 255, 37), (3, 15, 1000, 1024, 0)]  # b, L, V, budget, -inf tokens a row
 
 
 @pytest.mark.parametrize("mode,b,L,V,budget,masked", [(m, *s) for m in golden.SGLANG_MODES for s in SHAPES

@@ -85,8 +85,9 @@ FAKE = 1 << 20  # an aligned non-null address: argument checks never read it
 
 
 def _tree_args(**kw):
-    a = dict(logits=FAKE, dtype=capi.BF16, batch=2, L=15, V=163840, budget=64, root=FAKE, start=FAKE, tokens=FAKE,
-             positions=FAKE, parents=FAKE, depths=FAKE, scores=FAKE, mask=FAKE, n_nodes=FAKE, ws=FAKE,
+    a = dict(logits=FAKE, dtype=capi.BF16, batch=2, L=15, V=163840, budget=64, root=FAKE, start=FAKE,
+             tokens=FAKE, positions=FAKE, parents=FAKE, depths=FAKE, scores=FAKE, mask=FAKE, n_nodes=FAKE,
+             ws=FAKE,
              ws_bytes=1 << 30, stream=None)
     a.update(kw)
     return list(a.values())
@@ -96,12 +97,25 @@ def _tree_args(**kw):
     (dict(budget=0), 3, "budget=0"), (dict(budget=1025), 4, "budget=1025"), (dict(L=64), 4, "L=64"),
     (dict(V=262145), 4, "V=262145"), (dict(batch=0), 3, "batch=0"), (dict(dtype=7), 3, "dtype=7"),
     (dict(logits=None), 1, "logits is NULL"), (dict(logits=FAKE + 2), 2, "logits"),
-    (dict(mask=None), 1, "mask is NULL"), (dict(scores=FAKE + 1), 2, "scores"), (dict(ws_bytes=100), 5, "workspace"),
+    (dict(mask=None), 1, "mask is NULL"), (dict(scores=FAKE + 1), 2, "scores"),
+    (dict(ws_bytes=100), 5, "workspace"),
 ])
 def test_tree_build_refuses_bad_arguments_before_any_launch(lib, edit, code, needle):
     rc = lib.kdtree_tree_build(*_tree_args(**edit))
     assert rc == code, lib.kdtree_last_error()
-    assert needle in lib.kdtree_last_error().decode() and "kdtree_tree_build" in lib.kdtree_last_error().decode()
+    msg = lib.kdtree_last_error().decode()
+    assert needle in msg and "kdtree_tree_build" in msg
+
+
+def _verify_args(scale=0.1, max_seq_len=4096, impl=0, n_splits=0):
+    F = FAKE
+    return (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, scale, max_seq_len, impl, n_splits, F, F, F, 1 << 30,
+            None)
+
+
+def _moe_args(T=1, D=7168, E=384, tile=0, fused=-1, ws=1 << 30):
+    F = FAKE
+    return (F, F, 2, F, T, 8, F, F, F, F, E, D, 2048, tile, fused, F, F, ws, None)
 
 
 def test_other_entries_refuse_bad_arguments(lib):
@@ -113,31 +127,22 @@ def test_other_entries_refuse_bad_arguments(lib):
         (lib.kdtree_kv_compact, (F, 4, 4000, 1152, F, 2, 64, 64, F, F, 16, F, None), 3, "whole number"),
         (lib.kdtree_kv_compact, (F, 4, 4096, 1000, F, 2, 64, 64, F, F, 16, F, None), 3, "row_bytes=1000"),
         (lib.kdtree_kv_compact, (F + 8, 4, 4096, 1152, F, 2, 64, 64, F, F, 16, F, None), 2, "cache"),
-        (lib.kdtree_verify_attn, (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, 0.1, 4096, 0, 0, F, F, F, 1 << 30, None),
-         0, ""),
-        (lib.kdtree_verify_attn, (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, -1.0, 4096, 0, 0, F, F, F, 1 << 30, None),
-         3, "scale"),
-        (lib.kdtree_verify_attn, (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, 0.1, 5000, 0, 0, F, F, F, 1 << 30, None),
-         4, "max_seq_len=5000"),
-        (lib.kdtree_verify_attn, (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, 0.1, 4096, 0, 129, F, F, F, 1 << 30, None),
-         4, "n_splits=129"),
-        (lib.kdtree_verify_attn, (F, F, 8192, F, 64, 64, F, F, 1, 65, 64, 0.1, 4096, 5, 0, F, F, F, 1 << 30, None),
-         4, "impl=5"),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 1, 8, F, F, F, F, 384, 7168, 2048, 0, 1, F, F, 1 << 30, None), 0, ""),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 16, 8, F, F, F, F, 384, 7168, 2048, 0, 1, F, F, 1 << 30, None), 4,
-         "fused=1 takes"),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 1, 8, F, F, F, F, 384, 7000, 2048, 0, -1, F, F, 1 << 30, None), 3,
-         "multiples of 32"),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 1, 8, F, F, F, F, 5000, 7168, 2048, 0, -1, F, F, 1 << 30, None), 4,
-         "E=5000"),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 1, 8, F, F, F, F, 384, 7168, 2048, 12, -1, F, F, 1 << 30, None), 4,
-         "tile_tokens=12"),
-        (lib.kdtree_moe_int4, (F, F, 2, F, 1, 8, F, F, F, F, 384, 7168, 2048, 0, -1, F, F, 64, None), 5, "workspace"),
+        (lib.kdtree_verify_attn, _verify_args(), 0, ""),
+        (lib.kdtree_verify_attn, _verify_args(scale=-1.0), 3, "scale"),
+        (lib.kdtree_verify_attn, _verify_args(max_seq_len=5000), 4, "max_seq_len=5000"),
+        (lib.kdtree_verify_attn, _verify_args(n_splits=129), 4, "n_splits=129"),
+        (lib.kdtree_verify_attn, _verify_args(impl=5), 4, "impl=5"),
+        (lib.kdtree_moe_int4, _moe_args(fused=1), 0, ""),
+        (lib.kdtree_moe_int4, _moe_args(T=16, fused=1), 4, "fused=1 takes"),
+        (lib.kdtree_moe_int4, _moe_args(D=7000), 3, "multiples of 32"),
+        (lib.kdtree_moe_int4, _moe_args(E=5000), 4, "E=5000"),
+        (lib.kdtree_moe_int4, _moe_args(tile=12), 4, "tile_tokens=12"),
+        (lib.kdtree_moe_int4, _moe_args(ws=64), 5, "workspace"),
         (lib.kdtree_moe_repack, (F, F, 4, 100, 64, F, F, None), 3, "multiple of 16"),
     ]
     cuda = torch.cuda.is_available()
     for fn, args, code, needle in cases:
-        if code == 0:  # valid: past the checks the call needs CUDA; on a GPU it would launch on the fake pointers
+        if code == 0:  # valid: past the checks it needs CUDA; on a GPU it would launch on the fake pointers
             if not cuda:
                 assert fn(*args) == 6, lib.kdtree_last_error()  # KDTREE_ERR_NO_CUDA: checks passed, no driver
             continue
@@ -154,14 +159,14 @@ def test_workspace_queries(lib):
     assert lib.kdtree_moe_workspace(1, 8, 384, 7168, 2047) == 0
 
 
-# ----------------------------------------------------------------------------- on the GPU: equal to the CuPy path
+# ------------------------------------------------------------------------ on the GPU: equal to the CuPy path
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("b,L,V,budget,dtype", [(1, 15, 163840, 64, torch.bfloat16), (4, 8, 5000, 16, torch.float32),
-                                                (32, 15, 163840, 1024, torch.bfloat16), (3, 63, 300, 127, torch.float32),
-                                                (2, 4, 262144, 1000, torch.bfloat16)])
+@pytest.mark.parametrize("b,L,V,budget,dtype", [
+    (1, 15, 163840, 64, torch.bfloat16), (4, 8, 5000, 16, torch.float32),
+    (32, 15, 163840, 1024, torch.bfloat16), (3, 63, 300, 127, torch.float32), (2, 4, 262144, 1000, torch.bfloat16)])
 def test_tree_build_and_walk_equal_the_cupy_path(lib, b, L, V, budget, dtype):
     g = torch.Generator(device="cuda").manual_seed(b * L + budget)
     x = ((torch.randn(b, L, V, device="cuda", generator=g) * 6).round() / 2).to(dtype)  # many exact ties
@@ -212,8 +217,8 @@ def test_verify_attn_equals_the_cupy_path(lib, impl, b, N, ctx):
     mask = torch.tril(torch.ones(N, N, dtype=torch.bool, device="cuda")).expand(b, N, N)
     words = kernels.pack_mask(mask.contiguous())
     scale = float(np.float32(576 ** -0.5))
-    want = kernels.verify_attn(q, cache, pt, seq, words, scale, page_size=ps, impl=impl, max_seq_len=pages * ps,
-                               check_values=False)
+    want = kernels.verify_attn(q, cache, pt, seq, words, scale, page_size=ps, impl=impl,
+                               max_seq_len=pages * ps, check_values=False)
     got = capi.verify_attn(q, cache, pt, seq, words, scale, page_size=ps, impl=impl, max_seq_len=pages * ps)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -248,8 +253,9 @@ def test_c_program_links_and_runs(lib, tmp_path):
         pytest.skip("no C compiler")
     so = Path(lib._name)
     exe = tmp_path / "smoke"
-    r = subprocess.run([cc, "-O2", "-std=c11", str(ROOT / "tests" / "capi" / "smoke.c"), f"-I{ROOT / 'include'}",
-                        f"-L{so.parent}", "-lkdtree", f"-Wl,-rpath,{so.parent}", "-ldl", "-o", str(exe)],
+    r = subprocess.run([cc, "-O2", "-std=c11", str(ROOT / "tests" / "capi" / "smoke.c"),
+                        f"-I{ROOT / 'include'}", f"-L{so.parent}", "-lkdtree", f"-Wl,-rpath,{so.parent}",
+                        "-ldl", "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

@@ -43,9 +43,9 @@ int ok() {
     return KDTREE_OK;
 }
 
-#define CHECK(expr)                     \
-    do {                                \
-        int _rc = (expr);               \
+#define CHECK(expr)                       \
+    do {                                  \
+        int _rc = (expr);                 \
         if (_rc != KDTREE_OK) return _rc; \
     } while (0)
 
@@ -82,8 +82,8 @@ struct Driver {
     CUresult_t (*ModuleGetFunction)(CUfunction_t *, CUmodule_t, const char *);
     CUresult_t (*FuncGetAttribute)(int *, int, CUfunction_t);
     CUresult_t (*FuncSetAttribute)(CUfunction_t, int, int);
-    CUresult_t (*LaunchKernel)(CUfunction_t, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                               kdtree_stream_t, void **, void **);
+    CUresult_t (*LaunchKernel)(CUfunction_t, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, kdtree_stream_t, void **, void **);
     CUresult_t (*MemsetD32Async)(unsigned long long, unsigned, size_t, kdtree_stream_t);
     CUresult_t (*GetErrorString)(CUresult_t, const char **);
     bool loaded = false;
@@ -102,7 +102,10 @@ int open_driver(const char *fn) {
     if (g_drv.loaded) return KDTREE_OK;
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h) return fail(KDTREE_ERR_NO_CUDA, "%s: cannot load libcuda.so.1 (%s)", fn, dlerror());
-    struct { void **slot; const char *name; } syms[] = {
+    struct {
+        void **slot;
+        const char *name;
+    } syms[] = {
         {(void **)&g_drv.Init, "cuInit"},
         {(void **)&g_drv.CtxGetCurrent, "cuCtxGetCurrent"},
         {(void **)&g_drv.CtxGetDevice, "cuCtxGetDevice"},
@@ -128,9 +131,13 @@ int open_driver(const char *fn) {
 // ---------------------------------------------------------------- modules, per device
 enum Mod { M_TREE_BUILD, M_TREE_WALK, M_VERIFY, M_MOE, N_MODS };
 const char *kModNames[N_MODS] = {"tree_build", "tree_walk", "verify_attn", "moe_int4"};
-struct Image { const unsigned char *data; size_t size; };
+struct Image {
+    const unsigned char *data;
+    size_t size;
+};
 #define IMG(x) {x, sizeof(x)}
-const Image kImages[N_MODS][2] = {  // [generic, sm_90a]
+const Image kImages[N_MODS][2] = {
+    // [generic, sm_90a]
     {IMG(fb_tree_build), IMG(fb_tree_build_sm90a)},
     {IMG(fb_tree_walk), IMG(fb_tree_walk_sm90a)},
     {IMG(fb_verify_attn), IMG(fb_verify_attn_sm90a)},
@@ -160,11 +167,14 @@ int device(const char *fn, Ctx *out) {
     CUresult_t r = g_drv.CtxGetCurrent(&ctx);
     if (r) return cuda_fail(fn, "cuCtxGetCurrent", r);
     if (!ctx)
-        return fail(KDTREE_ERR_NO_CUDA, "%s: no CUDA context is current on this thread (create one, e.g. with "
-                    "cudaSetDevice and a first runtime call, or torch.cuda.init())", fn);
+        return fail(KDTREE_ERR_NO_CUDA,
+                    "%s: no CUDA context is current on this thread (create one, e.g. with "
+                    "cudaSetDevice and a first runtime call, or torch.cuda.init())",
+                    fn);
     CUdevice_t dev;
     if ((r = g_drv.CtxGetDevice(&dev))) return cuda_fail(fn, "cuCtxGetDevice", r);
-    if (dev < 0 || dev >= kMaxDevices) return fail(KDTREE_ERR_LIMIT, "%s: device %d >= %d", fn, dev, kMaxDevices);
+    if (dev < 0 || dev >= kMaxDevices)
+        return fail(KDTREE_ERR_LIMIT, "%s: device %d >= %d", fn, dev, kMaxDevices);
     DeviceState &d = g_dev[dev];
     if (!d.init) {
         int major = 0, minor = 0;
@@ -184,8 +194,8 @@ int device(const char *fn, Ctx *out) {
 int module(const char *fn, Ctx &c, Mod m, CUmodule_t *out) {
     std::lock_guard<std::mutex> guard(g_lock);
     if (c.d->major < kMinMajor[m])
-        return fail(KDTREE_ERR_ARCH, "%s: %s's kernels need compute capability %d.0 or newer", fn, kModNames[m],
-                    kMinMajor[m]);
+        return fail(KDTREE_ERR_ARCH, "%s: %s's kernels need compute capability %d.0 or newer", fn,
+                    kModNames[m], kMinMajor[m]);
     if (!c.d->mods[m]) {
         const Image &img = kImages[m][c.d->sm90];
         std::vector<uint64_t> copy((img.size + 7) / 8);  // the driver reads the image 8-byte aligned
@@ -202,9 +212,10 @@ int module(const char *fn, Ctx &c, Mod m, CUmodule_t *out) {
     return KDTREE_OK;
 }
 
-// One launch: the function by name (looked up each time: a hash lookup in the driver), shared memory opted in.
-int launch(const char *fn, Ctx &c, Mod m, const char *name, unsigned gx, unsigned gy, unsigned gz, unsigned block,
-           unsigned smem, kdtree_stream_t stream, void **args) {
+// One launch: the function by name (looked up each time: a hash lookup in the driver), shared memory opted
+// in.
+int launch(const char *fn, Ctx &c, Mod m, const char *name, unsigned gx, unsigned gy, unsigned gz,
+           unsigned block, unsigned smem, kdtree_stream_t stream, void **args) {
     CUmodule_t mod = nullptr;
     CHECK(module(fn, c, m, &mod));
     CUfunction_t f;
@@ -212,10 +223,11 @@ int launch(const char *fn, Ctx &c, Mod m, const char *name, unsigned gx, unsigne
     if (r) return cuda_fail(fn, name, r);
     if (smem > 48 * 1024) {
         int stat = 0;
-        if ((r = g_drv.FuncGetAttribute(&stat, FUNC_SHARED_SIZE, f))) return cuda_fail(fn, "cuFuncGetAttribute", r);
+        if ((r = g_drv.FuncGetAttribute(&stat, FUNC_SHARED_SIZE, f)))
+            return cuda_fail(fn, "cuFuncGetAttribute", r);
         if ((int)smem + stat > c.d->smem_optin)
-            return fail(KDTREE_ERR_LIMIT, "%s: %s needs %u bytes of shared memory, the device allows %d", fn, name,
-                        smem + stat, c.d->smem_optin);
+            return fail(KDTREE_ERR_LIMIT, "%s: %s needs %u bytes of shared memory, the device allows %d", fn,
+                        name, smem + stat, c.d->smem_optin);
         if ((r = g_drv.FuncSetAttribute(f, FUNC_MAX_DYN_SHARED, c.d->smem_optin - stat)))
             return cuda_fail(fn, "cuFuncSetAttribute", r);
     }
@@ -256,7 +268,8 @@ int max_chunks(int V, int K) {  // the most chunks chunking() can choose: sizes 
 }
 
 size_t tree_smem(int B, int L, int K) {
-    return 8 * (size_t)B + 256 * cdiv(B + 1, 32) + 4 * (size_t)(B + 1) + 4 * (size_t)L * K + 2 * (size_t)(B + 1);
+    return 8 * (size_t)B + 256 * cdiv(B + 1, 32) + 4 * (size_t)(B + 1) + 4 * (size_t)L * K +
+           2 * (size_t)(B + 1);
 }
 
 int splits(int b, int NH, int max_keys, int sms, int tile) {
@@ -277,7 +290,11 @@ int splits(int b, int NH, int max_keys, int sms, int tile) {
 }
 
 // verify_attn's kernels: name, dynamic shared memory, keys a tile (kernels._VERIFY_KERNELS)
-struct VerifyKernel { const char *name; unsigned smem; int tile; };
+struct VerifyKernel {
+    const char *name;
+    unsigned smem;
+    int tile;
+};
 const VerifyKernel kVerify[4] = {
     {nullptr, 0, 0},
     {"verify_attn_wg", 1024 + 3 * 9 * 8192 + 8192 + 3 * 64 * 4, 64},
@@ -289,13 +306,17 @@ int verify_impl(const char *fn, Ctx &c, int impl, int *out) {
     CHECK(need_range(fn, "impl", impl, 0, 3));
     if (impl == KDTREE_VERIFY_AUTO) impl = c.d->sm90 ? KDTREE_VERIFY_WGMMA : KDTREE_VERIFY_MMA;
     if (impl != KDTREE_VERIFY_MMA && !c.d->sm90)
-        return fail(KDTREE_ERR_ARCH, "%s: impl=%d (warpgroup MMA) needs a compute capability 9.0 GPU; use "
-                    "KDTREE_VERIFY_MMA", fn, impl);
+        return fail(KDTREE_ERR_ARCH,
+                    "%s: impl=%d (warpgroup MMA) needs a compute capability 9.0 GPU; use "
+                    "KDTREE_VERIFY_MMA",
+                    fn, impl);
     *out = impl;
     return KDTREE_OK;
 }
 
-struct MoeLayout { size_t sync, h, pair_tok, pair_w, expert_off, active, total; };
+struct MoeLayout {
+    size_t sync, h, pair_tok, pair_w, expert_off, active, total;
+};
 
 MoeLayout moe_layout(int T, int k, int E, int I) {
     const size_t P = (size_t)T * k, S = P < (size_t)E ? P : (size_t)E;
@@ -328,7 +349,9 @@ int tree_sizes(const char *fn, int batch, int L, int V, int budget) {
     return KDTREE_OK;
 }
 
-struct TreeLayout { size_t key, tok, max, sum, out_tok, out_lp, total; };
+struct TreeLayout {
+    size_t key, tok, max, sum, out_tok, out_lp, total;
+};
 
 TreeLayout tree_layout(int batch, int L, int V, int budget) {
     const int K = budget < V ? budget : V, nch = max_chunks(V, K);
@@ -353,16 +376,26 @@ int kdtree_abi_version(void) { return KDTREE_ABI_VERSION; }
 
 const char *kdtree_error_string(int code) {
     switch (code) {
-        case KDTREE_OK: return "KDTREE_OK: success";
-        case KDTREE_ERR_NULL: return "KDTREE_ERR_NULL: a required pointer is NULL";
-        case KDTREE_ERR_ALIGN: return "KDTREE_ERR_ALIGN: a pointer is not aligned as the contract states";
-        case KDTREE_ERR_SIZE: return "KDTREE_ERR_SIZE: a size is zero, negative or inconsistent";
-        case KDTREE_ERR_LIMIT: return "KDTREE_ERR_LIMIT: a size or option is past a stated limit";
-        case KDTREE_ERR_WORKSPACE: return "KDTREE_ERR_WORKSPACE: the workspace is smaller than its query said";
-        case KDTREE_ERR_NO_CUDA: return "KDTREE_ERR_NO_CUDA: no CUDA driver or no current context";
-        case KDTREE_ERR_ARCH: return "KDTREE_ERR_ARCH: the kernel asked for does not run on this device";
-        case KDTREE_ERR_CUDA: return "KDTREE_ERR_CUDA: a CUDA driver call failed";
-        default: return "unknown kdtree status code";
+        case KDTREE_OK:
+            return "KDTREE_OK: success";
+        case KDTREE_ERR_NULL:
+            return "KDTREE_ERR_NULL: a required pointer is NULL";
+        case KDTREE_ERR_ALIGN:
+            return "KDTREE_ERR_ALIGN: a pointer is not aligned as the contract states";
+        case KDTREE_ERR_SIZE:
+            return "KDTREE_ERR_SIZE: a size is zero, negative or inconsistent";
+        case KDTREE_ERR_LIMIT:
+            return "KDTREE_ERR_LIMIT: a size or option is past a stated limit";
+        case KDTREE_ERR_WORKSPACE:
+            return "KDTREE_ERR_WORKSPACE: the workspace is smaller than its query said";
+        case KDTREE_ERR_NO_CUDA:
+            return "KDTREE_ERR_NO_CUDA: no CUDA driver or no current context";
+        case KDTREE_ERR_ARCH:
+            return "KDTREE_ERR_ARCH: the kernel asked for does not run on this device";
+        case KDTREE_ERR_CUDA:
+            return "KDTREE_ERR_CUDA: a CUDA driver call failed";
+        default:
+            return "unknown kdtree status code";
     }
 }
 
@@ -393,24 +426,27 @@ size_t kdtree_tree_build_workspace(int batch, int L, int V, int budget) {
     return tree_layout(batch, L, V, budget).total;
 }
 
-int kdtree_tree_build(const void *logits, int dtype, int batch, int L, int V, int budget, const int32_t *root_tokens,
-                      const int32_t *start_pos, int32_t *tokens, int32_t *positions, int32_t *parents,
-                      int32_t *depths, float *scores, uint32_t *mask, int32_t *n_nodes, void *workspace,
-                      size_t workspace_bytes, kdtree_stream_t stream) {
+int kdtree_tree_build(const void *logits, int dtype, int batch, int L, int V, int budget,
+                      const int32_t *root_tokens, const int32_t *start_pos, int32_t *tokens,
+                      int32_t *positions, int32_t *parents, int32_t *depths, float *scores, uint32_t *mask,
+                      int32_t *n_nodes, void *workspace, size_t workspace_bytes, kdtree_stream_t stream) {
     const char *fn = "kdtree_tree_build";
     CHECK(tree_sizes(fn, batch, L, V, budget));
     if (dtype != KDTREE_F32 && dtype != KDTREE_BF16)
         return fail(KDTREE_ERR_SIZE, "%s: dtype=%d, expected KDTREE_F32 (0) or KDTREE_BF16 (1)", fn, dtype);
     CHECK(need_ptr(fn, "logits", logits, 16));
-    const struct { const char *n; const void *p; } outs[] = {
-        {"root_tokens", root_tokens}, {"start_pos", start_pos}, {"tokens", tokens}, {"positions", positions},
-        {"parents", parents}, {"depths", depths}, {"scores", scores}, {"mask", mask}, {"n_nodes", n_nodes}};
+    const struct {
+        const char *n;
+        const void *p;
+    } outs[] = {{"root_tokens", root_tokens}, {"start_pos", start_pos}, {"tokens", tokens},
+                {"positions", positions},     {"parents", parents},     {"depths", depths},
+                {"scores", scores},           {"mask", mask},           {"n_nodes", n_nodes}};
     for (auto &o : outs) CHECK(need_ptr(fn, o.n, o.p, 4));
     CHECK(need_ptr(fn, "workspace", workspace, 16));
     const TreeLayout lay = tree_layout(batch, L, V, budget);
     if (workspace_bytes < lay.total)
-        return fail(KDTREE_ERR_WORKSPACE, "%s: workspace of %zu bytes, kdtree_tree_build_workspace says %zu", fn,
-                    workspace_bytes, lay.total);
+        return fail(KDTREE_ERR_WORKSPACE, "%s: workspace of %zu bytes, kdtree_tree_build_workspace says %zu",
+                    fn, workspace_bytes, lay.total);
     Ctx c;
     CHECK(device(fn, &c));
     int R = batch * L, K = budget < V ? budget : V, nch = 0, chunk = 0;
@@ -420,44 +456,67 @@ int kdtree_tree_build(const void *logits, int dtype, int batch, int L, int V, in
     void *otok = ws + lay.out_tok, *olp = ws + lay.out_lp;
     const bool small = K <= TOPK_SMALL_K;
     char name[48];
-    snprintf(name, sizeof name, "topk_partial%s_%s", small ? "_small" : "", dtype == KDTREE_BF16 ? "bf16" : "f32");
+    snprintf(name, sizeof name, "topk_partial%s_%s", small ? "_small" : "",
+             dtype == KDTREE_BF16 ? "bf16" : "f32");
     void *a1[] = {(void *)&logits, &V, &K, &chunk, &key, &tok, &pmax, &psum};
     CHECK(launch(fn, c, M_TREE_BUILD, name, nch, R, 1, 512, 0, stream, a1));
     int Kp = 1;
     while (Kp < K) Kp <<= 1;
     void *a2[] = {&key, &tok, &pmax, &psum, &nch, &K, &Kp, &otok, &olp};
-    CHECK(launch(fn, c, M_TREE_BUILD, small ? "topk_merge_small" : "topk_merge", R, 1, 1, 1024, 0, stream, a2));
+    CHECK(
+        launch(fn, c, M_TREE_BUILD, small ? "topk_merge_small" : "topk_merge", R, 1, 1, 1024, 0, stream, a2));
     const int need = (int)cdiv(budget + 1, 32);
-    const char *tree = need <= 1 ? "tree_build_c1" : need <= 2 ? "tree_build_c2" : need <= 4 ? "tree_build_c4"
-                                                                                     : "tree_build_groups";
+    const char *tree = need <= 1   ? "tree_build_c1"
+                       : need <= 2 ? "tree_build_c2"
+                       : need <= 4 ? "tree_build_c4"
+                                   : "tree_build_groups";
     int stage = tree_smem(budget, L, K) <= (size_t)TREE_SMEM_LIMIT;
     const unsigned smem = (unsigned)(stage ? tree_smem(budget, L, K) : tree_smem(budget, 0, 0));
-    void *a3[] = {&otok, &olp, &L, &K, &budget, &stage, (void *)&root_tokens, (void *)&start_pos, &tokens,
-                  &positions, &parents, &depths, &scores, &mask, &n_nodes};
+    void *a3[] = {&otok,
+                  &olp,
+                  &L,
+                  &K,
+                  &budget,
+                  &stage,
+                  (void *)&root_tokens,
+                  (void *)&start_pos,
+                  &tokens,
+                  &positions,
+                  &parents,
+                  &depths,
+                  &scores,
+                  &mask,
+                  &n_nodes};
     CHECK(launch(fn, c, M_TREE_BUILD, tree, batch, 1, 1, 256, smem, stream, a3));
     return ok();
 }
 
 // ---------------------------------------------------------------- walk + compaction
 int kdtree_tree_walk(const int32_t *tokens, const int32_t *parents, const int32_t *choice, int batch, int N,
-                     int max_accept, int32_t *accepted, int32_t *acc_len, int32_t *bonus, kdtree_stream_t stream) {
+                     int max_accept, int32_t *accepted, int32_t *acc_len, int32_t *bonus,
+                     kdtree_stream_t stream) {
     const char *fn = "kdtree_tree_walk";
     CHECK(need_range(fn, "batch", batch, 1, 1 << 30));
     CHECK(need_range(fn, "N", N, 1, KDTREE_MAX_BUDGET + 1));
     CHECK(need_range(fn, "max_accept", max_accept, 1, KDTREE_MAX_ACCEPT));
-    const struct { const char *n; const void *p; } ptrs[] = {{"tokens", tokens}, {"parents", parents},
-        {"choice", choice}, {"accepted", accepted}, {"acc_len", acc_len}, {"bonus", bonus}};
+    const struct {
+        const char *n;
+        const void *p;
+    } ptrs[] = {{"tokens", tokens},     {"parents", parents}, {"choice", choice},
+                {"accepted", accepted}, {"acc_len", acc_len}, {"bonus", bonus}};
     for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
     Ctx c;
     CHECK(device(fn, &c));
-    void *a[] = {(void *)&tokens, (void *)&parents, (void *)&choice, &N, &max_accept, &accepted, &acc_len, &bonus};
+    void *a[] = {(void *)&tokens, (void *)&parents, (void *)&choice, &N,
+                 &max_accept,     &accepted,        &acc_len,        &bonus};
     CHECK(launch(fn, c, M_TREE_WALK, "tree_walk", batch, 1, 1, 32, 0, stream, a));
     return ok();
 }
 
-int kdtree_kv_compact(void *cache, int n_layers, int64_t rows, int row_bytes, const int32_t *page_table, int batch,
-                      int max_pages, int page_size, const int32_t *block_start, const int32_t *accepted,
-                      int max_accept, const int32_t *acc_len, kdtree_stream_t stream) {
+int kdtree_kv_compact(void *cache, int n_layers, int64_t rows, int row_bytes, const int32_t *page_table,
+                      int batch, int max_pages, int page_size, const int32_t *block_start,
+                      const int32_t *accepted, int max_accept, const int32_t *acc_len,
+                      kdtree_stream_t stream) {
     const char *fn = "kdtree_kv_compact";
     CHECK(need_range(fn, "n_layers", n_layers, 1, 65535));
     CHECK(need_range(fn, "batch", batch, 1, 1 << 30));
@@ -466,20 +525,34 @@ int kdtree_kv_compact(void *cache, int n_layers, int64_t rows, int row_bytes, co
     CHECK(need_range(fn, "row_bytes", row_bytes, 16, 1 << 16));
     CHECK(need_range(fn, "max_pages", max_pages, 1, 1 << 30));
     CHECK(need_range(fn, "max_accept", max_accept, 1, KDTREE_MAX_ACCEPT));
-    if (row_bytes % 16) return fail(KDTREE_ERR_SIZE, "%s: row_bytes=%d is not a multiple of 16", fn, row_bytes);
+    if (row_bytes % 16)
+        return fail(KDTREE_ERR_SIZE, "%s: row_bytes=%d is not a multiple of 16", fn, row_bytes);
     if (rows % page_size)
-        return fail(KDTREE_ERR_SIZE, "%s: rows=%lld is not a whole number of pages of %d", fn, (long long)rows,
-                    page_size);
+        return fail(KDTREE_ERR_SIZE, "%s: rows=%lld is not a whole number of pages of %d", fn,
+                    (long long)rows, page_size);
     CHECK(need_ptr(fn, "cache", cache, 16));
-    const struct { const char *n; const void *p; } ptrs[] = {{"page_table", page_table},
-        {"block_start", block_start}, {"accepted", accepted}, {"acc_len", acc_len}};
+    const struct {
+        const char *n;
+        const void *p;
+    } ptrs[] = {{"page_table", page_table},
+                {"block_start", block_start},
+                {"accepted", accepted},
+                {"acc_len", acc_len}};
     for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
     Ctx c;
     CHECK(device(fn, &c));
     long long stride = rows * row_bytes / 16;
     int vec = row_bytes / 16;
-    void *a[] = {&cache, &stride, &vec, (void *)&page_table, &max_pages, &page_size, (void *)&block_start,
-                 (void *)&accepted, &max_accept, (void *)&acc_len};
+    void *a[] = {&cache,
+                 &stride,
+                 &vec,
+                 (void *)&page_table,
+                 &max_pages,
+                 &page_size,
+                 (void *)&block_start,
+                 (void *)&accepted,
+                 &max_accept,
+                 (void *)&acc_len};
     CHECK(launch(fn, c, M_TREE_WALK, "kv_compact", batch, n_layers, 1, 128, (unsigned)max_accept * row_bytes,
                  stream, a));
     return ok();
@@ -507,7 +580,8 @@ int kdtree_verify_attn_splits(int batch, int N, int H, int max_seq_len, int impl
 
 size_t kdtree_verify_attn_workspace(int batch, int N, int H, int max_seq_len, int impl, int n_splits) {
     const char *fn = "kdtree_verify_attn_workspace";
-    if (verify_sizes(fn, batch, N, H, max_seq_len) || need_range(fn, "n_splits", n_splits, 0, KDTREE_MAX_SPLITS))
+    if (verify_sizes(fn, batch, N, H, max_seq_len) ||
+        need_range(fn, "n_splits", n_splits, 0, KDTREE_MAX_SPLITS))
         return 0;
     if (n_splits == 0) {
         n_splits = kdtree_verify_attn_splits(batch, N, H, max_seq_len, impl);
@@ -518,10 +592,11 @@ size_t kdtree_verify_attn_workspace(int batch, int N, int H, int max_seq_len, in
     return align16(rowsq * KDTREE_D_V * 4) + align16(rowsq * 8);
 }
 
-int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_rows, const int32_t *page_table,
-                       int max_pages, int page_size, const int32_t *seq_len, const uint32_t *mask, int batch, int N,
-                       int H, float scale, int max_seq_len, int impl, int n_splits, uint16_t *out, float *lse,
-                       void *workspace, size_t workspace_bytes, kdtree_stream_t stream) {
+int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_rows,
+                       const int32_t *page_table, int max_pages, int page_size, const int32_t *seq_len,
+                       const uint32_t *mask, int batch, int N, int H, float scale, int max_seq_len, int impl,
+                       int n_splits, uint16_t *out, float *lse, void *workspace, size_t workspace_bytes,
+                       kdtree_stream_t stream) {
     const char *fn = "kdtree_verify_attn";
     CHECK(verify_sizes(fn, batch, N, H, max_seq_len));
     CHECK(need_range(fn, "page_size", page_size, 1, 1 << 20));
@@ -533,15 +608,17 @@ int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_r
         return fail(KDTREE_ERR_SIZE, "%s: cache_rows=%lld is not a whole number of pages of %d", fn,
                     (long long)cache_rows, page_size);
     if ((long long)max_seq_len > (long long)max_pages * page_size)
-        return fail(KDTREE_ERR_LIMIT, "%s: max_seq_len=%d exceeds max_pages x page_size = %lld", fn, max_seq_len,
-                    (long long)max_pages * page_size);
+        return fail(KDTREE_ERR_LIMIT, "%s: max_seq_len=%d exceeds max_pages x page_size = %lld", fn,
+                    max_seq_len, (long long)max_pages * page_size);
     if (!(scale > 0.0f) || !isfinite(scale))
         return fail(KDTREE_ERR_SIZE, "%s: scale=%g, expected a positive finite float", fn, (double)scale);
     CHECK(need_ptr(fn, "q", q, 16));
     CHECK(need_ptr(fn, "cache", cache, 16));
     CHECK(need_ptr(fn, "workspace", workspace, 16));
-    const struct { const char *n; const void *p; } ptrs[] = {{"page_table", page_table}, {"seq_len", seq_len},
-        {"mask", mask}, {"out", out}, {"lse", lse}};
+    const struct {
+        const char *n;
+        const void *p;
+    } ptrs[] = {{"page_table", page_table}, {"seq_len", seq_len}, {"mask", mask}, {"out", out}, {"lse", lse}};
     for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
     Ctx c;
     CHECK(device(fn, &c));
@@ -549,15 +626,26 @@ int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_r
     const VerifyKernel &k = kVerify[impl];
     int NH = N * H;
     if (n_splits == 0) n_splits = splits(batch, NH, max_seq_len, c.d->sms, k.tile);
-    const size_t rowsq = (size_t)n_splits * batch * NH, need = align16(rowsq * KDTREE_D_V * 4) + align16(rowsq * 8);
+    const size_t rowsq = (size_t)n_splits * batch * NH,
+                 need = align16(rowsq * KDTREE_D_V * 4) + align16(rowsq * 8);
     if (workspace_bytes < need)
-        return fail(KDTREE_ERR_WORKSPACE, "%s: workspace of %zu bytes, %d splits need %zu", fn, workspace_bytes,
-                    n_splits, need);
+        return fail(KDTREE_ERR_WORKSPACE, "%s: workspace of %zu bytes, %d splits need %zu", fn,
+                    workspace_bytes, n_splits, need);
     void *ws_o = workspace, *ws_ml = (char *)workspace + align16(rowsq * KDTREE_D_V * 4);
     float scale2 = (float)((double)scale * 1.4426950408889634);
     int mp = max_pages;
-    void *a1[] = {(void *)&q, (void *)&cache, (void *)&page_table, &mp, &page_size, (void *)&seq_len, (void *)&mask,
-                  &N, &H, &scale2, &ws_o, &ws_ml};
+    void *a1[] = {(void *)&q,
+                  (void *)&cache,
+                  (void *)&page_table,
+                  &mp,
+                  &page_size,
+                  (void *)&seq_len,
+                  (void *)&mask,
+                  &N,
+                  &H,
+                  &scale2,
+                  &ws_o,
+                  &ws_ml};
     CHECK(launch(fn, c, M_VERIFY, k.name, n_splits, (unsigned)cdiv(NH, 64), batch, 256, k.smem, stream, a1));
     void *a2[] = {&ws_o, &ws_ml, &n_splits, &NH, &out, &lse};
     CHECK(launch(fn, c, M_VERIFY, "verify_attn_combine", NH, batch, 1, 128, 0, stream, a2));
@@ -565,13 +653,14 @@ int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_r
 }
 
 // ---------------------------------------------------------------- INT4 MoE
-int kdtree_moe_repack(const int32_t *packed, const uint16_t *scale, int64_t mats, int R, int K, int32_t *w_out,
-                      uint16_t *s_out, kdtree_stream_t stream) {
+int kdtree_moe_repack(const int32_t *packed, const uint16_t *scale, int64_t mats, int R, int K,
+                      int32_t *w_out, uint16_t *s_out, kdtree_stream_t stream) {
     const char *fn = "kdtree_moe_repack";
     CHECK(need_range(fn, "mats", mats, 1, 1LL << 20));
     CHECK(need_range(fn, "R", R, 16, 1 << 20));
     CHECK(need_range(fn, "K", K, 32, 1 << 20));
-    if (R % 16 || K % 32) return fail(KDTREE_ERR_SIZE, "%s: R=%d must be a multiple of 16, K=%d of 32", fn, R, K);
+    if (R % 16 || K % 32)
+        return fail(KDTREE_ERR_SIZE, "%s: R=%d must be a multiple of 16, K=%d of 32", fn, R, K);
     CHECK(need_ptr(fn, "packed", packed, 16));
     CHECK(need_ptr(fn, "scale", scale, 2));
     CHECK(need_ptr(fn, "w_out", w_out, 16));
@@ -593,14 +682,15 @@ size_t kdtree_moe_workspace(int T, int k, int E, int D, int I) {
     return moe_layout(T, k, E, I).total;
 }
 
-int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, const float *topk_weights, int T, int k,
-                    const int32_t *w13, const uint16_t *s13, const int32_t *w2, const uint16_t *s2, int E, int D,
-                    int I, int tile_tokens, int fused, float *out, void *workspace, size_t workspace_bytes,
-                    kdtree_stream_t stream) {
+int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, const float *topk_weights, int T,
+                    int k, const int32_t *w13, const uint16_t *s13, const int32_t *w2, const uint16_t *s2,
+                    int E, int D, int I, int tile_tokens, int fused, float *out, void *workspace,
+                    size_t workspace_bytes, kdtree_stream_t stream) {
     const char *fn = "kdtree_moe_int4";
     CHECK(moe_sizes(fn, T, k, E, D, I));
     if (ids_dtype != KDTREE_I32 && ids_dtype != KDTREE_I64)
-        return fail(KDTREE_ERR_SIZE, "%s: ids_dtype=%d, expected KDTREE_I32 (2) or KDTREE_I64 (3)", fn, ids_dtype);
+        return fail(KDTREE_ERR_SIZE, "%s: ids_dtype=%d, expected KDTREE_I32 (2) or KDTREE_I64 (3)", fn,
+                    ids_dtype);
     if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16)
         return fail(KDTREE_ERR_LIMIT, "%s: tile_tokens=%d, expected 0 (auto), 8 or 16", fn, tile_tokens);
     CHECK(need_range(fn, "fused", fused, -1, 1));
@@ -608,12 +698,15 @@ int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, cons
     if (fused == 1 && tile_tokens == 16)
         return fail(KDTREE_ERR_LIMIT, "%s: fused=1 runs 8-pair passes: expected tile_tokens 0 or 8", fn);
     if (fused == 1 && P > KDTREE_FUSED_MAX_PAIRS)
-        return fail(KDTREE_ERR_LIMIT, "%s: fused=1 takes T * k <= %d pairs, got %d", fn, KDTREE_FUSED_MAX_PAIRS, P);
+        return fail(KDTREE_ERR_LIMIT, "%s: fused=1 takes T * k <= %d pairs, got %d", fn,
+                    KDTREE_FUSED_MAX_PAIRS, P);
     CHECK(need_ptr(fn, "x", x, 16));
     CHECK(need_ptr(fn, "topk_ids", topk_ids, ids_dtype == KDTREE_I64 ? 8 : 4));
     CHECK(need_ptr(fn, "topk_weights", topk_weights, 4));
-    const struct { const char *n; const void *p; } ws[] = {{"w13", w13}, {"s13", s13}, {"w2", w2}, {"s2", s2},
-                                                           {"workspace", workspace}};
+    const struct {
+        const char *n;
+        const void *p;
+    } ws[] = {{"w13", w13}, {"s13", s13}, {"w2", w2}, {"s2", s2}, {"workspace", workspace}};
     for (auto &p : ws) CHECK(need_ptr(fn, p.n, p.p, 16));
     CHECK(need_ptr(fn, "out", out, 16));
     const MoeLayout lay = moe_layout(T, k, E, I);
@@ -628,15 +721,30 @@ int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, cons
     const bool i64 = ids_dtype == KDTREE_I64;
     if (fused == -1) fused = T == 1 && P <= KDTREE_FUSED_MAX_PAIRS && tile_tokens != 16;
     if (fused) {
-        void *a[] = {(void *)&x, (void *)&topk_ids, (void *)&topk_weights, &P, &k, &E, (void *)&w13, (void *)&s13,
-                     (void *)&w2, (void *)&s2, &D, &I, &T, &h, &out, &sync};
-        CHECK(launch(fn, c, M_MOE, i64 ? "moe_fused_t8_i64" : "moe_fused_t8_i32", FUSED_BLOCKS_PER_SM * c.d->sms, 1,
-                     1, 256, 0, stream, a));
+        void *a[] = {(void *)&x,
+                     (void *)&topk_ids,
+                     (void *)&topk_weights,
+                     &P,
+                     &k,
+                     &E,
+                     (void *)&w13,
+                     (void *)&s13,
+                     (void *)&w2,
+                     (void *)&s2,
+                     &D,
+                     &I,
+                     &T,
+                     &h,
+                     &out,
+                     &sync};
+        CHECK(launch(fn, c, M_MOE, i64 ? "moe_fused_t8_i64" : "moe_fused_t8_i32",
+                     FUSED_BLOCKS_PER_SM * c.d->sms, 1, 1, 256, 0, stream, a));
         return ok();
     }
     int S = P < E ? P : E;
     void *ag[] = {(void *)&topk_ids, (void *)&topk_weights, &P, &k, &E, &S, &ptok, &pw, &off, &act};
-    CHECK(launch(fn, c, M_MOE, i64 ? "moe_group_i64" : "moe_group_i32", 1, 1, 1, 1024, 8 * (unsigned)E, stream, ag));
+    CHECK(launch(fn, c, M_MOE, i64 ? "moe_group_i64" : "moe_group_i32", 1, 1, 1, 1024, 8 * (unsigned)E,
+                 stream, ag));
     CUresult_t r = g_drv.MemsetD32Async((unsigned long long)(uintptr_t)out, 0, (size_t)T * D, stream);
     if (r) return cuda_fail(fn, "cuMemsetD32Async", r);
     if (tile_tokens == 0) tile_tokens = T <= 8 || P <= 8 * E ? 8 : 16;

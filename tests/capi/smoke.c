@@ -19,13 +19,13 @@ static void *cu;
 #define CU(name) ((int (*)())dlsym(cu, #name))
 
 static int failures;
-#define EXPECT(cond, ...)                  \
-    do {                                   \
-        if (!(cond)) {                     \
+#define EXPECT(cond, ...)                   \
+    do {                                    \
+        if (!(cond)) {                      \
             printf("FAILED: " __VA_ARGS__); \
-            printf("\n");                  \
-            ++failures;                    \
-        }                                  \
+            printf("\n");                   \
+            ++failures;                     \
+        }                                   \
     } while (0)
 
 static const char *kPtx =
@@ -34,7 +34,8 @@ static const char *kPtx =
     ".visible .entry spin(.param .u64 cycles) {\n"
     "  .reg .u64 %r<4>; .reg .pred %p;\n"
     "  ld.param.u64 %r1, [cycles];\n  mov.u64 %r2, %clock64;\n"
-    "LOOP:\n  mov.u64 %r3, %clock64;\n  sub.u64 %r3, %r3, %r2;\n  setp.lt.u64 %p, %r3, %r1;\n  @%p bra LOOP;\n"
+    "LOOP:\n  mov.u64 %r3, %clock64;\n  sub.u64 %r3, %r3, %r2;\n  setp.lt.u64 %p, %r3, %r1;\n  @%p bra "
+    "LOOP;\n"
     "  ret;\n}\n";
 
 static double now(void) {
@@ -78,7 +79,8 @@ int main(void) {
     }
     int32_t root = 7, start = 100;
     unsigned long long d_logits = dalloc(sizeof logits), d_root = dalloc(4), d_start = dalloc(4);
-    unsigned long long d_tok = dalloc(4 * N), d_pos = dalloc(4 * N), d_par = dalloc(4 * N), d_dep = dalloc(4 * N);
+    unsigned long long d_tok = dalloc(4 * N), d_pos = dalloc(4 * N), d_par = dalloc(4 * N),
+                       d_dep = dalloc(4 * N);
     unsigned long long d_sc = dalloc(4 * N), d_mask = dalloc(4 * N * W), d_n = dalloc(4);
     CU(cuMemcpyHtoD_v2)(d_logits, logits, sizeof logits);
     CU(cuMemcpyHtoD_v2)(d_root, &root, 4);
@@ -86,9 +88,10 @@ int main(void) {
     size_t ws_bytes = kdtree_tree_build_workspace(1, L, V, B);
     EXPECT(ws_bytes > 0, "workspace query: %s", kdtree_last_error());
     unsigned long long d_ws = dalloc(ws_bytes);
-    int rc = kdtree_tree_build((void *)d_logits, KDTREE_F32, 1, L, V, B, (int32_t *)d_root, (int32_t *)d_start,
-                               (int32_t *)d_tok, (int32_t *)d_pos, (int32_t *)d_par, (int32_t *)d_dep, (float *)d_sc,
-                               (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes, stream);
+    int rc =
+        kdtree_tree_build((void *)d_logits, KDTREE_F32, 1, L, V, B, (int32_t *)d_root, (int32_t *)d_start,
+                          (int32_t *)d_tok, (int32_t *)d_pos, (int32_t *)d_par, (int32_t *)d_dep,
+                          (float *)d_sc, (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes, stream);
     EXPECT(rc == KDTREE_OK, "tree_build: %s", kdtree_last_error());
     CU(cuStreamSynchronize)(stream);
     int32_t tok[N], pos[N], par[N], dep[N], n_nodes;
@@ -114,10 +117,11 @@ int main(void) {
 
     /* the walk, along the path to the last row */
     int32_t choice[N];
-    for (int i = 0; i < N; ++i) choice[i] = V + 1;  /* matches nothing */
+    for (int i = 0; i < N; ++i) choice[i] = V + 1; /* matches nothing */
     int deep = N - 1, path = 1;
     for (int r = deep; r > 0; r = par[r], ++path) choice[par[r]] = tok[r];
-    unsigned long long d_choice = dalloc(4 * N), d_acc = dalloc(4 * 64), d_len = dalloc(4), d_bonus = dalloc(4);
+    unsigned long long d_choice = dalloc(4 * N), d_acc = dalloc(4 * 64), d_len = dalloc(4),
+                       d_bonus = dalloc(4);
     CU(cuMemcpyHtoD_v2)(d_choice, choice, sizeof choice);
     rc = kdtree_tree_walk((int32_t *)d_tok, (int32_t *)d_par, (int32_t *)d_choice, 1, N, 64, (int32_t *)d_acc,
                           (int32_t *)d_len, (int32_t *)d_bonus, stream);
@@ -130,8 +134,8 @@ int main(void) {
 
     /* a bad call */
     rc = kdtree_tree_build((void *)d_logits, KDTREE_F32, 1, L, V, 0, (int32_t *)d_root, (int32_t *)d_start,
-                           (int32_t *)d_tok, (int32_t *)d_pos, (int32_t *)d_par, (int32_t *)d_dep, (float *)d_sc,
-                           (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes, stream);
+                           (int32_t *)d_tok, (int32_t *)d_pos, (int32_t *)d_par, (int32_t *)d_dep,
+                           (float *)d_sc, (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes, stream);
     EXPECT(rc == KDTREE_ERR_SIZE && strstr(kdtree_last_error(), "budget=0"), "bad budget: %d %s", rc,
            kdtree_last_error());
 
@@ -146,21 +150,23 @@ int main(void) {
         CU(cuLaunchKernel)(f_spin, 1, 1, 1, 1, 1, 1, 0, stream, spin_args, NULL);
         double t0 = now();
         for (int i = 0; i < CALLS; ++i)
-            kdtree_tree_walk((int32_t *)d_tok, (int32_t *)d_par, (int32_t *)d_choice, 1, N, 64, (int32_t *)d_acc,
-                             (int32_t *)d_len, (int32_t *)d_bonus, stream);
+            kdtree_tree_walk((int32_t *)d_tok, (int32_t *)d_par, (int32_t *)d_choice, 1, N, 64,
+                             (int32_t *)d_acc, (int32_t *)d_len, (int32_t *)d_bonus, stream);
         capi_s[r] = (now() - t0) / CALLS;
         CU(cuStreamSynchronize)(stream);
         CU(cuLaunchKernel)(f_spin, 1, 1, 1, 1, 1, 1, 0, stream, spin_args, NULL);
         t0 = now();
-        for (int i = 0; i < CALLS; ++i) CU(cuLaunchKernel)(f_empty, 1, 1, 1, 32, 1, 1, 0, stream, empty_args, NULL);
+        for (int i = 0; i < CALLS; ++i)
+            CU(cuLaunchKernel)(f_empty, 1, 1, 1, 32, 1, 1, 0, stream, empty_args, NULL);
         empty_s[r] = (now() - t0) / CALLS;
         CU(cuStreamSynchronize)(stream);
         CU(cuLaunchKernel)(f_spin, 1, 1, 1, 1, 1, 1, 0, stream, spin_args, NULL);
         t0 = now();
-        for (int i = 0; i < CALLS / 4; ++i)  /* three launches a call */
+        for (int i = 0; i < CALLS / 4; ++i) /* three launches a call */
             kdtree_tree_build((void *)d_logits, KDTREE_F32, 1, L, V, B, (int32_t *)d_root, (int32_t *)d_start,
                               (int32_t *)d_tok, (int32_t *)d_pos, (int32_t *)d_par, (int32_t *)d_dep,
-                              (float *)d_sc, (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes, stream);
+                              (float *)d_sc, (uint32_t *)d_mask, (int32_t *)d_n, (void *)d_ws, ws_bytes,
+                              stream);
         build_s[r] = (now() - t0) / (CALLS / 4);
         CU(cuStreamSynchronize)(stream);
     }
@@ -176,17 +182,19 @@ int main(void) {
                 }
         }
     double walk = capi_s[REPEATS / 2], empty = empty_s[REPEATS / 2], build = build_s[REPEATS / 2];
-    printf("host cost per call: tree_walk %.2f us (1 launch), empty launch %.2f us, tree_build %.2f us "
-           "(3 launches); beyond the launches: walk %.2f us, build %.2f us\n", walk * 1e6, empty * 1e6, build * 1e6,
-           (walk - empty) * 1e6, (build - 3 * empty) * 1e6);
+    printf(
+        "host cost per call: tree_walk %.2f us (1 launch), empty launch %.2f us, tree_build %.2f us "
+        "(3 launches); beyond the launches: walk %.2f us, build %.2f us\n",
+        walk * 1e6, empty * 1e6, build * 1e6, (walk - empty) * 1e6, (build - 3 * empty) * 1e6);
     const char *json = getenv("KDTREE_SMOKE_JSON");
     if (json) {
         FILE *fp = fopen(json, "w");
         if (fp) {
-            fprintf(fp, "{\"calls\": %d, \"repeats\": %d, \"tree_walk_call_s\": %.9g, \"empty_launch_s\": %.9g, "
+            fprintf(fp,
+                    "{\"calls\": %d, \"repeats\": %d, \"tree_walk_call_s\": %.9g, \"empty_launch_s\": %.9g, "
                     "\"tree_build_call_s\": %.9g, \"tree_walk_beyond_launch_s\": %.9g, "
-                    "\"tree_build_beyond_launches_s\": %.9g}\n", CALLS, REPEATS, walk, empty, build, walk - empty,
-                    build - 3 * empty);
+                    "\"tree_build_beyond_launches_s\": %.9g}\n",
+                    CALLS, REPEATS, walk, empty, build, walk - empty, build - 3 * empty);
             fclose(fp);
         }
     }
