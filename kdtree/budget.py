@@ -86,22 +86,18 @@ def default_budgets(max_budget: int) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- expected tokens, on the device
 class Acceptance:
-    """The calibrated acceptance of a node from its depth and prefix probability, as device tables:
-    `kdtree.calibration.Calibration.correct` (a bin's pooled realized rate; where the bin holds too few
-    nodes, the prediction times the depth's realized / predicted; the prediction itself beyond the table's
-    depths or with no calibration at all)."""
+    """The calibrated acceptance of a node from its depth and prefix probability, as a device table:
+    `kdtree.calibration.Calibration.correct` (the prediction times its (depth, bin)'s realized / predicted,
+    at most 1; the prediction itself beyond the table's depths or with no calibration at all)."""
 
     def __init__(self, calibration, depth: int, device):
         if calibration is None:
-            edges, rate, scale = [0.0, 1.0], np.full((1, 1), np.nan), np.ones(1)
+            edges, ratio = [0.0, 1.0], np.ones((1, 1))
         else:
-            edges, rate = calibration.edges, calibration._pooled()                     # [D, bins]
-            scale = calibration.depth_scale()                                          # [D]
-        rate = np.concatenate([rate, np.full((1, rate.shape[1]), np.nan)])           # row D: beyond the table
-        self.depths, self.bins = rate.shape[0] - 1, rate.shape[1]
+            edges, ratio = calibration.edges, calibration.ratios()                      # [D + 1, bins]
+        self.depths, self.bins = ratio.shape[0] - 1, ratio.shape[1]
         self.edges = torch.tensor(edges, dtype=torch.float64, device=device)
-        self.table = torch.from_numpy(np.nan_to_num(rate, nan=-1.0).ravel()).to(device)  # -1: scaled prediction
-        self.scale = torch.from_numpy(np.concatenate([scale, [1.0]])).to(device, torch.float64)   # [D + 1]
+        self.table = torch.from_numpy(np.ascontiguousarray(ratio).ravel()).to(device, torch.float64)
         self.columns: dict = {}  # expected()'s plan columns, per (tree sizes, nodes)
 
     def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -110,8 +106,7 @@ class Acceptance:
         p = scores.double().exp()
         j = (torch.bucketize(p, self.edges, right=True) - 1).clamp_(0, self.bins - 1)
         d = (depths.long() - 1).clamp_(0, self.depths)
-        got = self.table[d * self.bins + j]
-        q = torch.where(got < 0, (p * self.scale[d]).clamp_(max=1.0), got)
+        q = (p * self.table[d * self.bins + j]).clamp_(max=1.0)
         return torch.where(depths > 0, q, 0.0)
 
 

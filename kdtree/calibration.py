@@ -5,9 +5,9 @@ log-probability of its path, `golden.Tree.scores`). Under greedy verification a 
 token on its path is the target's choice below its parent; the round emits 1 + (accepted nodes) tokens.
 `measure` runs DDTree rounds through the engine on held-out prompts and records, per depth and per bin of
 predicted probability, how many nodes there were, their summed prediction and how many were accepted;
-`Calibration.correct` maps a prediction to the realized rate of its bin (pooled so it never decreases with the
-prediction: pool-adjacent-violators per depth, weighted by counts); `expected_tokens` gives a best-first tree's
-expected emitted tokens for every truncation B. The table is stored beside the drafter as `calibration.json`.
+`Calibration.correct` scales a prediction by its bin's realized / predicted (per depth; a sparse bin takes the
+bin's ratio over all depths); `expected_tokens` gives a best-first tree's expected emitted tokens for every
+truncation B. The table is stored beside the drafter as `calibration.json`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from . import checks, golden
 
 FILE = "calibration.json"
 EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0)  # bins of predicted probability
-MIN_COUNT = 20  # a bin with fewer nodes takes the prediction scaled by its depth's realized / predicted
+MIN_COUNT = 20  # a (depth, bin) with fewer nodes takes the bin's ratio over all depths
 
 
 @dataclass
@@ -64,49 +64,27 @@ class Calibration:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.asarray(self.predicted) / c, np.asarray(self.accepted) / c
 
-    def _pooled(self) -> np.ndarray:
-        """Realized rates [L, bins] made non-decreasing along the bins (pool-adjacent-violators, weighted
-        by counts); NaN for bins under MIN_COUNT nodes."""
-        out = np.full((self.depths, len(self.edges) - 1), np.nan)
-        for d in range(self.depths):
-            blocks = []  # [rate, weight, bins]
-            for j, (n, a) in enumerate(zip(self.count[d], self.accepted[d])):
-                if n < MIN_COUNT:
-                    continue
-                blocks.append([a / n, n, [j]])
-                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                    r2, w2, j2 = blocks.pop()
-                    r1, w1, j1 = blocks.pop()
-                    blocks.append([(r1 * w1 + r2 * w2) / (w1 + w2), w1 + w2, j1 + j2])
-            for r, _, js in blocks:
-                out[d, js] = r
-        return out
-
-    def depth_scale(self) -> np.ndarray:
-        """[L]: each depth's accepted / predicted nodes over all its bins (1 where the depth holds fewer than
-        MIN_COUNT nodes or no prediction)."""
-        c, a, pr = (np.asarray(t, np.float64).sum(1) for t in (self.count, self.accepted, self.predicted))
+    def ratios(self) -> np.ndarray:
+        """float64 [L + 1, bins] multipliers of a prediction: realized / predicted of the (depth, bin) where it
+        holds at least MIN_COUNT nodes, else of the bin over all depths where that holds at least MIN_COUNT,
+        else 1; row L (a depth beyond the table) is 1."""
+        c, a, pr = (np.asarray(t, np.float64) for t in (self.count, self.accepted, self.predicted))
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where((c >= MIN_COUNT) & (pr > 0), a / pr, 1.0)
+            per = np.where((c >= MIN_COUNT) & (pr > 0), a / pr, np.nan)
+            cs, ps = c.sum(0), pr.sum(0)
+            pooled = np.where((cs >= MIN_COUNT) & (ps > 0), a.sum(0) / ps, 1.0)
+        out = np.where(np.isfinite(per), per, pooled[None])
+        return np.concatenate([out, np.ones((1, out.shape[1]))])
 
     def correct(self, scores, depths) -> np.ndarray:
         """Calibrated acceptance of nodes: scores [n] log-probabilities, depths [n] -> [n] in [0, 1]: the
-        pooled realized rate of the node's bin; where the bin holds too few nodes, the node's prediction
-        times its depth's realized / predicted (`depth_scale`, at most 1 in all); beyond the table's depths,
-        the prediction itself."""
+        prediction times its bin's realized / predicted (`ratios`), at most 1. Scaling within a bin keeps the
+        order of the bin's predictions: a best-first tree's later nodes sit low in their bins, and one rate
+        for a whole bin over-credits them (the large truncations come out too good against the small)."""
         p = np.exp(np.asarray(scores, np.float64))
         d = np.asarray(depths, np.int64) - 1
-        pooled = self._pooled()
-        q = p.copy()
-        inside = (d >= 0) & (d < self.depths)
-        dc = np.clip(d, 0, self.depths - 1)
-        j = self._bins(p)
-        got = pooled[dc, j]
-        use = inside & np.isfinite(got)
-        q[use] = got[use]
-        sparse = inside & ~np.isfinite(got)
-        q[sparse] = np.minimum(1.0, p[sparse] * self.depth_scale()[dc[sparse]])
-        return q
+        d = np.where((d >= 0) & (d < self.depths), d, self.depths)
+        return np.minimum(1.0, p * self.ratios()[d, self._bins(p)])
 
     def expected_tokens(self, tree: golden.Tree) -> np.ndarray:
         """Expected emitted tokens of the tree's first B nodes for B = 0..n: 1 + the calibrated acceptances

@@ -21,47 +21,40 @@ def _synthetic(shrink: float, n: int = 20000, seed=None) -> tuple[Calibration, n
     return cal, q, rng.integers(1, 5, 500)
 
 
-def _bin_means(cal: Calibration, q, d) -> np.ndarray:
-    """The mean prediction of each value's bin: what a bin-wise correction can give back at best."""
-    pred, _ = cal.rates()
-    return pred[d - 1, cal._bins(q)]
-
-
 def test_a_calibrated_drafter_is_left_as_it_is():
     cal, q, d = _synthetic(1.0)
-    assert np.abs(cal.correct(np.log(q), d) - _bin_means(cal, q, d)).max() < 0.08
+    assert np.abs(cal.correct(np.log(q), d) - q).max() < 0.05
 
 
 def test_an_overconfident_drafter_is_corrected_and_the_check_can_fail():
     """Realized acceptance half the prediction: the corrected values track it; the uncorrected ones fail the
     same comparison (the check can fail)."""
     cal, q, d = _synthetic(0.5)
-    want = 0.5 * _bin_means(cal, q, d)
-    assert np.abs(cal.correct(np.log(q), d) - want).max() < 0.08
-    assert np.abs(_bin_means(cal, q, d) - want).max() >= 0.08
+    want = 0.5 * q
+    assert np.abs(cal.correct(np.log(q), d) - want).max() < 0.05
+    assert np.abs(q - want).max() >= 0.05
     pred, real = cal.rates()
     assert np.nanmax(np.abs(real - 0.5 * pred)) < 0.1
 
 
-def test_pooled_rates_never_decrease_and_sparse_bins_scale_the_prediction():
-    """Dense bins: pooled realized rates (monotone). A sparse bin: the prediction times its depth's realized /
-    predicted over all bins (capped at 1). A depth beyond the table: the prediction itself."""
-    cal = Calibration.empty(1)
+def test_bins_scale_their_predictions_and_sparse_ones_fall_back():
+    """A (depth, bin) with enough nodes scales its predictions by its realized / predicted (keeping their order
+    within the bin); one with too few takes the bin's ratio over all depths, then 1; a depth beyond the table
+    keeps the prediction; nothing exceeds 1."""
+    cal = Calibration.empty(2)
     j = 5  # edges[5] = 0.1 <= p < 0.2
-    cal.count[0][j], cal.predicted[0][j], cal.accepted[0][j] = 100, 15.0, 60       # 0.6
-    cal.count[0][j + 1], cal.predicted[0][j + 1], cal.accepted[0][j + 1] = 100, 27.0, 40  # 0.4: pooled to 0.5
-    scale = 100 / 42.0                                    # depth 1: 100 accepted against 42 predicted
-    assert np.isclose(cal.depth_scale()[0], scale)
-    q = cal.correct(np.log([0.15, 0.25, 0.6, 0.02]), [1, 1, 1, 1])
-    assert np.allclose(q, [0.5, 0.5, 1.0, 0.02 * scale])  # bins 3 and 4 are empty
-    cal.count[0][j] = MIN_COUNT - 1
-    cal.accepted[0][j] = 1
-    s2 = 41 / 42.0
-    assert np.isclose(cal.correct(np.log([0.15]), [1])[0], 0.15 * s2)
-    assert np.isclose(cal.correct(np.log([0.15]), [3])[0], 0.15)  # a depth beyond the table
+    cal.count[0][j], cal.predicted[0][j], cal.accepted[0][j] = 100, 15.0, 30          # ratio 2 at depth 1
+    cal.count[1][j], cal.predicted[1][j], cal.accepted[1][j] = MIN_COUNT - 1, 3.0, 1  # sparse at depth 2
+    q = cal.correct(np.log([0.11, 0.19, 0.15, 0.15, 0.6]), [1, 1, 2, 3, 1])
+    pooled = 31 / 18.0
+    assert np.allclose(q, [0.22, 0.38, 0.15 * pooled, 0.15, 0.6])  # bin 9 (0.6) is empty: ratio 1
+    assert q[0] < q[1]  # the order within a bin is kept
+    hot = Calibration.empty(1)
+    hot.count[0][j], hot.predicted[0][j], hot.accepted[0][j] = 100, 15.0, 90         # ratio 6
+    assert hot.correct(np.log([0.19]), [1])[0] == 1.0
     few = Calibration.empty(1)
     few.count[0][j], few.predicted[0][j], few.accepted[0][j] = MIN_COUNT - 1, 2.0, 10
-    assert few.depth_scale()[0] == 1.0 and np.isclose(few.correct(np.log([0.15]), [1])[0], 0.15)
+    assert np.isclose(few.correct(np.log([0.15]), [1])[0], 0.15)
 
 
 def test_node_acceptance_follows_the_target_down_the_tree():
