@@ -166,7 +166,8 @@ def test_workspace_queries(lib):
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("b,L,V,budget,dtype", [
     (1, 15, 163840, 64, torch.bfloat16), (4, 8, 5000, 16, torch.float32),
-    (32, 15, 163840, 1024, torch.bfloat16), (3, 63, 300, 127, torch.float32), (2, 4, 262144, 1000, torch.bfloat16)])
+    (32, 15, 163840, 1024, torch.bfloat16), (3, 63, 300, 127, torch.float32),
+    (2, 4, 262144, 1000, torch.bfloat16)])
 def test_tree_build_and_walk_equal_the_cupy_path(lib, b, L, V, budget, dtype):
     g = torch.Generator(device="cuda").manual_seed(b * L + budget)
     x = ((torch.randn(b, L, V, device="cuda", generator=g) * 6).round() / 2).to(dtype)  # many exact ties
@@ -246,8 +247,9 @@ def test_moe_equals_the_cupy_path(lib, case, mode):
 
 @pytest.mark.gpu
 def test_c_program_links_and_runs(lib, tmp_path):
-    """tests/capi/smoke.c, built against the library: a tree built, walked and checked in C, and the host cost
-    of a call (KDTREE_SMOKE_JSON gets its timings)."""
+    """tests/capi/smoke.c, built against the library: a tree built, walked and checked in C, verify attention
+    and the INT4 MoE against float64 references in C, and the host cost of a call (KDTREE_SMOKE_JSON gets its
+    timings)."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -255,7 +257,7 @@ def test_c_program_links_and_runs(lib, tmp_path):
     exe = tmp_path / "smoke"
     r = subprocess.run([cc, "-O2", "-std=c11", str(ROOT / "tests" / "capi" / "smoke.c"),
                         f"-I{ROOT / 'include'}", f"-L{so.parent}", "-lkdtree", f"-Wl,-rpath,{so.parent}",
-                        "-ldl", "-o", str(exe)],
+                        "-ldl", "-lm", "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

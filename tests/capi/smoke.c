@@ -1,10 +1,12 @@
 /* smoke.c: a C program on libkdtree.so alone (run by tests/test_capi.py on a GPU).
  *
- * Builds one tree from random logits, checks its invariants, walks it along a planted path, checks that a bad
- * call fails with a message, and times the library's host cost: calls enqueued behind a GPU spin (so the GPU
- * never throttles the host), against the same number of launches of an empty kernel. Prints "smoke: ok" and,
- * where KDTREE_SMOKE_JSON names a file, writes the timings there. CUDA's driver API is opened with dlopen, as
- * the library does, so the program links against libkdtree.so and libdl only.
+ * Builds one tree from random logits, checks its invariants, walks it along a planted path, checks verify
+ * attention (both kernels where the GPU has them) and the INT4 MoE (repacked; grouped and fused paths)
+ * against float64 references computed here, checks that a bad call fails with a message, and times the
+ * library's host cost: calls enqueued behind a GPU spin (so the GPU never throttles the host), against the
+ * same number of launches of an empty kernel. Prints "smoke: ok" and, where KDTREE_SMOKE_JSON names a file,
+ * writes the timings there. CUDA's driver API is opened with dlopen, as the library does, so the program
+ * links against libkdtree.so, libdl and libm only.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <dlfcn.h>
@@ -12,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <math.h>
 
 #include "kdtree.h"
 
@@ -42,6 +45,35 @@ static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static unsigned s_rng = 987654321u;
+static float uniform(void) { /* in [-1, 1) */
+    s_rng = s_rng * 1664525u + 1013904223u;
+    return (float)((s_rng >> 8) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static double rel_err(const float *got, const double *want, int n) {
+    double num = 0, den = 0;
+    for (int i = 0; i < n; ++i) {
+        num += (got[i] - want[i]) * (got[i] - want[i]);
+        den += want[i] * want[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
 }
 
 static unsigned long long dalloc(size_t n) {
@@ -131,6 +163,144 @@ int main(void) {
     CU(cuMemcpyDtoH_v2)(&acc_len, d_len, 4);
     CU(cuMemcpyDtoH_v2)(&bonus, d_bonus, 4);
     EXPECT(acc_len == path && bonus == V + 1, "walk: %d rows (want %d), bonus %d", acc_len, path, bonus);
+
+    /* verify attention: 1 request, 4 appended rows (a chain) after 100 context rows, 2 heads, pages of 64 */
+    {
+        enum { NQ = 4, H = 2, CTX = 100, S = CTX + NQ, PS = 64, PAGES = 2, D = 576, DV = 512 };
+        static uint16_t q[NQ * H * D], cache[PAGES * PS * D];
+        static float qf[NQ * H * D], kvf[S * D], outf[NQ * H * DV];
+        static uint16_t out[NQ * H * DV];
+        static double want[NQ * H * DV];
+        for (int i = 0; i < NQ * H * D; ++i) qf[i] = from_bf16(q[i] = to_bf16(0.5f * uniform()));
+        for (int i = 0; i < PAGES * PS * D; ++i) cache[i] = to_bf16(0.5f * uniform());
+        for (int i = 0; i < S * D; ++i) kvf[i] = from_bf16(cache[i]);
+        int32_t pt[PAGES] = {0, 1}, seq = S;
+        uint32_t mask[NQ];
+        for (int i = 0; i < NQ; ++i) mask[i] = (1u << (i + 1)) - 1; /* row i sees block rows 0..i */
+        const float scale = 1.0f / 24.0f;                           /* 576 ** -0.5 */
+        for (int i = 0; i < NQ; ++i)
+            for (int h = 0; h < H; ++h) {
+                static double sc[S];
+                double m = -1e300, den = 0;
+                for (int r = 0; r < S; ++r) {
+                    int vis = r < CTX || ((mask[i] >> (r - CTX)) & 1u);
+                    double a = 0;
+                    for (int c = 0; c < D; ++c) a += (double)qf[(i * H + h) * D + c] * kvf[r * D + c];
+                    sc[r] = vis ? a * scale : -1e300;
+                    if (sc[r] > m) m = sc[r];
+                }
+                for (int r = 0; r < S; ++r) den += sc[r] > -1e299 ? exp(sc[r] - m) : 0;
+                for (int c = 0; c < DV; ++c) {
+                    double a = 0;
+                    for (int r = 0; r < S; ++r)
+                        if (sc[r] > -1e299) a += exp(sc[r] - m) / den * kvf[r * D + c];
+                    want[(i * H + h) * DV + c] = a;
+                }
+            }
+        unsigned long long d_q = dalloc(sizeof q), d_cache = dalloc(sizeof cache), d_pt = dalloc(sizeof pt);
+        unsigned long long d_seq = dalloc(4), d_mask = dalloc(sizeof mask), d_out = dalloc(sizeof out);
+        unsigned long long d_lse = dalloc(4 * NQ * H);
+        CU(cuMemcpyHtoD_v2)(d_q, q, sizeof q);
+        CU(cuMemcpyHtoD_v2)(d_cache, cache, sizeof cache);
+        CU(cuMemcpyHtoD_v2)(d_pt, pt, sizeof pt);
+        CU(cuMemcpyHtoD_v2)(d_seq, &seq, 4);
+        CU(cuMemcpyHtoD_v2)(d_mask, mask, sizeof mask);
+        for (int impl = KDTREE_VERIFY_AUTO; impl <= KDTREE_VERIFY_MMA; impl += KDTREE_VERIFY_MMA) {
+            size_t wsb = kdtree_verify_attn_workspace(1, NQ, H, PAGES * PS, impl, 0);
+            EXPECT(wsb > 0, "verify workspace: %s", kdtree_last_error());
+            unsigned long long d_ws2 = dalloc(wsb);
+            rc = kdtree_verify_attn((uint16_t *)d_q, (uint16_t *)d_cache, PAGES * PS, (int32_t *)d_pt, PAGES,
+                                    PS, (int32_t *)d_seq, (uint32_t *)d_mask, 1, NQ, H, scale, PAGES * PS,
+                                    impl, 0, (uint16_t *)d_out, (float *)d_lse, (void *)d_ws2, wsb, stream);
+            EXPECT(rc == KDTREE_OK, "verify_attn impl %d: %s", impl, kdtree_last_error());
+            CU(cuStreamSynchronize)(stream);
+            CU(cuMemcpyDtoH_v2)(out, d_out, sizeof out);
+            for (int i = 0; i < NQ * H * DV; ++i) outf[i] = from_bf16(out[i]);
+            double e = rel_err(outf, want, NQ * H * DV);
+            EXPECT(e <= 1e-2, "verify_attn impl %d: relative error %.2e", impl, e);
+            CU(cuMemFree_v2)(d_ws2);
+        }
+    }
+
+    /* INT4 MoE: 4 experts, hidden 64, intermediate 32, 3 tokens x 2 experts; the grouped path and the fused
+     */
+    {
+        enum { E = 4, DM = 64, I = 32, T = 3, K = 2 };
+        static int32_t w13[E * 2 * I * DM / 8], w2[E * DM * I / 8];
+        static uint16_t s13[E * 2 * I * DM / 32], s2[E * DM * I / 32], x[T * DM];
+        static float xf[T * DM], outm[T * DM];
+        static double wantm[T * DM];
+        for (int i = 0; i < E * 2 * I * DM / 8; ++i) {
+            s_rng = s_rng * 1664525u + 1013904223u;
+            w13[i] = (int32_t)s_rng;
+        }
+        for (int i = 0; i < E * DM * I / 8; ++i) {
+            s_rng = s_rng * 1664525u + 1013904223u;
+            w2[i] = (int32_t)s_rng;
+        }
+        for (int i = 0; i < E * 2 * I * DM / 32; ++i) s13[i] = to_bf16(0.01f + 0.01f * (uniform() + 1));
+        for (int i = 0; i < E * DM * I / 32; ++i) s2[i] = to_bf16(0.01f + 0.01f * (uniform() + 1));
+        for (int i = 0; i < T * DM; ++i) xf[i] = from_bf16(x[i] = to_bf16(uniform()));
+        int32_t ids[T * K] = {0, 2, 1, 3, 2, 0};
+        float tw[T * K] = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f};
+        for (int t = 0; t < T; ++t) {
+            for (int c = 0; c < DM; ++c) wantm[t * DM + c] = 0;
+            for (int j = 0; j < K; ++j) {
+                int e = ids[t * K + j];
+                double h[I];
+                for (int f = 0; f < I; ++f) {
+                    double g = 0, u = 0;
+                    for (int c = 0; c < DM; ++c) {
+                        int rg = e * 2 * I + f, ru = e * 2 * I + I + f;
+                        int qg = ((uint32_t)w13[rg * DM / 8 + c / 8] >> (4 * (c % 8)) & 0xf) - 8;
+                        int qu = ((uint32_t)w13[ru * DM / 8 + c / 8] >> (4 * (c % 8)) & 0xf) - 8;
+                        g += qg * (double)from_bf16(s13[rg * DM / 32 + c / 32]) * xf[t * DM + c];
+                        u += qu * (double)from_bf16(s13[ru * DM / 32 + c / 32]) * xf[t * DM + c];
+                    }
+                    h[f] = from_bf16(to_bf16((float)(g / (1 + exp(-g)) * u))); /* the bf16 workspace */
+                }
+                for (int c = 0; c < DM; ++c) {
+                    double a = 0;
+                    int r = e * DM + c;
+                    for (int f = 0; f < I; ++f) {
+                        int q2 = ((uint32_t)w2[r * I / 8 + f / 8] >> (4 * (f % 8)) & 0xf) - 8;
+                        a += q2 * (double)from_bf16(s2[r * I / 32 + f / 32]) * h[f];
+                    }
+                    wantm[t * DM + c] += tw[t * K + j] * a;
+                }
+            }
+        }
+        unsigned long long d_w13 = dalloc(sizeof w13), d_s13 = dalloc(sizeof s13), d_w2 = dalloc(sizeof w2);
+        unsigned long long d_s2 = dalloc(sizeof s2), d_r13 = dalloc(sizeof w13), d_rs13 = dalloc(sizeof s13);
+        unsigned long long d_r2 = dalloc(sizeof w2), d_rs2 = dalloc(sizeof s2), d_x = dalloc(sizeof x);
+        unsigned long long d_ids = dalloc(sizeof ids), d_tw = dalloc(sizeof tw), d_outm = dalloc(sizeof outm);
+        CU(cuMemcpyHtoD_v2)(d_w13, w13, sizeof w13);
+        CU(cuMemcpyHtoD_v2)(d_s13, s13, sizeof s13);
+        CU(cuMemcpyHtoD_v2)(d_w2, w2, sizeof w2);
+        CU(cuMemcpyHtoD_v2)(d_s2, s2, sizeof s2);
+        CU(cuMemcpyHtoD_v2)(d_x, x, sizeof x);
+        CU(cuMemcpyHtoD_v2)(d_ids, ids, sizeof ids);
+        CU(cuMemcpyHtoD_v2)(d_tw, tw, sizeof tw);
+        rc = kdtree_moe_repack((int32_t *)d_w13, (uint16_t *)d_s13, E, 2 * I, DM, (int32_t *)d_r13,
+                               (uint16_t *)d_rs13, stream);
+        EXPECT(rc == KDTREE_OK, "moe_repack w13: %s", kdtree_last_error());
+        rc = kdtree_moe_repack((int32_t *)d_w2, (uint16_t *)d_s2, E, DM, I, (int32_t *)d_r2,
+                               (uint16_t *)d_rs2, stream);
+        EXPECT(rc == KDTREE_OK, "moe_repack w2: %s", kdtree_last_error());
+        size_t wsm = kdtree_moe_workspace(T, K, E, DM, I);
+        unsigned long long d_wsm = dalloc(wsm);
+        CU(cuMemsetD8_v2)(d_wsm, 0, wsm); /* once, at allocation: the fused path's counters */
+        for (int fused = 0; fused <= 1; ++fused) {
+            rc = kdtree_moe_int4((uint16_t *)d_x, (void *)d_ids, KDTREE_I32, (float *)d_tw, T, K,
+                                 (int32_t *)d_r13, (uint16_t *)d_rs13, (int32_t *)d_r2, (uint16_t *)d_rs2, E,
+                                 DM, I, 0, fused, (float *)d_outm, (void *)d_wsm, wsm, stream);
+            EXPECT(rc == KDTREE_OK, "moe_int4 fused=%d: %s", fused, kdtree_last_error());
+            CU(cuStreamSynchronize)(stream);
+            CU(cuMemcpyDtoH_v2)(outm, d_outm, sizeof outm);
+            double e = rel_err(outm, wantm, T * DM);
+            EXPECT(e <= 1e-2, "moe_int4 fused=%d: relative error %.2e", fused, e);
+        }
+    }
 
     /* a bad call */
     rc = kdtree_tree_build((void *)d_logits, KDTREE_F32, 1, L, V, 0, (int32_t *)d_root, (int32_t *)d_start,
