@@ -148,6 +148,11 @@ def _targets(cells, b: int, compile: bool) -> list:
                            c["tok_per_s"] / best["tok_per_s"], 0.95))
         out.append(_target(f"trained pair, batch {b}: {c['name']} / the better of AR and DFlash",
                            c["tok_per_s"] / max(ar, dfl), 0.97))
+        dec = [x for x in fixed if x.get("decode_tok_per_s")]
+        if c.get("decode_tok_per_s") and dec:  # prefill left out: the rounds' choice alone (info)
+            bd = max(dec, key=lambda x: x["decode_tok_per_s"])
+            out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget (B={bd['budget']}), "
+                               "decode tok/s (info)", c["decode_tok_per_s"] / bd["decode_tok_per_s"], 0.95))
         comp = next((x for x in cells if x["mode"] == "ar" and x["compiled"]), None)
         if comp is not None and not compile:
             out.append(_target(f"trained pair, batch {b}: {c['name']} / AR compiled (info)",
