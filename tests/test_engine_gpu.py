@@ -45,6 +45,20 @@ def test_graphed_engine_equals_the_oracle_on_the_trained_pair(pair, mode, budget
     assert _serve(e, prompts, lens) == ref
 
 
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 64)])
+def test_same_length_prompts_share_the_prefill_forwards(pair, mode, budget):
+    """Eight held-out prompts of one length admitted together: one prefill forward per chunk for all of them
+    (kernel attention over eight page tables), every output equal to the oracle's."""
+    from kdtree.bench_engine import heldout_prompts
+    t, d = pair
+    prompts = heldout_prompts(8, 64, seed=3)
+    ref = [oracle_ar(t, p, 24).tokens for p in prompts]
+    e = Engine(t, None if mode == "ar" else d, mode=mode, budget=budget, max_batch=8, max_len=512,
+               prefill_chunk=32)
+    assert [r.tokens for r in e.generate(prompts, 24)] == ref
+    assert e.prefill_forwards == 2  # 64 rows in chunks of 32
+
+
 @pytest.mark.parametrize("decide", ["previous", "sync"])
 def test_auto_budget_graphed_equals_the_oracle(pair, decide):
     """budget="auto" with CUDA graphs (a front graph per bucket, a graph per plan): every output equals the
