@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <initializer_list>
 #include <mutex>
 #include <vector>
 
@@ -53,6 +54,17 @@ int need_ptr(const char *fn, const char *name, const void *p, size_t align) {
     if (!p) return fail(KDTREE_ERR_NULL, "%s: %s is NULL", fn, name);
     if ((uintptr_t)p % align)
         return fail(KDTREE_ERR_ALIGN, "%s: %s=%p is not %zu-byte aligned", fn, name, p, align);
+    return KDTREE_OK;
+}
+
+struct Ptr {
+    const char *name;
+    const void *p;
+};
+
+// need_ptr for each of `ptrs` in turn: the first NULL or misaligned one fails the call.
+int need_ptrs(const char *fn, size_t align, std::initializer_list<Ptr> ptrs) {
+    for (const Ptr &q : ptrs) CHECK(need_ptr(fn, q.name, q.p, align));
     return KDTREE_OK;
 }
 
@@ -435,13 +447,16 @@ int kdtree_tree_build(const void *logits, int dtype, int batch, int L, int V, in
     if (dtype != KDTREE_F32 && dtype != KDTREE_BF16)
         return fail(KDTREE_ERR_SIZE, "%s: dtype=%d, expected KDTREE_F32 (0) or KDTREE_BF16 (1)", fn, dtype);
     CHECK(need_ptr(fn, "logits", logits, 16));
-    const struct {
-        const char *n;
-        const void *p;
-    } outs[] = {{"root_tokens", root_tokens}, {"start_pos", start_pos}, {"tokens", tokens},
-                {"positions", positions},     {"parents", parents},     {"depths", depths},
-                {"scores", scores},           {"mask", mask},           {"n_nodes", n_nodes}};
-    for (auto &o : outs) CHECK(need_ptr(fn, o.n, o.p, 4));
+    CHECK(need_ptrs(fn, 4,
+                    {{"root_tokens", root_tokens},
+                     {"start_pos", start_pos},
+                     {"tokens", tokens},
+                     {"positions", positions},
+                     {"parents", parents},
+                     {"depths", depths},
+                     {"scores", scores},
+                     {"mask", mask},
+                     {"n_nodes", n_nodes}}));
     CHECK(need_ptr(fn, "workspace", workspace, 16));
     const TreeLayout lay = tree_layout(batch, L, V, budget);
     if (workspace_bytes < lay.total)
@@ -499,12 +514,13 @@ int kdtree_tree_walk(const int32_t *tokens, const int32_t *parents, const int32_
     CHECK(need_range(fn, "batch", batch, 1, 1 << 30));
     CHECK(need_range(fn, "N", N, 1, KDTREE_MAX_BUDGET + 1));
     CHECK(need_range(fn, "max_accept", max_accept, 1, KDTREE_MAX_ACCEPT));
-    const struct {
-        const char *n;
-        const void *p;
-    } ptrs[] = {{"tokens", tokens},     {"parents", parents}, {"choice", choice},
-                {"accepted", accepted}, {"acc_len", acc_len}, {"bonus", bonus}};
-    for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
+    CHECK(need_ptrs(fn, 4,
+                    {{"tokens", tokens},
+                     {"parents", parents},
+                     {"choice", choice},
+                     {"accepted", accepted},
+                     {"acc_len", acc_len},
+                     {"bonus", bonus}}));
     Ctx c;
     CHECK(device(fn, &c));
     void *a[] = {(void *)&tokens, (void *)&parents, (void *)&choice, &N,
@@ -531,14 +547,11 @@ int kdtree_kv_compact(void *cache, int n_layers, int64_t rows, int row_bytes, co
         return fail(KDTREE_ERR_SIZE, "%s: rows=%lld is not a whole number of pages of %d", fn,
                     (long long)rows, page_size);
     CHECK(need_ptr(fn, "cache", cache, 16));
-    const struct {
-        const char *n;
-        const void *p;
-    } ptrs[] = {{"page_table", page_table},
-                {"block_start", block_start},
-                {"accepted", accepted},
-                {"acc_len", acc_len}};
-    for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
+    CHECK(need_ptrs(fn, 4,
+                    {{"page_table", page_table},
+                     {"block_start", block_start},
+                     {"accepted", accepted},
+                     {"acc_len", acc_len}}));
     Ctx c;
     CHECK(device(fn, &c));
     long long stride = rows * row_bytes / 16;
@@ -615,11 +628,9 @@ int kdtree_verify_attn(const uint16_t *q, const uint16_t *cache, int64_t cache_r
     CHECK(need_ptr(fn, "q", q, 16));
     CHECK(need_ptr(fn, "cache", cache, 16));
     CHECK(need_ptr(fn, "workspace", workspace, 16));
-    const struct {
-        const char *n;
-        const void *p;
-    } ptrs[] = {{"page_table", page_table}, {"seq_len", seq_len}, {"mask", mask}, {"out", out}, {"lse", lse}};
-    for (auto &p : ptrs) CHECK(need_ptr(fn, p.n, p.p, 4));
+    CHECK(need_ptrs(
+        fn, 4,
+        {{"page_table", page_table}, {"seq_len", seq_len}, {"mask", mask}, {"out", out}, {"lse", lse}}));
     Ctx c;
     CHECK(device(fn, &c));
     CHECK(verify_impl(fn, c, impl, &impl));
@@ -703,11 +714,7 @@ int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, cons
     CHECK(need_ptr(fn, "x", x, 16));
     CHECK(need_ptr(fn, "topk_ids", topk_ids, ids_dtype == KDTREE_I64 ? 8 : 4));
     CHECK(need_ptr(fn, "topk_weights", topk_weights, 4));
-    const struct {
-        const char *n;
-        const void *p;
-    } ws[] = {{"w13", w13}, {"s13", s13}, {"w2", w2}, {"s2", s2}, {"workspace", workspace}};
-    for (auto &p : ws) CHECK(need_ptr(fn, p.n, p.p, 16));
+    CHECK(need_ptrs(fn, 16, {{"w13", w13}, {"s13", s13}, {"w2", w2}, {"s2", s2}, {"workspace", workspace}}));
     CHECK(need_ptr(fn, "out", out, 16));
     const MoeLayout lay = moe_layout(T, k, E, I);
     if (workspace_bytes < lay.total)
