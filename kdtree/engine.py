@@ -62,6 +62,12 @@ STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stag
 # batched GEMM fails inside a capture that succeeds on the next try); each retry is listed in
 # Engine.capture_retries.
 CAPTURE_TRIES = 3
+# Prefill chunks: a CUDA graph per exact (requests, rows) shape, captured the first time the shape is seen
+# (that chunk runs eagerly) and replayed after it; the same kernels at the same shapes, so the tokens are
+# the eager prefill's bit for bit. At most PREFILL_GRAPHS shapes, each of at most PREFILL_GRAPH_ROWS rows
+# (their static buffers are allocated with the decode graphs); other chunks run eagerly.
+PREFILL_GRAPHS = 16
+PREFILL_GRAPH_ROWS = 512
 COST_REPS = 5  # budget="auto": graph replays per cost-table cell at start-up (their median)
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
@@ -451,6 +457,9 @@ class Engine:
         self.errors: dict[int, Exception] = {}
         self.prefill_forwards = 0   # target forwards spent on prompts (same-length chunks share one)
         self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
+        self.prefill_replays = 0    # prefill forwards that replayed a graph
+        self._pg: dict = {}         # prefill graphs: (requests, rows) -> CUDAGraph, or False (capture failed)
+        self._pg_pool = self._side = None
         self._next_id = 0
         self._features = None
         self.rounds = 0
@@ -491,6 +500,7 @@ class Engine:
                                      dtype=model.dtype, device=dev) if self.batched_drafter else None)
         if self.graph_reason is None:
             self._capture()
+            self._prefill_buffers()
         if auto:
             self._measure_costs()
 
@@ -685,20 +695,15 @@ class Engine:
         T = min(self.prefill_chunk, len(group[0].prompt) - c0)
         slots = torch.tensor([r.slot for r in group], device=dev)
         start = torch.full((n,), c0, device=dev)
-        mask = torch.ones(n, T, T, dtype=torch.bool, device=dev).tril()
-        meta = PagedMeta.build(self.page_table[slots], start, start[:, None] + torch.arange(T, device=dev), mask,
-                               self.page_size, self.model.attn_impl, self.moe)
         tokens = torch.tensor([r.prompt[c0:c0 + T] for r in group], device=dev)              # [n, T]
-        with _blas(dev, n * T):
-            out = self.model.forward_paged(tokens, self.pool, meta, self.layers, logits_for=[-1])
+        logits, f = self._prefill_forward(tokens, self.page_table[slots], start)
         for i, r in enumerate(group):
             r.result.target_forwards += 1
             if c0 + T == len(r.prompt):
-                last[r.rid] = out.logits[i, -1]
+                last[r.rid] = logits[i].clone()
         self.prefill_forwards += 1
-        if not self.layers:
+        if f is None:
             return
-        f = torch.cat([out.hidden[i] for i in self.layers], -1)                             # [n, T, F]
         count = torch.full((n,), T, device=dev)
         if self.batched_drafter:
             first = group[0].slot
@@ -709,7 +714,77 @@ class Engine:
                     self.drafter.extend(self.ctx, f[i:i + 1], start[i:i + 1], count[i:i + 1], slot=r.slot)
         else:
             for i, r in enumerate(group):
-                feats[r.rid].append(f[i])
+                feats[r.rid].append(f[i].clone())
+
+    def _prefill_eager(self, tokens, page_table, start):
+        """tokens [n, T] at positions start[b] + j written into the pool through page_table [n, P]; returns
+        the last rows' logits [n, V] float32 and the drafter's features [n, T, F] (None in mode ar)."""
+        dev, (n, T) = self.device, tokens.shape
+        mask = torch.ones(n, T, T, dtype=torch.bool, device=dev).tril()
+        meta = PagedMeta.build(page_table, start, start[:, None] + torch.arange(T, device=dev), mask,
+                               self.page_size, self.model.attn_impl, self.moe)
+        with _blas(dev, n * T):
+            out = self.model.forward_paged(tokens, self.pool, meta, self.layers, logits_for=slice(T - 1, T))
+        f = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None
+        return out.logits[:, -1], f
+
+    def _prefill_forward(self, tokens, page_table, start):
+        """_prefill_eager's contract; a replay of the shape's graph once it has one (the outputs are then the
+        static buffers' views, rewritten by the next prefill forward)."""
+        n, T = tokens.shape
+        key = (n, T)
+        g = self._pg.get(key)
+        if not g:
+            out = self._prefill_eager(tokens, page_table, start)
+            if (g is None and self.graphs and n * T <= self._pg_tok.numel()
+                    and sum(1 for v in self._pg.values() if v) < PREFILL_GRAPHS):
+                self._pg[key] = self._capture_prefill(n, T)
+            return out
+        self._pg_tok[:n * T].view(n, T).copy_(tokens)
+        self._pg_pt[:n].copy_(page_table)
+        self._pg_start[:n].copy_(start)
+        g.replay()
+        self.prefill_replays += 1
+        f = None if self._pg_feat is None else self._pg_feat[:n * T].view(n, T, -1)
+        return self._pg_logits[:n], f
+
+    def _prefill_buffers(self) -> None:
+        """The prefill graphs' static inputs and outputs, allocated once (so serving new prompt shapes leaves
+        torch.cuda.memory_allocated as it was)."""
+        dev, a, B = self.device, self.model.args, self.max_batch
+        rows = min(PREFILL_GRAPH_ROWS, B * self.prefill_chunk)
+        self._pg_tok = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._pg_pt = torch.zeros_like(self.page_table)
+        self._pg_start = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._pg_logits = torch.zeros(B, a.vocab_size, dtype=torch.float32, device=dev)
+        self._pg_feat = (torch.zeros(rows, len(self.layers) * a.hidden_size, dtype=self.model.dtype, device=dev)
+                         if self.layers else None)
+
+    def _capture_prefill(self, n: int, T: int):
+        """A graph of _prefill_eager over the static buffers' first n requests and n x T rows (all prefill
+        graphs share one memory pool: their outputs are copied to the static buffers, so the pool holds
+        temporaries only); False where the capture fails (that shape then runs eagerly)."""
+        tok, pt, st = self._pg_tok[:n * T].view(n, T), self._pg_pt[:n], self._pg_start[:n]
+        cur = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(cur)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self._pg_pool, stream=self._side):
+                logits, f = self._prefill_eager(tok, pt, st)
+                self._pg_logits[:n].copy_(logits)
+                if f is not None:
+                    self._pg_feat[:n * T].view(n, T, -1).copy_(f)
+        except RuntimeError as e:  # torch.AcceleratorError is one
+            torch.cuda.synchronize(self.device)
+            if self._pg_pool is not None:
+                _end_pool(self.device, self._pg_pool)
+            self._pg_pool = None
+            self.capture_retries.append(f"prefill {(n, T)}: {str(e).splitlines()[0][:120]}")
+            return False
+        finally:
+            cur.wait_stream(self._side)
+        self._pg_pool = g.pool() if self._pg_pool is None else self._pg_pool
+        return g
 
     @torch.no_grad()
     def _synthesize(self, r: Request) -> None:
@@ -925,7 +1000,7 @@ class Engine:
         """Warm up and capture one graph per (batch bucket, sampling), largest first, sharing one memory pool; the
         state is reset afterwards (warm-up rounds run on padding slots only, before any request)."""
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
+        side = self._side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         pool = None
         def capture(key, fn):

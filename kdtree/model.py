@@ -992,7 +992,8 @@ class Transformer(nn.Module):
                       logits_for=None) -> ForwardOutput:
         """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared page
         pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
-        meta.slots of every layer; no value checks and no host reads (graph-capturable).
+        meta.slots of every layer; no value checks and no host reads (graph-capturable; logits_for, the rows
+        given logits: a slice or a device index tensor there, a list being copied from the host).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
         if (self.device, self.dtype, meta.moe) not in getattr(self, "_paged_ready", ()):
             self.prepare_paged(meta.moe)
@@ -1005,7 +1006,7 @@ class Transformer(nn.Module):
                 hidden[i] = h
         h = self.model.norm(h)
         if logits_for is not None:
-            h = h[:, logits_for]
+            h = h[:, logits_for].contiguous()  # a slice's rows as an index's would be laid out
         return ForwardOutput(self.lm_head(h).float(), hidden)
 
 

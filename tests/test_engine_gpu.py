@@ -292,3 +292,29 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     ids = [a.add_request(p, 64, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]
     out = a.run()
     assert all(len(out[i].tokens) == 64 for i in ids) and a.free_pages == a.pages.capacity
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 32)])
+def test_prefill_graphs_replay_the_eager_prefill(pair, mode, budget):
+    """Prompts of one length served one after another: the first chunk of that shape runs eagerly (and is
+    captured), the others replay its graph; tokens equal the oracle's and every round's accept length equals
+    the eager engine's (so the drafter's context features are the same); memory stays as it was once the
+    shape has been seen."""
+    t, d = pair
+    prompts = random_prompts(t.args, 6, seed=41, min_len=40, max_len=40)
+    ref = [oracle_ar(t, p, 24).tokens for p in prompts]
+    kw = dict(drafter=None if mode == "ar" else d, mode=mode, budget=budget, max_batch=2, max_len=256)
+    runs = {}
+    for graphs in (True, False):
+        e = Engine(t, graphs=graphs, **kw)
+        res = e.generate(prompts[:1], 24)   # the shape seen (graphs: captured)
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        res += [e.generate([p], 24)[0] for p in prompts[1:]]
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == base
+        assert [r.tokens for r in res] == ref
+        runs[graphs] = ([r.accept_lengths for r in res], e.prefill_replays, e.capture_retries)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1:] == (5, []) and runs[False][1] == 0

@@ -76,13 +76,22 @@ static double rel_err(const float *got, const double *want, int n) {
     return sqrt(num / (den > 0 ? den : 1));
 }
 
+/* Device buffers: every one is freed by dfree_all() before main returns (the sanitizer's leak check). */
+static unsigned long long allocs[64];
+static int n_allocs;
+
 static unsigned long long dalloc(size_t n) {
     unsigned long long p = 0;
-    if (CU(cuMemAlloc_v2)(&p, n)) {
+    if (n_allocs == 64 || CU(cuMemAlloc_v2)(&p, n)) {
         printf("FAILED: cuMemAlloc(%zu)\n", n);
         exit(1);
     }
+    allocs[n_allocs++] = p;
     return p;
+}
+
+static void dfree_all(void) {
+    while (n_allocs) CU(cuMemFree_v2)(allocs[--n_allocs]);
 }
 
 int main(void) {
@@ -218,7 +227,6 @@ int main(void) {
             for (int i = 0; i < NQ * H * DV; ++i) outf[i] = from_bf16(out[i]);
             double e = rel_err(outf, want, NQ * H * DV);
             EXPECT(e <= 1e-2, "verify_attn impl %d: relative error %.2e", impl, e);
-            CU(cuMemFree_v2)(d_ws2);
         }
     }
 
@@ -368,6 +376,7 @@ int main(void) {
             fclose(fp);
         }
     }
+    dfree_all();
     if (failures) {
         printf("smoke: %d failures\n", failures);
         return 1;
