@@ -42,12 +42,13 @@ def _sync():
 def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, **add) -> dict:
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole run
     and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
-    prefill wall time in the run) and decode_tok_per_s (tokens after each request's first, over the wall time
-    outside prefill). add: more add_request keywords (e.g. synthetic_context)."""
+    prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
+    seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside
+    prefill). add: more add_request keywords (e.g. synthetic_context)."""
     rounds, spans = [], []
     ids = [engine.add_request(p, max_new, temperature, seed=i, **add) for i, p in enumerate(prompts)]
     _sync()
-    p0 = engine.prefill_s
+    p0, f0, r0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays
     t0 = time.perf_counter()
     while engine.waiting or engine.active:
         before = engine.rounds
@@ -66,6 +67,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     prefill = engine.prefill_s - p0
     return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall, "per_user_tok_per_s": toks / wall / len(prompts)
             if engine.max_batch >= len(prompts) else None, "prefill_s": prefill,
+            "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
