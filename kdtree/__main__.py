@@ -1,5 +1,6 @@
 """Command line: `python -m kdtree lab ...` runs notebooks; `python -m kdtree bench` the kernel benchmarks;
-`python -m kdtree tp --world 8` the tensor-parallel dry-run; `python -m kdtree info` prints the setup."""
+`python -m kdtree tp --world 8` the tensor-parallel dry-run; `python -m kdtree report` writes docs/results.md
+from the records; `python -m kdtree info` prints the setup."""
 from __future__ import annotations
 
 import sys
@@ -7,11 +8,14 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m kdtree {lab,bench,tp,info} ...  (python -m kdtree lab --help)"
+    usage = "usage: python -m kdtree {lab,bench,tp,report,info} ...  (python -m kdtree lab --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "report":
+        from .report import main as main_report
+        return main_report(rest)
     if cmd == "lab":
         from .lab import main_lab
         return main_lab(rest)

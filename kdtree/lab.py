@@ -151,7 +151,21 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto", out_
         pm.execute_notebook(str(nb), str(target), parameters=p, cwd=str(nb.parent), progress_bar=True,
                             kernel_name="python3")
         done.append(target)
+    refresh_results(out)
     return done
+
+
+def refresh_results(out: Path) -> Path | None:
+    """After a run into a GPU record folder (outputs/<gpu>/) of this checkout: docs/results.md rewritten from
+    the records (kdtree.report); returns the page, or None where the folder is not one (a CPU run, a folder
+    elsewhere, an installed package without docs/)."""
+    from . import report
+    out = Path(out).resolve()
+    if out.parent != OUTPUTS.resolve() or not report.PAGE.parent.is_dir():
+        return None
+    report.PAGE.write_text(report.report(OUTPUTS))
+    print(f"[kdtree lab] {report.PAGE} rewritten from the records", flush=True)
+    return report.PAGE
 
 
 def main_lab(argv: list[str]) -> int:
