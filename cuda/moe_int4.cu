@@ -1,8 +1,9 @@
 // moe_int4.cu: routed MoE experts with INT4 weights (Kimi K2 format), bf16 activations, fp32 accumulation.
 //
-// Golden twin: kdtree/golden.py  moe_int4 (float64, exact dequantization).
+// Golden twin: kdtree/ops/moe_int4_golden.py  moe_int4 (float64, exact dequantization).
+// Wrappers: kdtree/ops/moe_int4.py.
 // Weights: the K2 checkpoint format (kdtree/quant.py: eight 4-bit values q + 8 per int32 along the input,
-// one bf16 scale per 32 inputs, W = q * scale) reordered once by kdtree.kernels.repack_moe into mma
+// one bf16 scale per 32 inputs, W = q * scale) reordered once by kdtree.ops.moe_int4.repack_moe into mma
 // fragment order, so that each lane loads exactly the bytes its A fragment needs, 8 per 32-input group:
 //   wr int32 [E, R/16, K/32, 32 lanes, 2]: lane (g, c) = (lane / 4, lane % 4), word j (k-block j of the
 //      group) holds A register b = 0..3 (rows 16 t + g + 8 (b % 2), checkpoint word 2j + b / 2, its inputs 2c and
@@ -40,25 +41,19 @@
 //   pair_tok  int32 [P], pair_w float [P]: the pairs grouped by expert; the order WITHIN an expert is
 //             unspecified (shared-memory atomics); expert_off int32 [E + 1]: expert e owns [off[e], off[e+1]);
 //             active int32 [S], S = min(E, P): the experts with pairs by id, then the empty ones by id.
-//   Ids outside [0, E) are dropped (kdtree.kernels rejects them before launch unless told not to check).
-//   Golden twin: kdtree/golden.py group_pairs (stable order: compare within an expert as multisets).
+//   Ids outside [0, E) are dropped (the wrapper rejects them before launch unless told not to check).
+//   Golden twin: kdtree/ops/moe_int4_golden.py group_pairs (stable order: compare within an expert as
+//   multisets).
 // moe_repack_words / moe_repack_scales   grid ceil(n / 256), block 256, one thread per output element
 //   The checkpoint layout -> the fragment order above, for `mats` stacked matrices [R, K] (R % 16 == 0,
 //   K % 32 == 0): packed int32 [mats, R, K/8] -> wr int32 [mats, R/16, K/32, 32, 2]; scale bf16 [mats, R, K/32]
 //   -> sr bf16 [mats, R/16, K/32, 8, 2] (sr[.., t, grp, g, half] = scale[.., 16 t + 8 half + g, grp]).
-//   Golden twin: kdtree/kernels.py repack_int4_mma (torch ops); used by the C ABI (include/kdtree.h).
-// Shapes: D % 32 == 0, I % 32 == 0 (checked by kdtree.kernels).
+//   Golden twin: kdtree/ops/moe_int4.py repack_int4_mma (torch ops); used by the C ABI (include/kdtree.h).
+// Shapes: D % 32 == 0, I % 32 == 0 (checked by the wrappers).
 #include <cuda_bf16.h>
 #include "common.cuh"
 
 #define WARPS 8
-
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // A register B of a fragment word -> bf16x2 (q(2c), q(2c+1)) - 8, exact: one lop3 ((w >> 4B) & m) | 0x4300_4300
 // (bf16 128 + n per half) and one sub.bf16x2 of 136 (0x4308)
@@ -69,8 +64,6 @@ __device__ __forceinline__ uint32_t deq_pair(uint32_t word) {
     asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(v), "r"(0x43084308u));
     return r;
 }
-
-__device__ __forceinline__ float bf16f(uint32_t v16) { return __uint_as_float(v16 << 16); }
 
 // One 16-row tile's fragment words and scales for one group: 8 bytes + 4 bytes per lane.
 struct AFrag { uint2 w; uint32_t s; };
@@ -328,7 +321,7 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
 
 // suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills).
 // Measured on the H200 at K2.6 shapes: U 2-16 at 2-3 blocks per SM, none faster than 4 / 3 at 3.
-// Tuning knobs (kdtree.kernels compiles with the defaults; -DMOE_T8_U=... etc. to explore).
+// Tuning knobs (the loader compiles with the defaults; -DMOE_T8_U=... etc. to explore).
 #ifndef MOE_T8_U
 #define MOE_T8_U 4
 #endif
@@ -416,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
 }
 
 // ------------------------------------------------------------------------------------ fused small-batch path
-// moe_fused_t8_{i32,i64}   grid: a persistent grid of MOE_FUSED_MINB blocks per SM (kernels.FUSED_BLOCKS_PER_SM),
+// moe_fused_t8_{i32,i64}   grid: a persistent grid of MOE_FUSED_MINB blocks per SM (ops.moe_int4.FUSED_BLOCKS_PER_SM),
 //   block 256, static smem 9.5 KB
 //   The whole routed-expert call for at most FUSED_MAX_PAIRS pairs (decode, short chains) in ONE launch: each
 //   block groups the pairs itself in shared memory (ids outside [0, E) dropped), then takes work items from a
@@ -428,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
 //   pair's rank in expert order); out float [T, D] (written whole: zeroed, then accumulated with fp32 atomics).
 //   sync int32 [4 + FUSED_MAX_PAIRS]: ticket, exits, zeroed, done[slot]; all zero between calls (the last
 //   block to exit resets them; the wrapper allocates them zeroed once per stream, or per captured graph).
-//   One call in flight per sync buffer. P <= FUSED_MAX_PAIRS (checked by kdtree.kernels).
+//   One call in flight per sync buffer. P <= FUSED_MAX_PAIRS (checked by the wrapper).
 #define FUSED_MAX_PAIRS 64
 #define ZERO_CHUNK 4096  // floats of `out` per zeroing item
 
@@ -522,7 +515,7 @@ __device__ __forceinline__ void moe_fused_impl(
 // shapes, one token, same run) 66.8 us against 71.3 at three blocks (4 / 3 groups), 68.8 at four with 3 / 2 and
 // 78.9 at two with 8 / 6. More resident warps hide more load latency here than more loads per warp do.
 #ifndef MOE_FUSED_MINB
-#define MOE_FUSED_MINB 4  // kernels.FUSED_BLOCKS_PER_SM
+#define MOE_FUSED_MINB 4  // ops.moe_int4.FUSED_BLOCKS_PER_SM
 #endif
 #ifndef MOE_FUSED_U
 #define MOE_FUSED_U 2

@@ -1,7 +1,8 @@
 // sglang_tree.cu: our verify blocks -> SGLang's EAGLE tree arrays, and the greedy accept over them.
 //
-// Golden twin: kdtree/golden.py  sglang_tree + sglang_verify_greedy (the contract, with the layouts of
-// sgl-kernel's build_tree_kernel_efficient outputs and verify_tree_greedy; golden.py names the commit read).
+// Golden twin: kdtree/ops/sglang_golden.py  sglang_tree + sglang_verify_greedy (the contract, with the
+// layouts of sgl-kernel's build_tree_kernel_efficient outputs and verify_tree_greedy; that module names the
+// commit read). Wrappers: kdtree/bridge.py.
 //
 // sglang_tree        grid batch, block 1024, static smem 8 KB (the sort keys)
 //   tokens int32 [batch, N], parents int32 [batch, N] (row 0 the root, -1 for the root and padding rows,

@@ -1,6 +1,7 @@
 // tree_build.cu: draft logits -> DDTree verify blocks, on the GPU, for a whole batch.
 //
-// Golden twin: kdtree/golden.py  topk_logprobs + build_tree + compile_tree + pack_mask_bits.
+// Golden twin: kdtree/ops/tree_golden.py  topk_logprobs + build_tree + compile_tree + pack_mask_bits.
+// Wrappers: kdtree/ops/tree.py.
 // Three launches, no host round trip (capturable in a CUDA graph):
 // (topk_partial_small_* and topk_merge_small, below, serve K <= 256 under the same contracts as 1 and 2.)
 //
@@ -34,7 +35,6 @@
 //        n_nodes int32 [batch]       draft nodes emitted (<= B; fewer when fewer finite prefixes exist)
 #include "common.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)
 #define FULL 0xffffffffu
 
 __device__ __forceinline__ uint32_t f2key(float x) {
@@ -49,9 +49,7 @@ __device__ __forceinline__ float key2f(uint32_t k) {
 }
 
 __device__ __forceinline__ float load_logit(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float load_logit(const uint16_t* p, size_t i) {
-    return __uint_as_float(((uint32_t)p[i]) << 16);  // bf16 -> fp32 exactly
-}
+__device__ __forceinline__ float load_logit(const uint16_t* p, size_t i) { return bf16f(p[i]); }
 
 // exp(d) for d <= 0 in double, table-driven and without a branch: d = (64k + j) ln2/64 + r, |r| <= ln2/128,
 // exp(d) = 2^k * 2^(j/64) * P6(r). Relative error ~2 ulp; d below -700 is taken as -700, whose term (~1e-304)

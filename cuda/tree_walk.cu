@@ -1,6 +1,7 @@
 // tree_walk.cu: accept along the target's choices, then compact the latent KV of the accepted path.
 //
-// Golden twins: kdtree/golden.py  walk (greedy_walk / sampled_walk) and compact_kv.
+// Golden twins: kdtree/ops/walk_golden.py  walk (greedy_walk / sampled_walk) and compact_kv.
+// Wrappers: kdtree/ops/walk.py.
 //
 // tree_walk          grid batch, block 32 (one warp per request)
 //   tokens int32 [batch, N], parents int32 [batch, N] (verify-block layout from tree_build: row 0 the root,

@@ -1,8 +1,9 @@
 // verify_attn.cu: MLA-absorb attention for tree verification (and AR decode, N = 1, and chains).
 //
-// Golden twin: kdtree/golden.py  mla_tree_attention (float64).
+// Golden twin: kdtree/ops/verify_attn_golden.py  mla_tree_attention (float64).
+// Wrappers: kdtree/ops/verify_attn.py.
 //
-// verify_attn_partial   grid (n_splits, ceil(N*H / 64), batch), block 256 (8 warps), dynamic smem Q + 2 KV tiles + P tile + 1 KB (kernels.VERIFY_SMEM)
+// verify_attn_partial   grid (n_splits, ceil(N*H / 64), batch), block 256 (8 warps), dynamic smem Q + 2 KV tiles + P tile + 1 KB (ops.verify_attn.VERIFY_SMEM)
 //   q          bf16 [batch, N, H, 576]   (512 latent dims = q_nope @ W_uk, then 64 rotated rope dims)
 //   cache      bf16 [rows, 576]          one layer's latent cache, paged: page_size rows per page
 //   page_table int32 [batch, max_pages]  row r of request b is at page_table[b, r / page_size] * page_size + r % page_size
@@ -30,8 +31,7 @@
 #define KEYS 32
 #define STRIDE 584          // smem row stride (bf16): 1168 bytes, rows shift 4 banks
 #define P_STRIDE 40         // P tile row stride (bf16)
-#define NEG_INF __int_as_float(0xff800000)
-#define MAX_SPLITS 128      // context splits verify_attn_combine reads (kernels.MAX_SPLITS)
+#define MAX_SPLITS 128      // context splits verify_attn_combine reads (ops.verify_attn.MAX_SPLITS)
 
 constexpr int SMEM_Q = ROWS * STRIDE * 2;
 constexpr int SMEM_KV = KEYS * STRIDE * 2;
@@ -52,12 +52,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
 __device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Online softmax, base 2: a row's new running maximum from the old one and two key halves' maxima, and the
@@ -85,7 +79,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* dst, const __nv_bflo
 }
 
 // The parameters of the three partial kernels (verify_attn_partial, verify_attn_wg, verify_attn_ws), in
-// kernels.verify_attn's order.
+// ops.verify_attn.verify_attn's order.
 #define VERIFY_PARTIAL_PARAMS                                                                                       \
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ cache, const int32_t* __restrict__ page_table, \
     int max_pages, int page_size, const int32_t* __restrict__ seq_len, const uint32_t* __restrict__ mask, int N, int H, \
@@ -280,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
 // verify_attn_wg: verify_attn_partial's contract (arguments, ws_o / ws_ml, then verify_attn_combine) on Hopper's
 // warpgroup MMA; compiled where the loader defines KDTREE_WGMMA (an sm_90a build), else absent.
 //   grid (n_splits, ceil(N*H / 64), batch), block 256 (two warpgroups), dynamic smem WG_SMEM
-//   (kernels.VERIFY_WG_SMEM), split over tiles of 64 keys.
+//   (ops.verify_attn.VERIFY_WG_SMEM), split over tiles of 64 keys.
 //   Shared memory: Q [64 rows x 576] and two K/V tiles [64 keys x 576], each as nine 128-byte-swizzled K-major
 //   atoms [64 rows x 64 dims] (16-byte chunk c of row r stored at chunk c ^ (r & 7)), filled by cp.async; P
 //   [64 x 64] bf16 in one such atom.
@@ -583,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 // ------------------------------------------------------------------------ warp-specialized wgmma path (sm_90a)
 // verify_attn_ws: verify_attn_partial's contract on warpgroup MMA with the two warpgroups in different roles and a
 // 4-stage ring of 32-key K/V tiles, so that the tensor cores run S(t + 1) and P V(t) while the softmax of t runs.
-//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM (kernels.VERIFY_WS_SMEM), split over
+//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM (ops.verify_attn.VERIFY_WS_SMEM), split over
 //   tiles of 32 keys.
 //   Shared memory: Q [64 x 576] (nine 128-byte-swizzled K-major atoms [64 rows x 64 dims], as verify_attn_wg), four
 //   stages of K/V [32 keys x 576] (nine atoms [32 rows x 64 dims] each), P [64 x 32] bf16 in one [64 x 64] atom,

@@ -13,8 +13,8 @@
  * warpgroup-MMA attention among them), generic sm_80 builds (and PTX) elsewhere.
  *
  * The kernels' contracts are stated in each cuda/<family>.cu header; the golden twins are in
- * kdtree/golden.py. bf16 tensors are passed as uint16_t. Shapes below: b requests, N = budget + 1 verify rows
- * a request.
+ * kdtree/ops/<family>_golden.py. bf16 tensors are passed as uint16_t. Shapes below: b requests,
+ * N = budget + 1 verify rows a request.
  */
 #ifndef KDTREE_H
 #define KDTREE_H
@@ -28,7 +28,7 @@ extern "C" {
 
 #define KDTREE_ABI_VERSION 1
 
-/* limits, shared with kdtree/kernels.py and the .cu sources (a test checks them equal) */
+/* limits, shared with kdtree/ops/ and the .cu sources (a test checks them equal) */
 #define KDTREE_MAX_BUDGET 1024  /* draft nodes a tree */
 #define KDTREE_MAX_VOCAB 262144 /* top-K vocabulary */
 #define KDTREE_MAX_DEPTH 63     /* draft depth L */
@@ -64,7 +64,7 @@ enum kdtree_verify_impl {
 };
 
 int kdtree_abi_version(void);
-/* the launch choices, exposed so that they can be checked against kdtree/kernels.py's (sms: the SM count) */
+/* the launch choices, exposed so that they can be checked against those of kdtree/ops/ (sms: the SM count) */
 int kdtree_topk_chunking(int rows, int V, int K, int sms, int *n_chunks, int *chunk);
 int kdtree_default_splits(int batch, int NH, int max_keys, int sms, int tile);
 const char *kdtree_error_string(int code); /* the code's name and meaning; never NULL */
@@ -74,7 +74,7 @@ const char *kdtree_last_error(void);       /* this thread's last failing call's 
  * logits [b, L, V] (KDTREE_F32, or KDTREE_BF16 as uint16), 1 <= L <= 63, 1 <= V <= 262144, 1 <= budget <=
  * 1024; root_tokens, start_pos int32 [b]. Writes, N = budget + 1 rows a request (root first): tokens,
  * positions, parents, depths int32 [b, N]; scores float [b, N]; mask uint32 [b, N, ceil(N / 32)]
- * (ancestor-or-self bits); n_nodes int32 [b]. Same contract as kdtree.kernels.tree_build. */
+ * (ancestor-or-self bits); n_nodes int32 [b]. Same contract as kdtree.ops.tree.tree_build. */
 size_t kdtree_tree_build_workspace(int batch, int L, int V, int budget);
 int kdtree_tree_build(const void *logits, int dtype, int batch, int L, int V, int budget,
                       const int32_t *root_tokens, const int32_t *start_pos, int32_t *tokens,

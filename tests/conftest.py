@@ -38,11 +38,12 @@ def tiny(request):
 
 @pytest.fixture
 def poison_outputs():
-    """Kernel outputs are filled with NaN / -7777 before every launch (kernels.POISON), so unwritten ones show."""
-    from kdtree import kernels
-    kernels.POISON = True
+    """Kernel outputs are filled with NaN / -7777 before every launch (kdtree.ops.loader.POISON, which _empty
+    reads), so unwritten ones show."""
+    from kdtree.ops import loader
+    loader.POISON = True
     yield
-    kernels.POISON = False
+    loader.POISON = False
 
 
 @pytest.fixture(scope="session")

@@ -44,8 +44,9 @@ def test_topk_small_paths_match_golden(kind, R, V, K, monkeypatch):
     lists under a real bound (distinct values), the radix fallback (thousands of ties at the bound), small chunks
     without a bound, in the partial and the merge."""
     from kdtree import kernels
+    from kdtree.ops import tree as ops_tree  # topk_logprobs reads TOPK_SMALL_K there
     assert K <= kernels.TOPK_SMALL_MAX_K
-    monkeypatch.setattr(kernels, "TOPK_SMALL_K", kernels.TOPK_SMALL_MAX_K)
+    monkeypatch.setattr(ops_tree, "TOPK_SMALL_K", kernels.TOPK_SMALL_MAX_K)
     rng = np.random.default_rng(V + K + R + len(kind))
     if kind == "normal":
         x = rng.standard_normal((R, V)).astype(np.float32) * 3

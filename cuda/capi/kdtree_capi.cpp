@@ -4,7 +4,7 @@
 // verify_attn.cu's sm_90a build with the warpgroup-MMA kernels) and loaded with the CUDA driver API, which is
 // opened with dlopen at the first launch: the library loads on machines without CUDA, where every argument
 // check still runs. The launch choices (top-K chunking, tree kernel, context splits, MoE tiles and the fused
-// path) are those of kdtree/kernels.py, written again here; tests/test_capi.py checks both agree.
+// path) are those of kdtree/ops/, written again here; tests/test_capi.py checks both agree.
 #include <dlfcn.h>
 #include <math.h>
 #include <stdarg.h>
@@ -250,7 +250,7 @@ int launch(const char *fn, Ctx &c, Mod m, const char *name, unsigned gx, unsigne
 
 size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-// ---------------------------------------------------------------- launch choices (kdtree/kernels.py)
+// ---------------------------------------------------------------- launch choices (kdtree/ops/)
 constexpr int MAX_CHUNK = 16384, MAX_CANDIDATES = 16384, TOPK_SMALL_K = 16, TREE_SMEM_LIMIT = 200 * 1024;
 constexpr double TOPK_BLOCK_FIXED_S = 12.9e-6, TOPK_COLUMN_S = 0.34e-9;
 constexpr int FUSED_BLOCKS_PER_SM = 4;
@@ -301,7 +301,7 @@ int splits(int b, int NH, int max_keys, int sms, int tile) {
     return out;
 }
 
-// verify_attn's kernels: name, dynamic shared memory, keys a tile (kernels._VERIFY_KERNELS)
+// verify_attn's kernels: name, dynamic shared memory, keys a tile (ops.verify_attn._VERIFY_KERNELS)
 struct VerifyKernel {
     const char *name;
     unsigned smem;

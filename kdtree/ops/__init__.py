@@ -1,0 +1,14 @@
+"""The CUDA kernels of cuda/ (shipped as kdtree.cuda) behind torch wrappers, one module per kernel family,
+each with its numpy golden twin beside it:
+
+    loader       compile (NVRTC via CuPy), cache, launch on torch's current stream; shared argument checks
+    tree         topk_logprobs, tree_build -> TreeBatch          (tree_build.cu)   twin: tree_golden
+    walk         tree_walk, kv_compact                           (tree_walk.cu)    twin: walk_golden
+    verify_attn  verify_attn (+ combine), pack_mask              (verify_attn.cu)  twin: verify_attn_golden
+    moe_int4     repack_moe -> MoeWeights, moe_int4, group_pairs (moe_int4.cu)     twin: moe_int4_golden
+    (kdtree.bridge launches sglang_tree.cu)                                         twin: sglang_golden
+
+Wrappers take and return torch tensors, check every argument before compiling or launching (ValueError naming
+it), and launch with no host round trip unless check_values reads the device. kdtree.kernels and kdtree.golden
+re-export these modules' names.
+"""
