@@ -9,7 +9,7 @@ LAB_ARGS ?=
 PYTEST_ARGS ?=
 CUDA_ARCH ?= 90a
 
-.PHONY: setup lab test test-fast cuda-check clean lib
+.PHONY: setup lab lint test test-fast cuda-check clean lib
 
 $(VENV)/.kdtree-setup: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,11 +22,17 @@ setup: $(VENV)/.kdtree-setup
 lab: setup
 	$(PY) -m kdtree lab $(LAB_ARGS)
 
+# ruff (line length 110, [tool.ruff] in pyproject.toml) over the package and the tests.
+lint: setup
+	$(PY) -m ruff check kdtree tests
+
 # The notebook's checked cells run under nbval; its files go to a scratch folder, never into outputs/.
 test: setup
+	$(PY) -m ruff check kdtree tests
 	KDTREE_OUT_DIR=$$(mktemp -d) $(PY) -m pytest -q --nbval-lax tests notebooks/00_golden_validation.ipynb $(PYTEST_ARGS)
 
 test-fast: setup
+	$(PY) -m ruff check kdtree tests
 	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 # Every CUDA source must compile for Hopper (also run by tests/test_build.py when nvcc is present).

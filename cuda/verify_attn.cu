@@ -25,6 +25,22 @@
 #include <cuda_bf16.h>
 #include "common.cuh"
 
+// Ablations, for timing only (the outputs are wrong by design): each switch removes one part of a tile's work,
+// set by -D options (kdtree.ops.loader.compile_defines; bench.VERIFY_ABLATIONS); unset, the kernels are built
+// as they are.
+//   KDTREE_ABLATE_S_STEPS=k   S = Q K^T of the wgmma kernels over k of its 36 k-steps (0 <= k <= 36)
+//   KDTREE_ABLATE_NO_PV=1     no O += P V steps in the wgmma kernels
+//   KDTREE_ABLATE_NO_EXP=1    P = s - m instead of 2^(s - m)
+//   KDTREE_ABLATE_NO_LOADS=1  no cp.async of the K/V and Q tiles (the asm keeps its operands, empty)
+#ifndef KDTREE_ABLATE_S_STEPS
+#define KDTREE_ABLATE_S_STEPS 36
+#endif
+#if defined(KDTREE_ABLATE_NO_LOADS) && KDTREE_ABLATE_NO_LOADS
+#define CP_ASYNC_16 ""
+#else
+#define CP_ASYNC_16 "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#endif
+
 #define D_QK 576
 #define D_V 512
 #define ROWS 64
@@ -40,7 +56,7 @@ constexpr int SMEM_P = ROWS * P_STRIDE * 2;
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void cp_async16(void* s, const void* g, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(s)), "l"(g), "r"(src_bytes));
+    asm volatile(CP_ASYNC_16 ::"r"(smem_addr(s)), "l"(g), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -61,7 +77,13 @@ __device__ __forceinline__ void running_max(float m_run, float a, float b, float
     alpha = (m_new == NEG_INF) ? 1.f : exp2f(m_run - m_new);
 }
 // 2^(s - m) for a masked-or-visible score s under the row's running maximum m (0 while m is -inf).
-__device__ __forceinline__ float exp2_below(float s, float m) { return (m == NEG_INF) ? 0.f : exp2f(s - m); }
+__device__ __forceinline__ float exp2_below(float s, float m) {
+#if defined(KDTREE_ABLATE_NO_EXP) && KDTREE_ABLATE_NO_EXP
+    return (m == NEG_INF) ? 0.f : (s - m);
+#else
+    return (m == NEG_INF) ? 0.f : exp2f(s - m);
+#endif
+}
 
 __device__ __forceinline__ const __nv_bfloat16* cache_row(const __nv_bfloat16* cache, const int32_t* pt, int page_size,
                                                            int r) {
@@ -390,7 +412,7 @@ __device__ __forceinline__ void issue_s(float (&s)[16], uint32_t q_addr, uint32_
     wg_pin(s);
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < 36; ++ks)
+    for (int ks = 0; ks < KDTREE_ABLATE_S_STEPS; ++ks)
         wg_m64n32(s, wg_desc(q_addr + (ks >> 2) * ATOM + (ks & 3) * 32, 16, 1024),
                   wg_desc(k_addr + (ks >> 2) * k_atom + (ks & 3) * 32, 16, 1024), ks > 0);
     wg_commit();
@@ -402,9 +424,11 @@ template <int KS>
 __device__ __forceinline__ void issue_pv(float (&o)[128], uint32_t p_addr, uint32_t v_addr, uint32_t atom_bytes) {
     wg_pin(o);
     wg_fence();
+#if !(defined(KDTREE_ABLATE_NO_PV) && KDTREE_ABLATE_NO_PV)
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
         wg_m64n256_tb(o, wg_desc(p_addr + ks * 32, 16, 1024), wg_desc(v_addr + ks * 2048, atom_bytes, 1024));
+#endif
     wg_commit();
 }
 
@@ -421,7 +445,7 @@ __device__ __forceinline__ void wg_load_tile(unsigned char* dst, Row row) {
         const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
 #pragma unroll
         for (int a = 0; a < 9; ++a)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d0 + a * ATOM), "l"(src + a * 64),
+            asm volatile(CP_ASYNC_16 ::"r"(d0 + a * ATOM), "l"(src + a * 64),
                          "r"(bytes));
     }
 }
@@ -623,7 +647,7 @@ __device__ __forceinline__ void ws_load_stage(unsigned char* dst, const __nv_bfl
         const uint32_t d0 = smem_addr(dst) + r * 128 + ((qc ^ (r & 7)) << 4);
 #pragma unroll
         for (int a = 0; a < 9; ++a)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d0 + a * WS_ATOM), "l"(src + a * 64),
+            asm volatile(CP_ASYNC_16 ::"r"(d0 + a * WS_ATOM), "l"(src + a * 64),
                          "r"(key < S ? 16 : 0));
     }
 }

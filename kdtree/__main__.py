@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "tp":
         import argparse
 
-        ap = argparse.ArgumentParser(prog="python -m kdtree tp", description="tensor-parallel dry-run: `world` "
-                                     "local ranks shard a tiny model and check it against the unsharded one")
+        ap = argparse.ArgumentParser(prog="python -m kdtree tp",
+                                     description="tensor-parallel dry-run: `world` local ranks shard a tiny "
+                                     "model and check it against the unsharded one")
         ap.add_argument("--world", type=int, default=8)
         ap.add_argument("--backend", default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
         ap.add_argument("--int4", action="store_true", help="routed experts in the INT4 release format")
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from .tp import DRY_ARGS, check_shardable, dryrun
         try:
             check_shardable(DRY_ARGS, a.world)
-            print(f"tp dry-run: {a.world} local ranks over {a.backend} (each shards, decodes, serves a batch) ...",
-                  flush=True)
+            print(f"tp dry-run: {a.world} local ranks over {a.backend} (each shards, decodes, serves a "
+                  "batch) ...", flush=True)
             ranks = dryrun(a.world, a.backend, int4=a.int4)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             good = r["logits_rel_err"] < 1e-4 and r["ddtree_equals_ar"] and r["ar_equals_unsharded"]
             ok &= good
-            print(f"rank {r['rank']}/{r['world']} ({r['backend']}): logits rel err {r['logits_rel_err']:.1e}, "
+            print(f"rank {r['rank']}/{r['world']} ({r['backend']}): "
+                  f"logits rel err {r['logits_rel_err']:.1e}, "
                   f"DDTree == AR {r['ddtree_equals_ar']}, AR == unsharded {r['ar_equals_unsharded']}, "
                   f"oracle tau {r['tau_oracle']:.2f}, {r['params_on_rank']:,} of {r['params_unsharded']:,} "
                   f"parameters {'ok' if good else 'FAILED'}")

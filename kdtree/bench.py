@@ -366,37 +366,34 @@ def bench_attn(contexts=(4096, 32768), nodes=(1, 16, 64, 256), batches=(1, 8), H
     return rows
 
 
-# Timing-only edits of cuda/verify_attn.cu (kernels.source_edits), each removing one part of a tile's work from
-# the wgmma kernels (verify_attn_wg, verify_attn_ws): where the time goes. Outputs are wrong by design.
-_S_LOOP, _PV_LOOP = ("ks < 36", "ks < 4"), ("ks < KS; ++ks)", "ks < 0; ++ks)")
-_NO_EXP = ("(m == NEG_INF) ? 0.f : exp2f(s - m)", "(m == NEG_INF) ? 0.f : (s - m)")
-_NO_LOADS = ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"', 'asm volatile(""')
+# verify_attn.cu's KDTREE_ABLATE_* switches (timing only; kernels.compile_defines), each removing one part of a
+# tile's work from the wgmma kernels (verify_attn_wg, verify_attn_ws): where the time goes. Outputs are wrong.
 VERIFY_ABLATIONS = {
-    "full": (),
-    "S: 4 of 36 k-steps": (_S_LOOP,),
-    "no P V": (_PV_LOOP,),
-    "no exp2 (P = s - m)": (_NO_EXP,),
-    "no cp.async (K/V, Q)": (_NO_LOADS,),
-    "no S, no P V": (("ks < 36", "ks < 0"), _PV_LOOP),
-    "no S, P V, cp.async": (("ks < 36", "ks < 0"), _PV_LOOP, _NO_LOADS),
+    "full": {},
+    "S: 4 of 36 k-steps": {"KDTREE_ABLATE_S_STEPS": 4},
+    "no P V": {"KDTREE_ABLATE_NO_PV": 1},
+    "no exp2 (P = s - m)": {"KDTREE_ABLATE_NO_EXP": 1},
+    "no cp.async (K/V, Q)": {"KDTREE_ABLATE_NO_LOADS": 1},
+    "no S, no P V": {"KDTREE_ABLATE_S_STEPS": 0, "KDTREE_ABLATE_NO_PV": 1},
+    "no S, P V, cp.async": {"KDTREE_ABLATE_S_STEPS": 0, "KDTREE_ABLATE_NO_PV": 1, "KDTREE_ABLATE_NO_LOADS": 1},
 }
 
 
 def bench_verify_ablation(shapes=((32768, 64, 1), (32768, 1, 8)), impls=("wgmma", "ws"), H=64, repeats=20,
                           progress=True) -> list[dict]:
     """verify_attn's wgmma kernels with parts of their work removed (VERIFY_ABLATIONS, compiled through
-    kernels.source_edits): one row per (ablation, impl, shape) with the GPU time of the call (partial + combine).
+    kernels.compile_defines): one row per (ablation, impl, shape) with the GPU time of the call (partial + combine).
     Hopper only. The difference to 'full' is what that part costs on the critical path."""
     if not kernels._sm90():
         raise RuntimeError("bench_verify_ablation: the wgmma kernels need a compute capability 9.0 GPU")
     inputs = {sh: _attn_inputs(*sh, H) for sh in shapes}
     rows = []
-    it = [(name, edits, impl) for name, edits in VERIFY_ABLATIONS.items() for impl in impls]
+    it = [(name, defines, impl) for name, defines in VERIFY_ABLATIONS.items() for impl in impls]
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(it, desc="verify ablation")
-    for name, edits, impl in it:
-        with kernels.source_edits("verify_attn", edits):
+    for name, defines, impl in it:
+        with kernels.compile_defines("verify_attn", defines):
             for (ctx, N, b), (caches, pt, q, seq, _, words) in inputs.items():
                 k = [0]
 
@@ -791,7 +788,7 @@ def summary(rec: dict) -> str:
                      f"{r.get('mma_s', nan) * 1e6:8.1f} {r.get('speedup_vs_mma', nan):5.2f} "
                      f"{r.get('ws_s', nan) * 1e6:8.1f} {r.get('speedup_vs_ws', nan):5.2f}")
     if rec.get("verify_ablation"):
-        lines.append("verify_attn ablations (timing-only source edits):  impl  ctx  nodes batch      us   %mm   %bw")
+        lines.append("verify_attn ablations (timing-only -D switches):  impl  ctx  nodes batch      us   %mm   %bw")
         for r in rec["verify_ablation"]:
             lines.append(f"  {r['ablation']:22s} {r['impl']:5s} {r['context']:6d} {r['nodes']:5d} {r['batch']:4d} "
                          f"{r['kernel_s'] * 1e6:8.1f} {100 * r['frac_matmul_rate']:4.0f} {100 * r['frac_bandwidth']:4.0f}")

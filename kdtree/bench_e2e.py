@@ -7,9 +7,10 @@ DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" 
 times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
 spread, the decode tok/s (prefill's wall time left out) and the prefill's wall time, per-user tok/s, tau,
 whether the outputs equal the same run's AR outputs token for token, and for auto the plan each round chose.
-`calibration_check`: expected tokens per truncation B (raw and calibrated) against the realized ones on the same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR
-compiled": the AR engine through torch.compile as well (the lab's best AR), so ratios against it sit beside
-the same-setting ones. A top-level `targets` list {name, measured, goal, met}.
+`calibration_check`: expected tokens per truncation B (raw and calibrated) against the realized ones on the
+same recorded rounds (8 prompts x 64 tokens at B_max). The cell "AR compiled": the AR engine through
+torch.compile as well (the lab's best AR), so ratios against it sit beside the same-setting ones. A top-level
+`targets` list {name, measured, goal, met}.
 """
 from __future__ import annotations
 
@@ -151,8 +152,9 @@ def _targets(cells, b: int, compile: bool) -> list:
         dec = [x for x in fixed if x.get("decode_tok_per_s")]
         if c.get("decode_tok_per_s") and dec:  # prefill left out: the rounds' choice alone (info)
             bd = max(dec, key=lambda x: x["decode_tok_per_s"])
-            out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget (B={bd['budget']}), "
-                               "decode tok/s (info)", c["decode_tok_per_s"] / bd["decode_tok_per_s"], 0.95))
+            out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget "
+                               f"(B={bd['budget']}), decode tok/s (info)",
+                               c["decode_tok_per_s"] / bd["decode_tok_per_s"], 0.95))
         comp = next((x for x in cells if x["mode"] == "ar" and x["compiled"]), None)
         if comp is not None and not compile:
             out.append(_target(f"trained pair, batch {b}: {c['name']} / AR compiled (info)",

@@ -1,12 +1,14 @@
 """End-to-end engine benchmark: `python -m kdtree.bench_engine --out DIR` writes DIR/engine.json.
 
 Same run, same checkpoint (the lab's trained pair), same held-out prompts:
-  * AR at batch 1 through the engine (CUDA graphs) in float32 and bf16, against transformers' `generate` on the
-    same checkpoint in the same dtype (greedy, the same number of new tokens), and the engine with graphs off;
-  * per round: wall time (replay + the round's host work), the GPU span (CUDA events before the replay and after
-    it), kernels launched (torch.profiler over one eager round of the same ops), an eager round's stage breakdown;
-  * AR, the DFlash chain and DDTree per budget at batch 1 (tau, tok/s, lossless against the oracle loop), and at
-    batch 8 and 32 (per-user and aggregate tok/s);
+  * AR at batch 1 through the engine (CUDA graphs) in float32 and bf16, against transformers' `generate` on
+    the same checkpoint in the same dtype (greedy, the same number of new tokens), and the engine with
+    graphs off;
+  * per round: wall time (replay + the round's host work), the GPU span (CUDA events before the replay and
+    after it), kernels launched (torch.profiler over one eager round of the same ops), an eager round's
+    stage breakdown;
+  * AR, the DFlash chain and DDTree per budget at batch 1 (tau, tok/s, lossless against the oracle loop), and
+    at batch 8 and 32 (per-user and aggregate tok/s);
   * warm-up (compile + capture) time per engine, and a top-level `targets` list {name, measured, goal, met}.
 Numbers are wall-clock over whole requests (prefill included) unless a field says otherwise.
 """
@@ -40,8 +42,8 @@ def _sync():
 
 
 def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, **add) -> dict:
-    """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole run
-    and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
+    """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole
+    run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
     seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside
     prefill). add: more add_request keywords (e.g. synthetic_context)."""
@@ -65,8 +67,9 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     toks = sum(len(r.tokens) for r in outs)
     acc = [a for r in outs for a in r.accept_lengths]
     prefill = engine.prefill_s - p0
-    return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall, "per_user_tok_per_s": toks / wall / len(prompts)
-            if engine.max_batch >= len(prompts) else None, "prefill_s": prefill,
+    return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall,
+            "per_user_tok_per_s": toks / wall / len(prompts) if engine.max_batch >= len(prompts) else None,
+            "prefill_s": prefill,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
@@ -75,7 +78,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
 
 
 def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
-    """Kernels of one eager round (the graph's nodes are these launches): torch.profiler's CUDA kernel events."""
+    """Kernels of one eager round (the graph's nodes are these launches): torch.profiler's CUDA kernel
+    events."""
     from torch.profiler import ProfilerActivity, profile
     rid = engine.add_request(prompt, max_new)
     engine.step()  # prefill + one round
@@ -154,7 +158,8 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
 
 
 def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
-    """transformers' DeepseekV3ForCausalLM.generate (greedy, exactly max_new tokens) on the same checkpoint."""
+    """transformers' DeepseekV3ForCausalLM.generate (greedy, exactly max_new tokens) on the same
+    checkpoint."""
     from transformers import AutoModelForCausalLM  # a baseline only
     m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).cuda().eval()
     outs, wall = [], 0.0
@@ -175,9 +180,11 @@ def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
     return {"tok_per_s": toks / wall, "tokens": toks, "wall_s": wall, "outputs": outs}
 
 
-def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129), repeats: int = 30) -> list[dict]:
+def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129),
+                repeats: int = 30) -> list[dict]:
     """The target's verify forward alone (float32, batch 1, 100 cached rows, CUDA-graph replays, median of
-    `repeats` after warm-up) against the block's rows: where the per-round cost jumps with the matmul shapes."""
+    `repeats` after warm-up) against the block's rows: where the per-round cost jumps with the matmul
+    shapes."""
     from .model import PagedMeta
     t = weights.load(Path(ckpt_dir) / "target", device="cuda").eval()
     a = t.args
@@ -216,10 +223,10 @@ def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129
 
 
 def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = None) -> int:
-    """Weight bytes one decode step must read at batch 1: every layer's attention and norms, the dense MLPs, the
-    shared experts, `experts_touched` routed experts per MoE layer (default num_experts_per_tok) with the router,
-    one embedding row, the final norm and the lm_head; `itemsize` bytes per weight. Divided by the copy bandwidth,
-    the floor of an AR step's time (the cache's rows come on top)."""
+    """Weight bytes one decode step must read at batch 1: every layer's attention and norms, the dense MLPs,
+    the shared experts, `experts_touched` routed experts per MoE layer (default num_experts_per_tok) with the
+    router, one embedding row, the final norm and the lm_head; `itemsize` bytes per weight. Divided by the
+    copy bandwidth, the floor of an AR step's time (the cache's rows come on top)."""
     h, a = args.hidden_size, args
     k = a.num_experts_per_tok if experts_touched is None else experts_touched
     if not 0 <= k <= a.n_routed_experts:
@@ -332,7 +339,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     mid: the mid-size model's section (mid_model) last."""
     from .oracle import oracle_ar
     if not torch.cuda.is_available():
-        raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the GPU)")
+        raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the "
+                           "GPU)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(ckpt_dir)
@@ -376,8 +384,9 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             row["engine_compiled"] = run_engine(ec, p1, max_new)
             row["engine_compiled"]["warmup_s"] = warm
             row["compiled_equals_engine"] = row["engine_compiled"].pop("outputs") == row["engine"]["outputs"]
-            row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1, max_len=max_len,
-                                                                 graphs=False, compile=True), p1[0])
+            row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1,
+                                                                 max_len=max_len, graphs=False, compile=True),
+                                                          p1[0])
             row["stage_kernels"] = stage_kernels(ec, p1[0])
             del ec
         except Exception as ex:  # recorded, not fatal: the uncompiled rows stand
@@ -404,10 +413,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         targets.append(_target(f"AR batch 1 ({name}): ms per token (round wall: replay + host work)",
                                row["ms_per_token"], 0.45, higher=False, engine=row["best"]))
         if "x_hf" in row:
-            targets.append(_target(f"AR batch 1 ({name}): x HF generate, same checkpoint and dtype, whole requests",
-                                   row["x_hf"], 30, engine=row["best"]))
-        targets.append(_target(f"AR batch 1 ({name}): round wall / GPU span", row["round_wall_over_gpu_span"], 1.15,
-                               higher=False))
+            targets.append(_target(f"AR batch 1 ({name}): x HF generate, same checkpoint and dtype, "
+                                   "whole requests", row["x_hf"], 30, engine=row["best"]))
+        targets.append(_target(f"AR batch 1 ({name}): round wall / GPU span", row["round_wall_over_gpu_span"],
+                               1.15, higher=False))
         del target, e, eg
         torch.cuda.empty_cache()
     # speculative, batch 1, float32 (lossless against the oracle loop), then batches
@@ -417,8 +426,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
     for mode, B in cases:
         t0 = time.perf_counter()
-        e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=1, max_len=max_len,
-                   graph_sampling=False, compile=compile)
+        e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=1,
+                   max_len=max_len, graph_sampling=False, compile=compile)
         warm = time.perf_counter() - t0
         run_engine(e, p1[:1], 8)
         r = run_engine(e, p1, max_new)
@@ -435,14 +444,14 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     df1 = next(r for r in sp if r["mode"] == "dflash")
     best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
     targets += [
-        _target("DDTree best budget, batch 1, T=0: x the engine's AR", best["tok_per_s"] / ar1["tok_per_s"], 1.8,
-                budget=best["budget"]),
-        _target("DDTree best budget, batch 1, T=0: x the engine's DFlash", best["tok_per_s"] / df1["tok_per_s"], 1.3,
-                budget=best["budget"]),
+        _target("DDTree best budget, batch 1, T=0: x the engine's AR", best["tok_per_s"] / ar1["tok_per_s"],
+                1.8, budget=best["budget"]),
+        _target("DDTree best budget, batch 1, T=0: x the engine's DFlash",
+                best["tok_per_s"] / df1["tok_per_s"], 1.3, budget=best["budget"]),
         _target("DDTree batch 1: round wall / GPU span", best["round_wall_over_gpu_span"], 1.15, higher=False,
                 budget=best["budget"]),
-        _target("batch 1: every DFlash and DDTree output equals the oracle AR", float(all(r["lossless"] for r in sp)),
-                1.0)]
+        _target("batch 1: every DFlash and DDTree output equals the oracle AR",
+                float(all(r["lossless"] for r in sp)), 1.0)]
     # deterministic=True pads every round to max_batch: its price for a lone request, same run
     det = {}
     for flag in (False, True):
@@ -460,8 +469,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     for b in batches:
         ps = prompts[:b]
         for mode, B in cases:
-            e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=b, max_len=max_len,
-                       buckets=(b,), graph_sampling=False, compile=batched_compile)
+            e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=b,
+                       max_len=max_len, buckets=(b,), graph_sampling=False, compile=batched_compile)
             run_engine(e, ps[:1], 4)
             r = run_engine(e, ps, max_new)
             r.pop("outputs")
@@ -493,17 +502,20 @@ def mid_targets(m: dict) -> list[dict]:
 
 
 def summary(rec: dict) -> str:
-    lines = [f"{rec['device']} | torch {rec['torch']} | {rec['prompts']} prompts x {rec['max_new_tokens']} new tokens"]
+    lines = [f"{rec['device']} | torch {rec['torch']} | {rec['prompts']} prompts x {rec['max_new_tokens']} "
+             "new tokens"]
     for name, r in rec["ar"].items():
         hf = r.get("hf", {}).get("tok_per_s")
         g = r["engine"]
         lines.append(f"AR {name}: engine {g['tok_per_s']:.0f} tok/s ({r['ms_per_token']:.3f} ms/token, round "
-                     f"{1e3 * g['round_wall_median_s']:.3f} ms wall / {1e3 * g['round_gpu_span_median_s']:.3f} "
-                     f"ms GPU), eager {r['engine_eager']['tok_per_s']:.0f}, HF {hf and round(hf)} tok/s, "
+                     f"{1e3 * g['round_wall_median_s']:.3f} ms wall / "
+                     f"{1e3 * g['round_gpu_span_median_s']:.3f} ms GPU), "
+                     f"eager {r['engine_eager']['tok_per_s']:.0f}, HF {hf and round(hf)} tok/s, "
                      f"{r['launches']['kernels']} kernels/round, warm-up {r['warmup_s']:.1f} s")
         c = r.get("engine_compiled", {})
         if "tok_per_s" in c:
-            lines.append(f"  compiled: {c['tok_per_s']:.0f} tok/s, round {1e3 * c['round_wall_median_s']:.3f} ms "
+            lines.append(f"  compiled: {c['tok_per_s']:.0f} tok/s, "
+                         f"round {1e3 * c['round_wall_median_s']:.3f} ms "
                          f"wall / {1e3 * c['round_gpu_span_median_s']:.3f} ms GPU, "
                          f"{r['launches_compiled']['kernels']} kernels, "
                          f"warm-up {c['warmup_s']:.1f} s, same tokens {r['compiled_equals_engine']}")
@@ -521,8 +533,8 @@ def summary(rec: dict) -> str:
                      f"round x{dc['round_ratio']:.2f}")
     for r in rec["speculative"] + rec["batched"]:
         wall, span = r["round_wall_median_s"] or 0, r["round_gpu_span_median_s"] or 0
-        lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} {r['tok_per_s']:.0f} "
-                     f"tok/s round {1e3 * wall:.3f} ms / GPU {1e3 * span:.3f}"
+        lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} "
+                     f"{r['tok_per_s']:.0f} tok/s round {1e3 * wall:.3f} ms / GPU {1e3 * span:.3f}"
                      + (f" lossless={r['lossless']}" if "lossless" in r else ""))
     for t in rec["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")
@@ -549,7 +561,8 @@ def main(argv=None) -> None:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "engine_rows.json").write_text(json.dumps(rows, indent=1))
         for r in rows:
-            print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us (min {r['min_s'] * 1e6:.1f})")
+            print(f"rows {r['rows']:4d}: verify forward {r['median_s'] * 1e6:8.1f} us "
+                  f"(min {r['min_s'] * 1e6:.1f})")
         return
     if a.mid_only:
         m = mid_model(hf=not a.no_hf, n_prompts=2 if a.quick else 4, max_new=32 if a.quick else 64)

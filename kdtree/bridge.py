@@ -265,7 +265,8 @@ def compile_ddtree_tree(root_token_id, start: int, node_token_ids: torch.Tensor,
                         previous_tree_start: int, previous_tree_length: int):
     """The reference's compile_ddtree_tree: writes the verify block into the caller's buffers and returns
     views of them. The previous round's tree block of the additive mask is first cleared to 0 (those columns
-    are now past); the new block holds 0 where visibility is true and dtype's most negative value elsewhere."""
+    are now past); the new block holds 0 where visibility is true and dtype's most negative value
+    elsewhere."""
     n1 = 1 + checks.tensor("node_token_ids", node_token_ids, (torch.int64, torch.int32), ndim=1).numel()
     checks.tensor("node_depths", node_depths, (torch.int64, torch.int32), shape=(n1 - 1,))
     checks.tensor("visibility_cpu", visibility_cpu, (torch.bool,), shape=(n1, n1))

@@ -12,9 +12,10 @@ E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibra
 nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: that tree's). front /
 back: the GPU seconds of drafting + building and of verifying the plan's block, from `CostTable`, measured
 when the engine starts (graph replays per batch bucket and context bucket) and refreshed from every round's
-CUDA-event times; host: the round's host time outside them (the median of the last rounds'). Within one round every request
-verifies the plan's whole block: the bucket's rows cost the same whether a request fills them or not, and
-E_i never decreases with B, so a request's own best truncation within the bucket is the bucket itself.
+CUDA-event times; host: the round's host time outside them (the median of the last rounds'). Within one round
+every request verifies the plan's whole block: the bucket's rows cost the same whether a request fills them or
+not, and E_i never decreases with B, so a request's own best truncation within the bucket is the bucket
+itself.
 
 Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds
 copied back with their output (no extra host sync); "sync" decides from the previous rounds which tree to

@@ -65,9 +65,9 @@ class Calibration:
             return np.asarray(self.predicted) / c, np.asarray(self.accepted) / c
 
     def ratios(self) -> np.ndarray:
-        """float64 [L + 1, bins] multipliers of a prediction: realized / predicted of the (depth, bin) where it
-        holds at least MIN_COUNT nodes, else of the bin over all depths where that holds at least MIN_COUNT,
-        else 1; row L (a depth beyond the table) is 1."""
+        """float64 [L + 1, bins] multipliers of a prediction: realized / predicted of the (depth, bin) where
+        it holds at least MIN_COUNT nodes, else of the bin over all depths where that holds at least
+        MIN_COUNT, else 1; row L (a depth beyond the table) is 1."""
         c, a, pr = (np.asarray(t, np.float64) for t in (self.count, self.accepted, self.predicted))
         with np.errstate(invalid="ignore", divide="ignore"):
             per = np.where((c >= MIN_COUNT) & (pr > 0), a / pr, np.nan)
@@ -110,12 +110,13 @@ class Calibration:
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path}: not a calibration table ({e})") from None
         nb = len(cal.edges) - 1
-        shapes_ok = nb >= 1 and all(len(r) == nb for t in (cal.count, cal.predicted, cal.accepted) for r in t) \
+        shapes_ok = nb >= 1 \
+            and all(len(r) == nb for t in (cal.count, cal.predicted, cal.accepted) for r in t) \
             and len(cal.count) == len(cal.predicted) == len(cal.accepted) >= 1
         if not shapes_ok or list(cal.edges) != sorted(cal.edges) or any(
                 a > n or a < 0 for rc, ra in zip(cal.count, cal.accepted) for n, a in zip(rc, ra)):
-            raise ValueError(f"{path}: inconsistent calibration table (edges ascending, [depths][bins] tables, "
-                             "0 <= accepted <= count)")
+            raise ValueError(f"{path}: inconsistent calibration table (edges ascending, [depths][bins] "
+                             "tables, 0 <= accepted <= count)")
         return cal
 
 
@@ -202,7 +203,8 @@ def main(argv=None) -> None:
 
     from . import weights
     from .bench_engine import heldout_prompts
-    ap = argparse.ArgumentParser(description="measure a drafter's calibration and store it beside the drafter")
+    ap = argparse.ArgumentParser(description="measure a drafter's calibration and store it beside the "
+                                 "drafter")
     ap.add_argument("--ckpt", default="data/trained", help="folder holding target/ and drafter/")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -59,8 +59,8 @@ def one_of(name: str, v, choices) -> object:
 
 
 def token_list(name: str, ids, vocab_size: int | None = None, allow_empty: bool = False) -> list[int]:
-    """A host sequence of token ids -> list[int]: a list / tuple / numpy array / CPU or CUDA tensor of shape [T]
-    or [1, T] (a tensor is copied to the host: for entry points only), ids in [0, vocab_size)."""
+    """A host sequence of token ids -> list[int]: a list / tuple / numpy array / CPU or CUDA tensor of shape
+    [T] or [1, T] (a tensor is copied to the host: for entry points only), ids in [0, vocab_size)."""
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         t = torch.as_tensor(ids)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
@@ -95,7 +95,8 @@ def id_array(name: str, a) -> np.ndarray:
 
 def tensor(name: str, t, dtypes=None, ndim: int | None = None, shape=None, contiguous: bool = False,
            device=None) -> torch.Tensor:
-    """Type, dtype (one of `dtypes`), rank, shape (None entries: any size), contiguity, then device; no values."""
+    """Type, dtype (one of `dtypes`), rank, shape (None entries: any size), contiguity, then device; no
+    values."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in tuple(dtypes):

@@ -25,7 +25,8 @@ def _config_dir() -> Path:
 
 CONFIG_DIR = _config_dir()
 
-_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
 # keys a HF config must hold (they fix the tensors' shapes); the others default as the dataclass says
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
                  "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "num_attention_heads",
@@ -123,10 +124,10 @@ class ModelArgs:
             if not cond:
                 raise ValueError(f"ModelArgs.{name}={getattr(self, name)!r}: expected {expected}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-                     "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "num_attention_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "max_position_embeddings"):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                     "topk_group", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive int")
         need(isinstance(self.n_shared_experts, int) and not isinstance(self.n_shared_experts, bool)
@@ -149,11 +150,13 @@ class ModelArgs:
              f"a divisor of n_routed_experts={self.n_routed_experts}")
         need(self.topk_group <= self.n_group, "topk_group", f"<= n_group={self.n_group}")
         per_group = self.n_routed_experts // self.n_group
-        need(self.n_group == 1 or per_group >= 2, "n_group", "small enough that each group holds >= 2 experts")
+        need(self.n_group == 1 or per_group >= 2, "n_group",
+             "small enough that each group holds >= 2 experts")
         need(self.num_experts_per_tok <= self.topk_group * per_group, "num_experts_per_tok",
              f"<= topk_group * experts per group = {self.topk_group * per_group}")
         need(self.scoring_func == "sigmoid", "scoring_func", "'sigmoid'")
-        need(self.topk_method == "noaux_tc", "topk_method", "'noaux_tc' (sigmoid scores, bias for selection only)")
+        need(self.topk_method == "noaux_tc", "topk_method",
+             "'noaux_tc' (sigmoid scores, bias for selection only)")
         need(_finite(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
              "a positive finite number")
         need(_finite(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a finite number > 1")
@@ -201,7 +204,8 @@ class ModelArgs:
             close = [] if k in names or k in OTHER_HF_KEYS else difflib.get_close_matches(k, names, 1, 0.8)
             if close:
                 raise ValueError(f"from_hf_config: unknown key {k!r}: did you mean {close[0]!r}?")
-        kw: dict[str, Any] = {k: cfg[k] for k in names if k in cfg and k not in ("rope_scaling", "rope_theta")}
+        kw: dict[str, Any] = {k: cfg[k] for k in names
+                              if k in cfg and k not in ("rope_scaling", "rope_theta")}
         rp = cfg.get("rope_parameters") or {}
         rs = cfg.get("rope_scaling")
         theta = cfg.get("rope_theta", rp.get("rope_theta"))
@@ -210,9 +214,11 @@ class ModelArgs:
         src = rs if rs else rp
         rtype = (src or {}).get("rope_type", (src or {}).get("type", "default"))
         if src and rtype == "yarn":
-            kw["rope_scaling"] = {"type": "yarn", **{k: src[k] for k in _ROPE_KEYS if k in src and src[k] is not None}}
+            kw["rope_scaling"] = {"type": "yarn",
+                                  **{k: src[k] for k in _ROPE_KEYS if k in src and src[k] is not None}}
         elif src and rtype not in ("default", None):
-            raise ValueError(f"from_hf_config: rope type {rtype!r} is not supported; expected 'yarn' or 'default'")
+            raise ValueError(f"from_hf_config: rope type {rtype!r} is not supported; expected 'yarn' or "
+                             "'default'")
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
         return cls(**kw)

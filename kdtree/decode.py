@@ -1,12 +1,13 @@
-"""Generation of one request: autoregressive, the DFlash chain, and DDTree, each a thin wrapper over the engine.
+"""Generation of one request: autoregressive, the DFlash chain, and DDTree, each a thin wrapper over the
+engine.
 
 Every call runs `kdtree.engine.Engine`'s round (the lab's only decode loop) at batch 1; the engine is made
 once per (model, drafter, mode, budget, backend, context bucket) and kept (`engine.engine_for`), so repeated
-calls replay its captured graphs. Greedy (temperature 0) speculative output equals greedy autoregressive output
-token for token. At temperature > 0 every row of the verify block gets one target sample from the request's
-own random stream (keyed by seed) and the walk follows the samples, so each emitted token is distributed
-exactly as the target's. The eager single-request loops these replaced live on as the tests' oracle
-(`kdtree.oracle`).
+calls replay its captured graphs. Greedy (temperature 0) speculative output equals greedy autoregressive
+output token for token. At temperature > 0 every row of the verify block gets one target sample from the
+request's own random stream (keyed by seed) and the walk follows the samples, so each emitted token is
+distributed exactly as the target's. The eager single-request loops these replaced live on as the tests'
+oracle (`kdtree.oracle`).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _check_backend(backend, model: Transformer) -> str:
     return backend
 
 
-def _run(model, drafter, mode, budget, prompt, max_new_tokens, stop_tokens, temperature, seed, backend, lookahead,
-         graphs: bool = True) -> GenerationResult:
+def _run(model, drafter, mode, budget, prompt, max_new_tokens, stop_tokens, temperature, seed, backend,
+         lookahead, graphs: bool = True) -> GenerationResult:
     p = check_prompt(prompt, model.args.vocab_size)
     n = check_max_new(max_new_tokens)
     t0 = time.perf_counter()
@@ -53,20 +54,21 @@ def generate_dflash(model: Transformer, drafter, prompt, max_new_tokens: int, st
     backend "golden": tree steps in numpy; "kernel": walk and compaction on the GPU (kdtree.kernels)."""
     check_drafter(model, drafter)
     _check_backend(backend, model)
-    return _run(model, drafter, "dflash", None, prompt, max_new_tokens, stop_tokens, temperature, seed, backend,
-                drafter.block_size)
+    return _run(model, drafter, "dflash", None, prompt, max_new_tokens, stop_tokens, temperature, seed,
+                backend, drafter.block_size)
 
 
 def generate_ddtree(model: Transformer, drafter, prompt, max_new_tokens: int, budget: int, stop_tokens=(),
                     temperature: float = 0.0, seed: int = 0, backend: str = "golden") -> GenerationResult:
     """DDTree: verify the best-first tree of `budget` draft nodes each round.
-    backend "golden": build and walk in numpy (golden.py); "kernel": the whole round on the GPU (kernels.tree_build,
-    the model's verify forward, kernels.tree_walk, kernels.kv_compact), captured in a CUDA graph; the verify block
-    always has budget + 1 rows (padding rows see only themselves and are never accepted)."""
+    backend "golden": build and walk in numpy (golden.py); "kernel": the whole round on the GPU
+    (kernels.tree_build, the model's verify forward, kernels.tree_walk, kernels.kv_compact), captured in a
+    CUDA graph; the verify block always has budget + 1 rows (padding rows see only themselves and are never
+    accepted)."""
     check_drafter(model, drafter)
     budget = golden._check_budget(budget)
     _check_backend(backend, model)
     if backend == "kernel" and budget > 1024:
         raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
-    return _run(model, drafter, "ddtree", budget, prompt, max_new_tokens, stop_tokens, temperature, seed, backend,
-                budget + 1)
+    return _run(model, drafter, "ddtree", budget, prompt, max_new_tokens, stop_tokens, temperature, seed,
+                backend, budget + 1)

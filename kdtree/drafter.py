@@ -63,8 +63,9 @@ class DrafterArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"DrafterArgs.{name}={v!r}: expected an int")
-        for name in ("vocab_size", "target_hidden_size", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"):
+        for name in ("vocab_size", "target_hidden_size", "num_hidden_layers", "hidden_size",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "max_position_embeddings"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DrafterArgs.{name}={v!r}: expected a positive int")
@@ -73,22 +74,25 @@ class DrafterArgs:
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"DrafterArgs.{name}={v!r}: expected a finite number > 0")
         if min(self.target_layer_ids, default=0) < 0:
-            raise ValueError(f"DrafterArgs.target_layer_ids={self.target_layer_ids}: expected layer indices >= 0")
+            raise ValueError(f"DrafterArgs.target_layer_ids={self.target_layer_ids}: expected layer indices "
+                             ">= 0")
         if not (isinstance(self.block_size, int) and self.block_size >= 2):
             raise ValueError(f"DrafterArgs.block_size={self.block_size!r}: expected an int >= 2")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"DrafterArgs.mask_token_id={self.mask_token_id}: expected in [0, {self.vocab_size})")
+            raise ValueError(f"DrafterArgs.mask_token_id={self.mask_token_id}: expected in "
+                             f"[0, {self.vocab_size})")
         if not self.target_layer_ids:
             raise ValueError("DrafterArgs.target_layer_ids: expected at least one target layer")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"DrafterArgs.num_key_value_heads={self.num_key_value_heads}: expected a divisor of "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(f"DrafterArgs.num_key_value_heads={self.num_key_value_heads}: expected a "
+                             f"divisor of num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:
             raise ValueError(f"DrafterArgs.head_dim={self.head_dim}: expected an even number")
 
     @classmethod
     def for_target(cls, target, block_size: int = 8, num_hidden_layers: int = 2, **kw) -> "DrafterArgs":
-        """Defaults sized to a target's ModelArgs: layers spread over its depth, its vocab, a mask id at V-1."""
+        """Defaults sized to a target's ModelArgs: layers spread over its depth, its vocab, a mask id at
+        V-1."""
         n = target.num_hidden_layers
         k = min(n, 3)
         ids = tuple(sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}))
@@ -161,9 +165,9 @@ class DraftAttention(nn.Module):
 
 
     def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
-        """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block states;
-        kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T) this
-        pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
+        """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block
+        states; kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T)
+        this pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
         (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
         and v come from one GEMM."""
         a = self.a
@@ -206,7 +210,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, args: DrafterArgs, target=None):
         super().__init__()
         self.args = args
-        self.fc = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, args.hidden_size, bias=False)
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.target_hidden_size, args.hidden_size,
+                            bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -218,20 +223,22 @@ class DFlashDrafter(nn.Module):
     def attach(self, target) -> "DFlashDrafter":
         a, t = self.args, target.args
         if (t.vocab_size, t.hidden_size) != (a.vocab_size, a.target_hidden_size):
-            raise ValueError(f"drafter expects a target with vocab {a.vocab_size} and hidden {a.target_hidden_size}, "
-                             f"got {t.vocab_size} and {t.hidden_size}")
+            raise ValueError(f"drafter expects a target with vocab {a.vocab_size} and hidden "
+                             f"{a.target_hidden_size}, got {t.vocab_size} and {t.hidden_size}")
         if a.hidden_size != t.hidden_size:
             raise ValueError(f"drafter hidden_size {a.hidden_size} must equal the target's {t.hidden_size} "
                              "(shared embedding and lm_head)")
         if max(a.target_layer_ids) >= t.num_hidden_layers:
-            raise ValueError(f"target_layer_ids {a.target_layer_ids}: the target has {t.num_hidden_layers} layers")
+            raise ValueError(f"target_layer_ids {a.target_layer_ids}: the target has {t.num_hidden_layers} "
+                             "layers")
         self._target = [target]
         return self
 
     @property
     def target(self):
         if self._target[0] is None:
-            raise RuntimeError("DFlashDrafter: no target attached (DFlashDrafter(args, target) or .attach(target))")
+            raise RuntimeError("DFlashDrafter: no target attached (DFlashDrafter(args, target) or "
+                               ".attach(target))")
         return self._target[0]
 
     @property
@@ -251,20 +258,22 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def forward(self, block_tokens, block_pos, ctx_k, ctx_v) -> torch.Tensor:
-        """block_tokens [B, bs], block_pos [B, bs]; ctx_k/ctx_v per layer [B, Hk, C, hd] -> logits [B, bs, V]."""
+        """block_tokens [B, bs], block_pos [B, bs]; ctx_k/ctx_v per layer [B, Hk, C, hd] -> logits
+        [B, bs, V]."""
         x = self.target.model.embed_tokens(block_tokens).to(self.fc.weight.dtype)
         cos, sin = self.rope(block_pos, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx_k[i], ctx_v[i])
         return self.target.lm_head(self.norm(x).to(self.target.dtype)).float()
 
-    def forward_blocks(self, features: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward_blocks(self, features: torch.Tensor, blocks: torch.Tensor,
+                       anchors: torch.Tensor) -> torch.Tensor:
         """Training pass: m blocks per sequence at once, each drafted as at inference.
 
-        features [B, n, F] target features of positions 0..n-1; blocks [B, m, bs] block tokens ([root, mask, ...]);
-        anchors [B, m] the roots' positions. Block j sees the context positions < anchors[b, j] (the root's own
-        features are not in the cache when it is drafted) and its own block, non-causally, as propose() does.
-        Returns logits [B, m, bs, V] float32."""
+        features [B, n, F] target features of positions 0..n-1; blocks [B, m, bs] block tokens
+        ([root, mask, ...]); anchors [B, m] the roots' positions. Block j sees the context positions
+        < anchors[b, j] (the root's own features are not in the cache when it is drafted) and its own block,
+        non-causally, as propose() does. Returns logits [B, m, bs, V] float32."""
         B, n, _ = features.shape
         m, bs = blocks.shape[1:]
         dev = features.device
@@ -276,7 +285,7 @@ class DFlashDrafter(nn.Module):
         seen_ctx = torch.arange(n, device=dev)[None, None] < anchors.repeat_interleave(bs, 1)[:, :, None]
         blk = torch.arange(m, device=dev).repeat_interleave(bs)
         seen_blk = (blk[:, None] == blk[None, :])[None].expand(B, -1, -1)
-        mask = torch.cat([seen_ctx, seen_blk], dim=2)[:, None]                          # [B, 1, m*bs, n + m*bs]
+        mask = torch.cat([seen_ctx, seen_blk], dim=2)[:, None]                       # [B, 1, m*bs, n + m*bs]
         for layer in self.layers:
             ck, cv = layer.self_attn.kv(ctx, cos_c, sin_c)
             x = layer(x, cos, sin, ck, cv, mask)
@@ -323,8 +332,8 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, ctx: "DraftContext", root: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, L, V] float32 below roots [B] at positions ctx_len [B] (the context holds positions
-        [0, ctx_len)); B <= ctx.batch (slots 0..B-1). No host reads."""
+        """Draft logits [B, L, V] float32 below roots [B] at positions ctx_len [B] (the context holds
+        positions [0, ctx_len)); B <= ctx.batch (slots 0..B-1). No host reads."""
         a = self.args
         B, bs = root.shape[0], a.block_size
         block = torch.full((B, bs), a.mask_token_id, dtype=torch.long, device=root.device)
@@ -334,7 +343,8 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(pos, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len, ctx.max_len)
+            x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len,
+                                                     ctx.max_len)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype)).float()
 
@@ -348,7 +358,8 @@ class DFlashDrafter(nn.Module):
         x = self.project_context(features.to(self.fc.weight.dtype))                       # [B, A, D]
         j = torch.arange(A, device=dev)[None]
         cos, sin = self.rope(ctx_len.long()[:, None] + j, x.dtype)
-        col = torch.where(j < count[:, None], ctx_len.long()[:, None] + j, ctx.max_len + j % self.args.block_size)
+        col = torch.where(j < count[:, None], ctx_len.long()[:, None] + j,
+                          ctx.max_len + j % self.args.block_size)
         for i, layer in enumerate(self.layers):
             kk, vv = self._kv(layer.self_attn, x, cos, sin)                               # [B, Hk, A, hd]
             idx = col[:, None, :, None].expand_as(kk)
@@ -366,8 +377,8 @@ def draft_inv_freq(args: DrafterArgs) -> torch.Tensor:
 
 class DraftContext:
     """Preallocated context keys/values of every drafter layer for `batch` request slots: k[i], v[i]
-    [batch, Hk, max_len + block_size, hd] (columns past max_len: the drafting block). Slot b's context length is
-    the engine's (the target cache's length), kept by the caller."""
+    [batch, Hk, max_len + block_size, hd] (columns past max_len: the drafting block). Slot b's context length
+    is the engine's (the target cache's length), kept by the caller."""
 
     def __init__(self, drafter: DFlashDrafter, batch: int, max_len: int):
         a = drafter.args
@@ -435,7 +446,8 @@ class DFlashSession:
         if not self.started:
             raise RuntimeError("DFlashSession.propose: call start(prompt_tokens, features) first")
         if len(committed) == 0 or not 0 <= int(committed[-1]) < a.vocab_size:
-            raise ValueError(f"committed: expected a non-empty list ending in a token id in [0, {a.vocab_size})")
+            raise ValueError(f"committed: expected a non-empty list ending in a token id in "
+                             f"[0, {a.vocab_size})")
         root_pos = len(committed) - 1
         dev = self.d.fc.weight.device
         block = torch.full((1, a.block_size), a.mask_token_id, dtype=torch.int64, device=dev)

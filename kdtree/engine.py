@@ -18,16 +18,16 @@ token but the last, which is the next round's root.
 
 Requests sit in slots 0..n-1 of the static state (a finishing request's slot takes the last one's); padding
 slots up to the batch bucket have length 0 and page table 0 (the pool's scratch page) and never advance
-(`live`), so they write only there and nothing reads them. Pages: a request reserves at admission the pages its longest context can need
-(prompt + max_new_tokens + the block's rows) and takes them as it grows; one that cannot reserve waits (no
-preemption); one that could never fit is refused by `add_request`.
+(`live`), so they write only there and nothing reads them. Pages: a request reserves at admission the pages
+its longest context can need (prompt + max_new_tokens + the block's rows) and takes them as it grows; one that
+cannot reserve waits (no preemption); one that could never fit is refused by `add_request`.
 
 The tree steps (`round_ops.GoldenOps` / `round_ops.KernelOps`) and the sampling (`round_ops.choose`) live in
 `kdtree/round_ops.py`.
 
 Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the row),
-drawn on the device as Gumbel noise (`gumbel`), so a request's samples do not depend on its batch mates, on the
-batch bucket or on graph replay. Seeded results at T > 0 therefore differ from the earlier per-call
+drawn on the device as Gumbel noise (`gumbel`), so a request's samples do not depend on its batch mates, on
+the batch bucket or on graph replay. Seeded results at T > 0 therefore differ from the earlier per-call
 torch.Generator loop (same distribution).
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ from .simulate import Simulation
 
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
-STAGES = ("draft", "build", "verify", "walk", "commit")  # an eager round's stages; a graph replay is one "round"
+# an eager round's stages; a graph replay is one "round"
+STAGES = ("draft", "build", "verify", "walk", "commit")
 # The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (batch x block
 # rows of a region: draft, verify, commit, a prefill chunk): at most SMALL_GEMM_ROWS rows -> SMALL_GEMM_BLAS,
 # more -> LARGE_GEMM_BLAS (None: torch's own choice). Set around each region (so also while a graph captures
@@ -95,7 +96,8 @@ class GenerationResult:
     target_forwards: int = 0               # prefill chunks included
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (>= 1)
     tree_sizes: list[int] = field(default_factory=list)      # verify rows per round (root included)
-    stage_times: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in ("prefill",) + STAGES + ("round",)})
+    stage_times: dict[str, float] = field(
+        default_factory=lambda: {s: 0.0 for s in ("prefill",) + STAGES + ("round",)})
     wall_time: float = 0.0
 
     @property
@@ -228,7 +230,8 @@ class Request:
     result: GenerationResult
     reserve: int                      # pages this request may take in all
     pages: list[int] = field(default_factory=list)
-    committed: list[int] = field(default_factory=list)  # prompt + every accepted token (host drafters read it)
+    # prompt + every accepted token (host drafters read it)
+    committed: list[int] = field(default_factory=list)
     length: int = 0                   # cached rows (host mirror of the device length)
     slot: int = -1
     session: object = None            # a host drafter's session
@@ -301,11 +304,11 @@ class Engine:
     "ddtree"; budget: DDTree's draft nodes per round (1..1024 on the kernel backend). max_batch: requests per
     round; max_len: the longest context one request may reach (prompt + max_new_tokens + the block's rows;
     default the model's max_position_embeddings); max_tokens: the pool's capacity in cached rows (default
-    max_batch * max_len); page_size 64 (the attention kernel's); graphs: capture each batch bucket's round in a
-    CUDA graph (the kernel backend on a GPU; elsewhere the same round runs eagerly, `graph_reason` says why);
-    backend "golden" (numpy tree steps) or "kernel" (CUDA), default kernel on a GPU; prefill_chunk: prompt rows
-    per prefill forward; debug: check the device state against the host's after every round (`check_state`,
-    a device read per round); buckets: the batch
+    max_batch * max_len); page_size 64 (the attention kernel's); graphs: capture each batch bucket's round in
+    a CUDA graph (the kernel backend on a GPU; elsewhere the same round runs eagerly, `graph_reason` says
+    why); backend "golden" (numpy tree steps) or "kernel" (CUDA), default kernel on a GPU; prefill_chunk:
+    prompt rows per prefill forward; debug: check the device state against the host's after every round
+    (`check_state`, a device read per round); buckets: the batch
     sizes rounds are padded to (default 1, 2, 4, ... max_batch); graph_sampling: also capture the rounds with
     sampling requests (else those run eagerly); compile: the target's and the drafter's forwards through
     torch.compile (applied from outside the model code; fuses the elementwise work between the matmuls);
@@ -328,11 +331,12 @@ class Engine:
     choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
-                 max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None, page_size: int = 64,
-                 graphs: bool = True, backend: str | None = None, prefill_chunk: int = 512, debug: bool = False,
-                 buckets=None, graph_sampling: bool = True, compile: bool = False,
-                 deterministic: bool = False, moe: str | None = None, max_budget: int | None = None,
-                 budgets=None, decide: str = "previous", calibration=None, simulate=None):
+                 max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None,
+                 page_size: int = 64, graphs: bool = True, backend: str | None = None,
+                 prefill_chunk: int = 512, debug: bool = False, buckets=None, graph_sampling: bool = True,
+                 compile: bool = False, deterministic: bool = False, moe: str | None = None,
+                 max_budget: int | None = None, budgets=None, decide: str = "previous", calibration=None,
+                 simulate=None):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
@@ -366,7 +370,8 @@ class Engine:
         max_batch = checks.positive_int("max_batch", max_batch)
         prefill_chunk = checks.positive_int("prefill_chunk", prefill_chunk)
         if page_size != 64:
-            raise ValueError(f"page_size={page_size!r}: the latent cache's pages are 64 rows (the attention kernel's)")
+            raise ValueError(f"page_size={page_size!r}: the latent cache's pages are 64 rows (the attention "
+                             "kernel's)")
         mpe = model.args.max_position_embeddings
         max_len = checks.int_in("max_len", mpe if max_len is None else max_len, 1, mpe,
                                 f" (max_position_embeddings={mpe})")
@@ -375,14 +380,15 @@ class Engine:
         ok = buckets is None or (isinstance(buckets, (list, tuple)) and buckets and all(
             checks.is_int(x) and 1 <= x <= max_batch for x in buckets) and max(buckets) == max_batch)
         if not ok:
-            raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] including "
-                             "max_batch")
+            raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] "
+                             "including max_batch")
         buckets = None if buckets is None else [int(x) for x in buckets]
         rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1
         cap = -(-max_len // page_size) * page_size
         if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):
-            raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} rows "
-                             f"does not fit a request of max_len={max_len} in a pool of max_tokens={max_tokens}")
+            raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} "
+                             f"rows does not fit a request of max_len={max_len} in a pool of "
+                             f"max_tokens={max_tokens}")
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic={deterministic!r}: expected True or False")
         if deterministic:
@@ -400,7 +406,8 @@ class Engine:
         self.model, self.drafter, self.mode, self.backend = model, drafter, mode, backend
         self.budget = "auto" if auto else budget   # the tree's nodes (auto: "auto"; max_budget is B_max)
         self.max_budget = budget
-        self.max_batch, self.page_size, self.prefill_chunk, self.debug = max_batch, page_size, prefill_chunk, debug
+        self.max_batch, self.page_size = max_batch, page_size
+        self.prefill_chunk, self.debug = prefill_chunk, debug
         self.device = dev
         self.rows = rows   # N: verify rows per request
         self.max_accept = 1 if mode == "ar" else drafter.block_size
@@ -430,7 +437,8 @@ class Engine:
         self.ops = (KernelOps if backend == "kernel" else GoldenOps)(mode, self.max_budget, page_size)
         self.moe = moe
         self.compiled = bool(compile)
-        if compile:  # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
+        # a compiled graph per shape and engine; past dynamo's default limit they would run eagerly
+        if compile:
             import torch._dynamo.config as dc
             name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
             setattr(dc, name, max(getattr(dc, name), 256))
@@ -446,7 +454,8 @@ class Engine:
         self.root = torch.zeros(B, dtype=torch.int64, device=dev)
         self.temp = torch.zeros(B, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.live = torch.zeros(B, dtype=torch.int64, device=dev)  # 1 in active slots: padding slots never advance
+        # 1 in active slots: padding slots never advance
+        self.live = torch.zeros(B, dtype=torch.int64, device=dev)
         # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
         self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
         self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -463,7 +472,8 @@ class Engine:
         self._next_id = 0
         self._features = None
         self.rounds = 0
-        self.last_round: dict = {}   # the last round's stage seconds, batch, bucket, whether a graph replayed it
+        # the last round's stage seconds, batch, bucket, whether a graph replayed it
+        self.last_round: dict = {}
         self.graphs: dict = {}
         self._graph_logits: dict = {}
         self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
@@ -560,8 +570,8 @@ class Engine:
                              f"{self.pages.capacity} (max_tokens)")
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(Request(rid, prompt, max_new, temperature, seed, stop, GenerationResult([], self.mode),
-                                    reserve, synthetic=synthetic))
+        self.waiting.append(Request(rid, prompt, max_new, temperature, seed, stop,
+                                    GenerationResult([], self.mode), reserve, synthetic=synthetic))
         return rid
 
     def step(self) -> dict[int, list[int]]:
@@ -595,7 +605,8 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  stop_tokens=()) -> list[GenerationResult]:
         """One request per prompt (request i seeded seed + i), run to the end; results in prompt order."""
-        ids = [self.add_request(p, max_new_tokens, temperature, seed + i, stop_tokens) for i, p in enumerate(prompts)]
+        ids = [self.add_request(p, max_new_tokens, temperature, seed + i, stop_tokens)
+               for i, p in enumerate(prompts)]
         res = self.run()
         return [res[i] for i in ids]
 
@@ -606,7 +617,8 @@ class Engine:
     # ------------------------------------------------------------- admission and prefill
     def _admit(self, emitted) -> None:
         new = []
-        while self.waiting and len(self.active) < self.max_batch and self.pages.can_reserve(self.waiting[0].reserve):
+        while (self.waiting and len(self.active) < self.max_batch
+               and self.pages.can_reserve(self.waiting[0].reserve)):
             r = self.waiting.pop(0)
             self.pages.reserved += r.reserve
             r.slot = len(self.active)
@@ -619,17 +631,18 @@ class Engine:
         """Give request r pages for cache rows [0, rows)."""
         while len(r.pages) * self.page_size < rows:
             if len(r.pages) >= r.reserve:
-                raise RuntimeError(f"request {r.rid}: needs page {len(r.pages) + 1} of a reservation of {r.reserve}")
+                raise RuntimeError(f"request {r.rid}: needs page {len(r.pages) + 1} of a reservation of "
+                                   f"{r.reserve}")
             page = self.pages.take()
             self.page_table[r.slot, len(r.pages)] = page
             r.pages.append(page)
 
     def _prefill(self, reqs: list[Request], emitted) -> None:
-        """The admitted requests' prompts, chunk by chunk: one forward per chunk for every request whose chunk has
-        the same length (so same-length prompts share each forward; deterministic engines prefill each request
-        alone, keeping a request's arithmetic independent of its batch mates), then each request's first token
-        from one batched choice. A request that fails (its pages, or non-finite logits) leaves alone; the others'
-        slots stay put until every prefill forward is done."""
+        """The admitted requests' prompts, chunk by chunk: one forward per chunk for every request whose chunk
+        has the same length (so same-length prompts share each forward; deterministic engines prefill each
+        request alone, keeping a request's arithmetic independent of its batch mates), then each request's
+        first token from one batched choice. A request that fails (its pages, or non-finite logits) leaves
+        alone; the others' slots stay put until every prefill forward is done."""
         t0 = time.perf_counter()
         dev, leave, ok = self.device, [], []
         for r in reqs:
@@ -668,15 +681,16 @@ class Engine:
             both = torch.stack([finite.long(), first]).tolist()                             # one host read
         for i, r in enumerate(ok):
             if not both[0][i]:
-                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of the prefill: "
-                                                "the target's weights or inputs are not finite")
+                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of the "
+                                                "prefill: the target's weights or inputs are not finite")
                 leave.append(r)
                 continue
             tok, s, P = both[1][i], r.slot, len(r.prompt)
             if self.mode != "ar" and not self.batched_drafter:
                 r.session = self.drafter.session(self.kv_cap)
                 r.session.start(r.prompt, torch.cat(feats[r.rid]) if feats[r.rid] else None)
-            self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = tok, P, r.temperature, r.seed, 1
+            self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = (tok, P, r.temperature,
+                                                                                     r.seed, 1)
             r.length = P
             r.committed.append(tok)
             if r.synthetic:
@@ -757,7 +771,8 @@ class Engine:
         self._pg_pt = torch.zeros_like(self.page_table)
         self._pg_start = torch.zeros(B, dtype=torch.int64, device=dev)
         self._pg_logits = torch.zeros(B, a.vocab_size, dtype=torch.float32, device=dev)
-        self._pg_feat = (torch.zeros(rows, len(self.layers) * a.hidden_size, dtype=self.model.dtype, device=dev)
+        self._pg_feat = (torch.zeros(rows, len(self.layers) * a.hidden_size, dtype=self.model.dtype,
+                                     device=dev)
                          if self.layers else None)
 
     def _capture_prefill(self, n: int, T: int):
@@ -858,11 +873,11 @@ class Engine:
         return next(b for b in self.buckets if b >= n)
 
     def _round(self, b: int, sampling: bool, clock=None, plan=None) -> torch.Tensor:
-        """One round over slots [0, b) on the device (no host reads unless the backend is golden or the drafter
-        is a host one). clock(stage) marks the end of a stage when profiling. budget="auto": the second phase
-        only, verifying `plan`'s block (`_front` drafted and built it into the static buffers; AR: the root
-        alone). Returns the verify logits [b, N, V] float32 (inside a graph: its static output, rewritten by
-        every replay)."""
+        """One round over slots [0, b) on the device (no host reads unless the backend is golden or the
+        drafter is a host one). clock(stage) marks the end of a stage when profiling. budget="auto": the
+        second phase only, verifying `plan`'s block (`_front` drafted and built it into the static buffers;
+        AR: the root alone). Returns the verify logits [b, N, V] float32 (inside a graph: its static output,
+        rewritten by every replay)."""
         mark = clock or (lambda stage: None)
         dev, A = self.device, self.max_accept
         root, lens = self.root[:b], self.lens[:b]
@@ -997,8 +1012,8 @@ class Engine:
         return d
 
     def _capture(self) -> None:
-        """Warm up and capture one graph per (batch bucket, sampling), largest first, sharing one memory pool; the
-        state is reset afterwards (warm-up rounds run on padding slots only, before any request)."""
+        """Warm up and capture one graph per (batch bucket, sampling), largest first, sharing one memory pool;
+        the state is reset afterwards (warm-up rounds run on padding slots only, before any request)."""
         t0 = time.perf_counter()
         side = self._side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -1088,8 +1103,8 @@ class Engine:
             for key, v in stages.items():
                 res.stage_times[key] = res.stage_times.get(key, 0.0) + v
             if not ok:
-                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) of this round: the "
-                                                "target's weights or inputs are not finite")
+                self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) of this round: "
+                                                "the target's weights or inputs are not finite")
                 self._release(r)
                 continue
             if self._features is not None and r.session is not None:
@@ -1257,14 +1272,15 @@ class Engine:
             s = r.slot
             want = r.pages + [0] * (self.pages_per_req - len(r.pages))
             if lens[s] != r.length or root[s] != r.committed[-1] or pt[s] != want:
-                raise RuntimeError(f"engine state: request {r.rid} in slot {s}: device length {lens[s]}, root "
-                                   f"{root[s]}, pages {pt[s][:len(r.pages) + 1]}; host {r.length}, "
+                raise RuntimeError(f"engine state: request {r.rid} in slot {s}: device length {lens[s]}, "
+                                   f"root {root[s]}, pages {pt[s][:len(r.pages) + 1]}; host {r.length}, "
                                    f"{r.committed[-1]}, {r.pages}")
         if any(lens[n:]) or any(any(row) for row in pt[n:]):
             raise RuntimeError("engine state: a padding slot holds a length or pages")
         held = sum(len(r.pages) for r in self.active)
         if len(self.pages.free) + held != self.pages.capacity:
-            raise RuntimeError(f"engine state: {len(self.pages.free)} free + {held} held != {self.pages.capacity}")
+            raise RuntimeError(f"engine state: {len(self.pages.free)} free + {held} held != "
+                               f"{self.pages.capacity}")
 
 
 # ----------------------------------------------------------------------------- engines behind generate_*

@@ -8,7 +8,7 @@
                      lse fp32 [b, N, H]); pack_mask(bool [b, N, N]) -> int32 words
     ops.moe_int4     repack_moe(w13, s13, w2, s2) -> MoeWeights; moe_int4(x, topk_ids, topk_weights, weights)
                      -> fp32 [T, D]; group_pairs
-    ops.loader       _launch, _empty, _p, _i, _need, _on_one_gpu, source_edits, cuda_source_dir, POISON, ...
+    ops.loader       _launch, _empty, _p, _i, _need, _on_one_gpu, compile_defines, cuda_source_dir, ...
 
 Every public and private name kdtree.kernels had is here, bound to the same object as in its home module.
 Rebinding a name on this module changes only what is looked up through it (callers that call
@@ -17,10 +17,10 @@ Rebinding a name on this module changes only what is looked up through it (calle
 """
 from __future__ import annotations
 
-from .ops.loader import (PAGE_SIZE, POISON, _check_pages, _clear_compiled, _cupy_stream, _edited, _empty, _i,
+from .ops.loader import (PAGE_SIZE, POISON, _check_pages, _clear_compiled, _cupy_stream, _empty, _i,
                          _kernel, _launch, _module, _need, _need_page_size, _on_one_gpu, _p, _SM90A_MODULES,
-                         _sm90, _sm_count, _SMEM_OPTIN, _SOURCE_EDITS, cuda_source_dir, cuda_sources,
-                         source_edits)
+                         _sm90, _sm_count, _SMEM_OPTIN, _DEFINES, cuda_source_dir, cuda_sources,
+                         compile_defines)
 from .ops.moe_int4 import (FUSED_BLOCKS_PER_SM, FUSED_MAX_PAIRS, MAX_GROUP_EXPERTS, MOE_TILE_TOKENS,
                            _FUSED_SYNC, _fused_sync, _group_pairs_kernel, _group_pairs_torch, _moe_fused,
                            MoeWeights, group_pairs, moe_int4, repack_int4_mma, repack_moe)
@@ -35,8 +35,8 @@ from .ops.walk import kv_compact, tree_walk
 
 __all__ = [
     # ops.loader
-    "PAGE_SIZE", "POISON", "cuda_source_dir", "cuda_sources", "source_edits", "_SM90A_MODULES", "_SMEM_OPTIN",
-    "_SOURCE_EDITS", "_check_pages", "_clear_compiled", "_cupy_stream", "_edited", "_empty", "_i", "_kernel",
+    "PAGE_SIZE", "POISON", "cuda_source_dir", "cuda_sources", "compile_defines", "_SM90A_MODULES",
+    "_SMEM_OPTIN", "_DEFINES", "_check_pages", "_clear_compiled", "_cupy_stream", "_empty", "_i", "_kernel",
     "_launch", "_module", "_need", "_need_page_size", "_on_one_gpu", "_p", "_sm90", "_sm_count",
     # ops.tree
     "MAX_BUDGET", "MAX_CANDIDATES", "MAX_CHUNK", "MAX_DEPTH", "MAX_VOCAB", "TOPK_BLOCK_FIXED_S",

@@ -127,13 +127,15 @@ def check_parameters(nb: Path, params: dict) -> None:
 
 
 def executed_name(nb: Path, params: dict) -> str:
-    """The executed copy's file name: the notebook's, or NAME-stage-STAGE.ipynb for a staged run (notebook 03's
-    `stage` parameter), so that the stages of one training run, each a device command, keep their records."""
+    """The executed copy's file name: the notebook's, or NAME-stage-STAGE.ipynb for a staged run (notebook
+    03's `stage` parameter), so that the stages of one training run, each a device command, keep their
+    records."""
     stage = (params or {}).get("stage", "all")
     return nb.name if stage == "all" else f"{nb.stem}-stage-{stage}.ipynb"
 
 
-def run_lab(notebooks=(), params: dict | None = None, device: str = "auto", out_dir: str | None = None) -> list[Path]:
+def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
+            out_dir: str | None = None) -> list[Path]:
     """Execute notebooks with papermill; returns the executed copies."""
     import papermill as pm
 
@@ -173,7 +175,8 @@ def main_lab(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kdtree lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("notebooks", nargs="*", help="notebook names or paths (default: every notebooks/NN_*.ipynb)")
+    ap.add_argument("notebooks", nargs="*",
+                    help="notebook names or paths (default: every notebooks/NN_*.ipynb)")
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                     help="papermill parameter; VALUE is parsed as JSON when it can be")
     ap.add_argument("--device", default="auto", help="auto (default), cpu or cuda[:N]")

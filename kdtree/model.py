@@ -192,28 +192,30 @@ class Int4Experts(nn.Module):
     def __init__(self, w13_packed, w13_scale, w2_packed, w2_scale):
         super().__init__()
         from .quant import QuantFormatError
-        for name, t, kinds in (("w13_packed", w13_packed, (torch.int32,)), ("w2_packed", w2_packed, (torch.int32,)),
+        for name, t, kinds in (("w13_packed", w13_packed, (torch.int32,)),
+                               ("w2_packed", w2_packed, (torch.int32,)),
                                ("w13_scale", w13_scale, (torch.bfloat16, torch.float16, torch.float32)),
                                ("w2_scale", w2_scale, (torch.bfloat16, torch.float16, torch.float32))):
             if not isinstance(t, torch.Tensor) or t.dtype not in kinds:
                 raise QuantFormatError(f"{name}: expected a tensor of {' or '.join(map(str, kinds))}, got "
                                        f"{getattr(t, 'dtype', type(t).__name__)}")
-        if w13_packed.dim() != 3 or 0 in w13_packed.shape or (w13_packed.shape[1] // 2) % 32 or w13_packed.shape[1] % 2 \
-                or w13_packed.shape[2] % 4:
-            raise QuantFormatError(f"w13_packed: expected int32 [E, 2I, D/8] with E > 0 and I, D multiples of 32, got "
-                                   f"{tuple(w13_packed.shape)}")
+        if w13_packed.dim() != 3 or 0 in w13_packed.shape or (w13_packed.shape[1] // 2) % 32 \
+                or w13_packed.shape[1] % 2 or w13_packed.shape[2] % 4:
+            raise QuantFormatError(f"w13_packed: expected int32 [E, 2I, D/8] with E > 0 and I, D multiples "
+                                   f"of 32, got {tuple(w13_packed.shape)}")
         E, I2, D8 = w13_packed.shape
         want = {"w13_scale": (E, I2, D8 * 8 // 32), "w2_packed": (E, D8 * 8, I2 // 2 // 8),
                 "w2_scale": (E, D8 * 8, I2 // 2 // 32)}
         for name, t in (("w13_scale", w13_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
             if tuple(t.shape) != want[name]:
-                raise QuantFormatError(f"{name}: expected shape {want[name]} for w13_packed {tuple(w13_packed.shape)}, "
-                                       f"got {tuple(t.shape)}")
+                raise QuantFormatError(f"{name}: expected shape {want[name]} for w13_packed "
+                                       f"{tuple(w13_packed.shape)}, got {tuple(t.shape)}")
         self.register_buffer("w13_packed", w13_packed)
         self.register_buffer("w13_scale", w13_scale)
         self.register_buffer("w2_packed", w2_packed)
         self.register_buffer("w2_scale", w2_scale)
-        self.id_offset, self.subset = 0, False  # experts [id_offset, id_offset + E) of the router's (kdtree.tp)
+        # experts [id_offset, id_offset + E) of the router's (kdtree.tp)
+        self.id_offset, self.subset = 0, False
 
     @property
     def released(self) -> bool:
@@ -260,7 +262,8 @@ class Int4Experts(nn.Module):
             setattr(self, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
     def select(self, lo: int, hi: int) -> "Int4Experts":
-        """Experts [lo, hi) only (expert parallelism): routed ids outside the range contribute nothing here."""
+        """Experts [lo, hi) only (expert parallelism): routed ids outside the range contribute nothing
+        here."""
         self._need_release_format("select")
         E = self.w13_packed.shape[0]
         if not 0 <= lo < hi <= E:
@@ -274,13 +277,15 @@ class Int4Experts(nn.Module):
     def from_mlps(cls, experts) -> "Int4Experts":
         """Quantize bf16/fp32 experts (MLP modules) into the release format."""
         from .quant import quantize, stack_experts
-        w13 = [quantize(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().float().cpu()) for m in experts]
+        w13 = [quantize(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().float().cpu())
+               for m in experts]
         w2 = [quantize(m.down_proj.weight.detach().float().cpu()) for m in experts]
         dev = experts[0].gate_proj.weight.device
         return cls(*(t.to(dev) for t in (*stack_experts(w13), *stack_experts(w2))))
 
     @classmethod
-    def random(cls, E: int, D: int, I: int, device="cpu", seed: int = 0, scale: float = 0.01) -> "Int4Experts":
+    def random(cls, E: int, D: int, I: int, device="cpu", seed: int = 0,
+               scale: float = 0.01) -> "Int4Experts":
         """Random packed words and scales at any size (every int32 is a valid set of eight 4-bit values)."""
         g = torch.Generator(device=device).manual_seed(seed)
 
@@ -289,7 +294,8 @@ class Int4Experts(nn.Module):
 
         def scales(*shape):
             return (torch.rand(shape, device=device, generator=g) * scale).to(torch.bfloat16)
-        return cls(words(E, 2 * I, D // 8), scales(E, 2 * I, D // 32), words(E, D, I // 8), scales(E, D, I // 32))
+        return cls(words(E, 2 * I, D // 8), scales(E, 2 * I, D // 32), words(E, D, I // 8),
+                   scales(E, D, I // 32))
 
     def expert_weights(self, e: int, dtype=torch.float32):
         """(w13 [2I, D], w2 [D, I]) of expert e, dequantized."""
@@ -516,9 +522,10 @@ class MoE(nn.Module):
 # ----------------------------------------------------------------------------- latent KV cache
 @dataclass
 class PagedMeta:
-    """Attention metadata of one forward over a shared page pool (kdtree.engine): B requests, T block rows each.
-    Every field is a device tensor or a host constant of the shapes (never a value read from the device), so a
-    forward built from it can be captured in a CUDA graph and replayed for other lengths and pages."""
+    """Attention metadata of one forward over a shared page pool (kdtree.engine): B requests, T block rows
+    each. Every field is a device tensor or a host constant of the shapes (never a value read from the
+    device), so a forward built from it can be captured in a CUDA graph and replayed for other lengths and
+    pages."""
     page_table: torch.Tensor          # int32 [B, P]: request b's pages (page 0: the pool's scratch page)
     slots: torch.Tensor               # int64 [B, T]: pool row of each block row (cache row cache_len + t)
     positions: torch.Tensor           # int64 [B, T]: rope position ids
@@ -611,18 +618,20 @@ class KVCache:
         The kept rows move, in order, to the front of the block; `length` becomes block_start + len(keep).
         """
         if self.block is None:
-            raise RuntimeError("KVCache.compact: no appended block to compact (call forward first; compact once)")
+            raise RuntimeError("KVCache.compact: no appended block to compact (call forward first; compact "
+                               "once)")
         start, n = self.block
         keep = torch.as_tensor(keep_indices)
         if keep.dtype not in (torch.int32, torch.int64) or keep.dim() != 1:
-            raise ValueError(f"compact keep_indices: expected a 1-D integer sequence, got dtype {keep.dtype}, "
-                             f"shape {tuple(keep.shape)}")
+            raise ValueError(f"compact keep_indices: expected a 1-D integer sequence, got dtype "
+                             f"{keep.dtype}, shape {tuple(keep.shape)}")
         keep = keep.to(torch.int64)
         if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
             raise IndexError(f"compact keep_indices: expected values in [0, {n}) (the appended block), "
                              f"got min {int(keep.min())}, max {int(keep.max())}")
         if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
-            raise ValueError("compact keep_indices: expected strictly increasing indices (a path in tree order)")
+            raise ValueError("compact keep_indices: expected strictly increasing indices (a path in tree "
+                             "order)")
         k = keep.numel()
         if k:
             src = keep.to(self.latent.device) + start
@@ -674,7 +683,8 @@ class MLA(nn.Module):
             self.q_b_proj = nn.Linear(args.q_lora_rank, H * args.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, H * (args.qk_nope_head_dim + args.v_head_dim),
+                                   bias=False)
         self.o_proj = nn.Linear(H * args.v_head_dim, D, bias=False)
 
     def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
@@ -713,11 +723,12 @@ class MLA(nn.Module):
         return self._attend(x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S)
 
     def _paged(self, x, q_nope, q_pe, kv, k_pe, pool, meta: "PagedMeta", attn_impl):
-        """The block's latent rows go to pool rows meta.slots; attention over the request's pages (torch paths:
-        gathered through the page table to [B, kv_cap, R + P], masked by meta.bias)."""
+        """The block's latent rows go to pool rows meta.slots; attention over the request's pages (torch
+        paths: gathered through the page table to [B, kv_cap, R + P], masked by meta.bias)."""
         R = self.args.kv_lora_rank
         B, T = meta.slots.shape
-        pool.index_copy_(0, meta.slots.reshape(-1), torch.cat([kv, k_pe], -1).reshape(B * T, -1).to(pool.dtype))
+        pool.index_copy_(0, meta.slots.reshape(-1),
+                         torch.cat([kv, k_pe], -1).reshape(B * T, -1).to(pool.dtype))
         if attn_impl == "kernel":
             kern = (pool, meta.page_table, meta.seq_len, meta.mask_words)
             return self._attend(x, q_nope, q_pe, None, None, None, attn_impl, kern, meta.kv_cap)
@@ -796,16 +807,19 @@ class Backbone(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, T, V] float32
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, T, D] output of that layer
+    # layer id -> [B, T, D] output of that layer
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the model
 class Transformer(nn.Module):
-    """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or `kdtree.weights.load`."""
+    """MLA + MoE decoder. `Transformer(args, attn_impl)`; weights via `init_weights` or
+    `kdtree.weights.load`."""
 
     def quantize_experts(self) -> "Transformer":
-        """Every MoE layer's routed experts to the INT4 release format (in place); returns self. All layers are
-        quantized before any is replaced, so a failure (non-finite weights) names its layer and changes nothing."""
+        """Every MoE layer's routed experts to the INT4 release format (in place); returns self. All layers
+        are quantized before any is replaced, so a failure (non-finite weights) names its layer and changes
+        nothing."""
         new = {}
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, Int4Experts):
@@ -835,8 +849,9 @@ class Transformer(nn.Module):
         if value not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={value!r}: expected one of {ATTN_IMPLS}")
         if value == "kernel" and (self.args.kv_lora_rank, self.args.qk_rope_head_dim) != (512, 64):
-            raise ValueError(f"attn_impl='kernel' needs kv_lora_rank 512 and qk_rope_head_dim 64 (the kernel's "
-                             f"576-wide rows), got {self.args.kv_lora_rank} and {self.args.qk_rope_head_dim}")
+            raise ValueError(f"attn_impl='kernel' needs kv_lora_rank 512 and qk_rope_head_dim 64 (the "
+                             f"kernel's 576-wide rows), got {self.args.kv_lora_rank} and "
+                             f"{self.args.qk_rope_head_dim}")
         self._attn_impl = value
 
     @property
@@ -856,10 +871,12 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, T, P/2]
-        return ((freqs.cos() * self.rope_attn_factor).to(dtype), (freqs.sin() * self.rope_attn_factor).to(dtype))
+        return ((freqs.cos() * self.rope_attn_factor).to(dtype),
+                (freqs.sin() * self.rope_attn_factor).to(dtype))
 
     def _check(self, tokens, cache, position_ids, mask):
-        """Validate every argument before anything is written; return (B, T, position_ids [B,T], mask [B,T,T])."""
+        """Validate every argument before anything is written; return (B, T, position_ids [B,T], mask
+        [B,T,T])."""
         a = self.args
         checks.tensor("tokens [batch, T]", tokens, (torch.int32, torch.int64), ndim=2, device=self.device)
         B, T = tokens.shape
@@ -878,11 +895,12 @@ class Transformer(nn.Module):
             want = (a.num_hidden_layers, a.kv_lora_rank + a.qk_rope_head_dim)
             got = (cache.latent.shape[0], cache.latent.shape[-1])
             if got != want:
-                raise ValueError(f"cache: {got[0]} layers of width {got[1]}, the model needs {want[0]} of width "
-                                 f"{want[1]} (make it with model.new_cache)")
+                raise ValueError(f"cache: {got[0]} layers of width {got[1]}, the model needs {want[0]} of "
+                                 f"width {want[1]} (make it with model.new_cache)")
             if cache.latent.device != self.device or cache.latent.dtype != self.cache_dtype:
-                raise ValueError(f"cache: expected {self.cache_dtype} on {self.device}, got {cache.latent.dtype} on "
-                                 f"{cache.latent.device} (make it with model.new_cache)")
+                raise ValueError(f"cache: expected {self.cache_dtype} on {self.device}, got "
+                                 f"{cache.latent.dtype} on {cache.latent.device} (make it with "
+                                 "model.new_cache)")
             start = cache.length
             if start + T > cache.max_len:
                 raise ValueError(f"context overflow: cache holds {start} of max_len={cache.max_len} tokens, "
@@ -896,7 +914,8 @@ class Transformer(nn.Module):
             if position_ids.dim() == 1:
                 position_ids = position_ids[None].expand(B, -1)
             if tuple(position_ids.shape) != (B, T):
-                raise ValueError(f"position_ids: expected shape [{T}] or [{B}, {T}], got {tuple(position_ids.shape)}")
+                raise ValueError(f"position_ids: expected shape [{T}] or [{B}, {T}], got "
+                                 f"{tuple(position_ids.shape)}")
         plo, phi = int(position_ids.min()), int(position_ids.max())
         if plo < 0 or phi >= a.max_position_embeddings:
             raise ValueError(f"position_ids: expected values in [0, max_position_embeddings="
@@ -910,7 +929,8 @@ class Transformer(nn.Module):
             if mask.dim() == 2:
                 mask = mask[None].expand(B, -1, -1)
             if tuple(mask.shape) != (B, T, T):
-                raise ValueError(f"mask: expected shape [{T}, {T}] or [{B}, {T}, {T}], got {tuple(mask.shape)}")
+                raise ValueError(f"mask: expected shape [{T}, {T}] or [{B}, {T}, {T}], got "
+                                 f"{tuple(mask.shape)}")
             if not bool(mask.diagonal(dim1=1, dim2=2).all()):
                 raise ValueError("mask: every appended token must see itself (the diagonal must be True)")
         return B, T, start, position_ids, mask
@@ -944,7 +964,8 @@ class Transformer(nn.Module):
         kern, bias = None, None
         if self.attn_impl == "kernel":
             from .kernels import pack_mask
-            kern = (work.page_table(), torch.full((B,), S, dtype=torch.int32, device=self.device), pack_mask(mask))
+            kern = (work.page_table(), torch.full((B,), S, dtype=torch.int32, device=self.device),
+                    pack_mask(mask))
         else:
             bias = torch.zeros(B, T, S, dtype=torch.float32, device=self.device)
             bias[:, :, start:] = torch.zeros(B, T, T, device=self.device).masked_fill(~mask, float("-inf"))
@@ -990,8 +1011,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: PagedMeta, hidden_layers=(),
                       logits_for=None) -> ForwardOutput:
-        """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared page
-        pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
+        """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared
+        page pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
         meta.slots of every layer; no value checks and no host reads (graph-capturable; logits_for, the rows
         given logits: a slice or a device index tensor there, a list being copied from the host).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""

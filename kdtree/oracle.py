@@ -61,8 +61,8 @@ def _check_prompt(model: Transformer, prompt, max_new_tokens: int, lookahead: in
     check_max_new(max_new_tokens)
     need = len(prompt) + max_new_tokens + lookahead
     if need > model.args.max_position_embeddings:
-        raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + draft "
-                         f"lookahead ({lookahead}) = {need} > max_position_embeddings "
+        raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + "
+                         f"draft lookahead ({lookahead}) = {need} > max_position_embeddings "
                          f"({model.args.max_position_embeddings})")
     return prompt
 
@@ -73,14 +73,15 @@ def _check_finite(logits: torch.Tensor, ok: torch.Tensor | None = None) -> None:
     ok = torch.isfinite(logits).all(dim=-1) if ok is None else ok
     if not bool(ok.all()):
         rows = torch.nonzero(~ok).flatten().tolist()
-        raise ValueError(f"target logits: NaN or inf in verify row(s) {rows[:8]}: the target's weights or inputs "
-                         "are not finite")
+        raise ValueError(f"target logits: NaN or inf in verify row(s) {rows[:8]}: the target's weights or "
+                         "inputs are not finite")
 
 
 def _choose(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
     """logits [N, V] -> next token per row: argmax (T = 0) or one sample from softmax(logits / T), drawn on
     the logits' device with `gen` (a generator of that device: no copy of an [N, V] block to the host).
-    Sampling checks the logits first (NaN would reach the sampler); at T = 0 callers check after their sync."""
+    Sampling checks the logits first (NaN would reach the sampler); at T = 0 callers check after their
+    sync."""
     if temperature == 0:
         return logits.argmax(-1)
     _check_finite(logits)
@@ -186,7 +187,8 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
         with clock("commit"):
             from . import kernels
             choice = _choose(out.logits[0], temperature, gen)[None]
-            ok = torch.isfinite(out.logits[0]).all(dim=-1) if temperature == 0 else None  # read after the sync
+            # read after the sync
+            ok = torch.isfinite(out.logits[0]).all(dim=-1) if temperature == 0 else None
             acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
             n_acc = int(acc_len[0])  # the round's device-to-host sync: how many rows were accepted
             if ok is not None:

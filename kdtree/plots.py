@@ -46,7 +46,8 @@ def draw_tree(vb, accepted=None, labels=None, ax=None, title=None):
     for i in range(1, vb.n):
         p = vb.parents[i]
         on = i in acc and p in acc
-        ax.plot([x[p], x[i]], [y[p], y[i]], color="crimson" if on else "0.75", lw=2.2 if on else 0.8, zorder=1)
+        ax.plot([x[p], x[i]], [y[p], y[i]], color="crimson" if on else "0.75", lw=2.2 if on else 0.8,
+                zorder=1)
     colors = ["crimson" if i in acc else "steelblue" for i in range(vb.n)]
     ax.scatter(x, y, c=colors, s=28, zorder=2)
     for i in range(vb.n):
@@ -80,7 +81,8 @@ def bar(values: dict, ax=None, ylabel="", title=""):
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.2))
     labels = list(values)
-    bars = ax.bar(labels, [values[k] for k in labels], color=["0.6", "tab:orange", "tab:green", "tab:blue"][:len(labels)])
+    bars = ax.bar(labels, [values[k] for k in labels],
+                  color=["0.6", "tab:orange", "tab:green", "tab:blue"][:len(labels)])
     for b, k in zip(bars, labels):
         ax.annotate(f"{values[k]:.3f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
                     va="bottom", fontsize=8)

@@ -15,18 +15,19 @@ with N = 1 for AR, block_size for the DFlash chain, budget + 1 for DDTree; lm_he
 max(weight bytes / copy bandwidth, 2 N b V D / matmul rate), both ceilings from the same record. Layer times
 between measured node counts (and tree/walk times between measured budgets) are interpolated log-log; up to
 twice the largest measured count they are extrapolated along the last segment and the row says so
-(`extrapolated`); further out, or below the smallest, a row is not projected. per-user tok/s = tau / round time. Everything is one GPU's time for the whole model:
-what a tensor-parallel run divides (and adds communication to) is not measured here (`python -m kdtree tp`
-checks sharded correctness only).
+(`extrapolated`); further out, or below the smallest, a row is not projected. per-user tok/s = tau / round
+time. Everything is one GPU's time for the whole model: what a tensor-parallel run divides (and adds
+communication to) is not measured here (`python -m kdtree tp` checks sharded correctness only).
 
     rec = json.load(open("outputs/h200/microbench_k26.json"))
     rows = project(rec, {"ar": 1.0, "dflash": 1.5, "ddtree": {64: 2.1, 256: 2.3}}, batch=1, context=4096)
 
 Acceptance profiles (`profile_taus`): tau per budget of an idealised drafter whose every depth puts the
 target's token at rank 0 with probability p (solved from the chain's tau) and at rank j >= 1 with probability
-(1 - p)(1 - r) r^(j-1), independently across depths, and whose own probabilities are exactly these (calibrated).
-DDTree's tree is then the B most probable prefixes and its expected tokens per round is 1 + the sum of their
-probabilities: what a drafter of a published chain tau (Kimi-K2.5-DFlash: about 4.5-5.5) could give a tree.
+(1 - p)(1 - r) r^(j-1), independently across depths, and whose own probabilities are exactly these
+(calibrated). DDTree's tree is then the B most probable prefixes and its expected tokens per round is 1 + the
+sum of their probabilities: what a drafter of a published chain tau (Kimi-K2.5-DFlash: about 4.5-5.5) could
+give a tree.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def loglog(pts, x: float) -> tuple[float | None, bool]:
 def layer_time(layer_rows, kind: str, context: int, batch: int, nodes: int) -> tuple[float | None, bool]:
     """One layer's verify time (s) at `nodes` rows for (kind, context, batch), by `loglog` over the measured
     node counts: (seconds or None, extrapolated?)."""
-    return loglog([(r["nodes"], r["time_s"]) for r in _pick(layer_rows, kind=kind, context=context, batch=batch)],
-                  nodes)
+    return loglog([(r["nodes"], r["time_s"])
+                   for r in _pick(layer_rows, kind=kind, context=context, batch=batch)], nodes)
 
 
 def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
@@ -95,10 +96,10 @@ def routing_correction(rec: dict, tokens: int, kernel_s: float) -> float:
     return float(kernel_s) - k_rand
 
 
-def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None, block_size: int = 16,
-                drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1, vocab: int = 163840,
-                hidden: int = 7168, draft_s: float | None = None, moe_kernel_s: float | None = None
-                ) -> dict | None:
+def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None,
+                block_size: int = 16, drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1,
+                vocab: int = 163840, hidden: int = 7168, draft_s: float | None = None,
+                moe_kernel_s: float | None = None) -> dict | None:
     """Seconds per round by part ({draft, build, verify, walk}, plus extrapolated: bool) for one mode; None
     where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not in
     the record). Tree round and walk times are interpolated over the measured budgets likewise (below the
@@ -112,7 +113,8 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
         raise ValueError(f"budget={budget!r}: expected a positive int for mode 'ddtree'")
     layers, ceil = rec["layer_verify"], rec["ceilings"]
     if not ceil:
-        raise ValueError("rec['ceilings'] is empty: project from a GPU record (copy bandwidth and matmul rate)")
+        raise ValueError("rec['ceilings'] is empty: project from a GPU record (copy bandwidth and matmul "
+                         "rate)")
     N = {"ar": 1, "dflash": block_size, "ddtree": (budget or 0) + 1}[mode]
     (dense, x1), (moe, x2) = (layer_time(layers, k, context, batch, N) for k in ("dense", "moe"))
     if dense is None or moe is None:
@@ -149,15 +151,17 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
 
 
 def project(rec: dict, taus: dict, batch: int, context: int, **kw) -> list[dict]:
-    """Rows {mode, budget, tau, round_s, parts, tok_per_s, speedup_vs_ar, tau_to_match_ar, extrapolated} for AR, the DFlash chain and DDTree
-    at each budget of taus["ddtree"] ({budget: tau}); taus["dflash"] the chain's tau. Budgets that cannot be
-    projected (see round_parts) are left out. kw: round_parts' block_size, drafter_layers, n_layers, ..."""
+    """Rows {mode, budget, tau, round_s, parts, tok_per_s, speedup_vs_ar, tau_to_match_ar, extrapolated} for
+    AR, the DFlash chain and DDTree at each budget of taus["ddtree"] ({budget: tau}); taus["dflash"] the
+    chain's tau. Budgets that cannot be projected (see round_parts) are left out. kw: round_parts' block_size,
+    drafter_layers, n_layers, ..."""
     out = []
     cases = [("ar", None, 1.0)] + ([("dflash", None, taus["dflash"])] if "dflash" in taus else []) + \
         [("ddtree", int(B), t) for B, t in sorted(taus.get("ddtree", {}).items())]
     for mode, B, tau in cases:
         if not (isinstance(tau, (int, float)) and tau >= 1):
-            raise ValueError(f"tau of {mode} {B or ''}: expected a number >= 1 (tokens per round), got {tau!r}")
+            raise ValueError(f"tau of {mode} {B or ''}: expected a number >= 1 (tokens per round), got "
+                             f"{tau!r}")
         parts = round_parts(rec, mode, batch, context, B, **kw)
         if parts is None:
             continue
@@ -200,8 +204,8 @@ def profile_rank_probs(p_top: float, ratio: float, K: int) -> np.ndarray:
 
 
 def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5) -> dict[int, float]:
-    """{budget: expected tokens per DDTree round} for the calibrated profile whose chain has tau_chain (see the
-    module doc): 1 + the summed probability of the tree's nodes, the tree built by golden.build_tree."""
+    """{budget: expected tokens per DDTree round} for the calibrated profile whose chain has tau_chain (see
+    the module doc): 1 + the summed probability of the tree's nodes, the tree built by golden.build_tree."""
     from . import golden
     p = chain_top1(tau_chain, depth)
     out = {}
@@ -225,8 +229,8 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured
     routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s,
     measured_s, ratio, within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers
-    (PROJECTED), full_tok_per_s the cell's tau over it. Cells the record cannot project are left out. kw: round_parts' vocab, hidden,
-    drafter_layers."""
+    (PROJECTED), full_tok_per_s the cell's tau over it. Cells the record cannot project are left out. kw:
+    round_parts' vocab, hidden, drafter_layers."""
     out = []
     for c in cells:
         if c.get("error") or c.get("budget") == "auto" or not c.get("round_gpu_span_median_s"):

@@ -72,16 +72,18 @@ def check_int4(packed: torch.Tensor, scale: torch.Tensor, shape, name: str = "we
     try:
         out, inp = (int(v) for v in shape)
     except (TypeError, ValueError):
-        raise QuantFormatError(f"{name}.weight_shape: expected two integers (out, in), got {shape!r}") from None
+        raise QuantFormatError(f"{name}.weight_shape: expected two integers (out, in), "
+                               f"got {shape!r}") from None
     if out <= 0 or inp <= 0 or inp % GROUP:
-        raise QuantFormatError(f"{name}.weight_shape: expected (out, in) with in a positive multiple of {GROUP}, "
-                               f"got {(out, inp)}")
+        raise QuantFormatError(f"{name}.weight_shape: expected (out, in) with in a positive multiple of "
+                               f"{GROUP}, got {(out, inp)}")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         got = packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__
         raise QuantFormatError(f"{name}.weight_packed: expected an int32 tensor, got {got}")
     if tuple(packed.shape) != (out, inp // PER_WORD):
         raise QuantFormatError(f"{name}.weight_packed: expected shape {(out, inp // PER_WORD)} "
-                               f"(out, in / {PER_WORD}) for weight_shape {(out, inp)}, got {tuple(packed.shape)}")
+                               f"(out, in / {PER_WORD}) for weight_shape {(out, inp)}, "
+                               f"got {tuple(packed.shape)}")
     if not isinstance(scale, torch.Tensor) or not scale.dtype.is_floating_point:
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise QuantFormatError(f"{name}.weight_scale: expected a floating-point tensor (bf16), got {got}")
@@ -91,12 +93,14 @@ def check_int4(packed: torch.Tensor, scale: torch.Tensor, shape, name: str = "we
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """int8 [out, in] in [-8, 7] -> int32 [out, in / 8] (input 8c + i in bits 4i..4i+3 of word c, stored q + 8)."""
+    """int8 [out, in] in [-8, 7] -> int32 [out, in / 8] (input 8c + i in bits 4i..4i+3 of word c, stored
+    q + 8)."""
     if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % PER_WORD:
         raise QuantFormatError(f"q: expected int8 [out, in] with in a multiple of {PER_WORD}, got {q.dtype} "
                                f"{tuple(q.shape)}")
     if q.numel() and (int(q.min()) < QMIN or int(q.max()) > QMAX):
-        raise QuantFormatError(f"q: expected values in [{QMIN}, {QMAX}], got [{int(q.min())}, {int(q.max())}]")
+        raise QuantFormatError(f"q: expected values in [{QMIN}, {QMAX}], "
+                               f"got [{int(q.min())}, {int(q.max())}]")
     u = (q.to(torch.int64) + 8).view(q.shape[0], -1, PER_WORD)
     shifts = torch.arange(0, 4 * PER_WORD, 4, dtype=torch.int64, device=q.device)
     words = (u << shifts).sum(dim=-1)                     # [out, in / 8] in [0, 2^32)
@@ -120,7 +124,8 @@ def quantize(weight: torch.Tensor, scale_dtype=torch.bfloat16) -> Int4Weight:
     dequantize() reproduces q * scale exactly."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise QuantFormatError(f"weight: expected a floating-point [out, in] tensor, got "
-                               f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+                               f"{getattr(weight, 'dtype', type(weight).__name__)} "
+                               f"{tuple(getattr(weight, 'shape', ()))}")
     out, inp = weight.shape
     if inp % GROUP:
         raise QuantFormatError(f"weight: expected in_features a multiple of {GROUP}, got {inp}")
@@ -141,7 +146,8 @@ def read_int4(tensors: Mapping[str, torch.Tensor], prefix: str) -> Int4Weight:
     """The layer `prefix` from a checkpoint's tensors (as compressed-tensors writes them), checked."""
     missing = [f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" not in tensors]
     if missing:
-        raise QuantFormatError(f"{prefix}: expected the pack-quantized tensors {list(SUFFIXES)}; missing {missing}")
+        raise QuantFormatError(f"{prefix}: expected the pack-quantized tensors {list(SUFFIXES)}; "
+                               f"missing {missing}")
     shape_t = tensors[f"{prefix}.weight_shape"]
     if shape_t.dim() != 1 or shape_t.numel() != 2 or shape_t.dtype.is_floating_point:
         raise QuantFormatError(f"{prefix}.weight_shape: expected an integer tensor of 2 values, got "

@@ -106,7 +106,8 @@ def _chain(draft: torch.Tensor | None, root: torch.Tensor, start: torch.Tensor,
         toks = torch.cat([toks, chain.to(torch.int32)], 1)
     N = toks.shape[1]
     ar = torch.arange(N, device=dev)
-    return VerifyBatch(toks, start.long()[:, None] + ar, (ar - 1).to(torch.int32)[None].expand(b, N).contiguous(),
+    return VerifyBatch(toks, start.long()[:, None] + ar,
+                       (ar - 1).to(torch.int32)[None].expand(b, N).contiguous(),
                        torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None].expand(b, N, N))
 
 
@@ -128,7 +129,8 @@ def _compact_torch(pool, page_table, start, accepted, acc_len, page_size: int) -
 class TreeOps:
     """The tree steps' interface: build(draft [b, L, V] | None, root [b], start [b]) -> VerifyBatch;
     walk(tokens, parents, choice, max_accept) -> (accepted int32 [b, A], acc_len int32 [b], bonus int64 [b]);
-    compact(pool, page_table, start, accepted, acc_len). AR and the DFlash chain build in torch ops for both."""
+    compact(pool, page_table, start, accepted, acc_len). AR and the DFlash chain build in torch ops for
+    both."""
     capturable = False
 
     def __init__(self, mode: str, budget: int | None, page_size: int):
@@ -142,8 +144,8 @@ class TreeOps:
 
 
 class GoldenOps(TreeOps):
-    """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request on
-    the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
+    """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request
+    on the host; the AR / chain blocks and the compaction in torch ops (golden.compact_kv's contract)."""
 
     def trees(self, logits: np.ndarray, roots: list, starts: list) -> list:
         """Each request's (golden.Tree, golden.VerifyBlock) from its draft logits [L, V], root and start."""
@@ -203,5 +205,5 @@ class KernelOps(TreeOps):
 
     def compact(self, pool, page_table, start, accepted, acc_len) -> None:
         from . import kernels
-        kernels.kv_compact(pool, page_table, start.to(torch.int32), accepted, acc_len, page_size=self.page_size,
-                           check_values=False)
+        kernels.kv_compact(pool, page_table, start.to(torch.int32), accepted, acc_len,
+                           page_size=self.page_size, check_values=False)

@@ -12,8 +12,8 @@ Layout (DeepSeek-V3's MLA and MoE, Megatron-style splits):
   MoE        routing replicated (each rank computes the same top-k from the same all-reduced input); rank r
              keeps routed experts [r E / world, (r + 1) E / world) (expert parallel), the others become
              AbsentExpert (INT4 experts: the stacked block, Int4Experts.select; ids routed to another rank's
-             experts become -1, which the pair grouping drops); the shared expert's intermediate is split; one all-reduce of the layer's partial
-             output (own experts + own shared slice).
+             experts become -1, which the pair grouping drops); the shared expert's intermediate is split; one
+             all-reduce of the layer's partial output (own experts + own shared slice).
   embeddings, norms, lm_head, the drafter: replicated.
 Two all-reduces per layer, of [B, T, hidden] activations.
 
@@ -97,12 +97,13 @@ def check_shardable(args, world: int) -> None:
 
 
 def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
-    """Shard `model` (identical on every rank, e.g. built from one seed or loaded from one checkpoint) in place
-    for `rank` of `world`; needs an initialised process group for world > 1. Returns the model."""
+    """Shard `model` (identical on every rank, e.g. built from one seed or loaded from one checkpoint) in
+    place for `rank` of `world`; needs an initialised process group for world > 1. Returns the model."""
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"shard: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
     if getattr(model, "tp", None) is not None:
-        raise ValueError(f"shard: the model is already sharded (rank, world) = {model.tp}: shard an unsharded copy")
+        raise ValueError(f"shard: the model is already sharded (rank, world) = {model.tp}: shard an "
+                         "unsharded copy")
     if world == 1:
         return model
     if not dist.is_initialized():
@@ -116,7 +117,8 @@ def shard(model: Transformer, rank: int, world: int, group=None) -> Transformer:
         n_exp = mlp.experts.w13_packed.shape[0] if isinstance(mlp.experts, Int4Experts) else len(mlp.experts)
         _split(n_exp, rank, world, f"layer {i} n_routed_experts")
         if mlp.shared_experts is not None:
-            _split(mlp.shared_experts.gate_proj.out_features, rank, world, f"layer {i} shared expert intermediate")
+            _split(mlp.shared_experts.gate_proj.out_features, rank, world,
+                   f"layer {i} shared expert intermediate")
     g_world, g_rank = dist.get_world_size(group), dist.get_rank(group)
     if (rank, world) != (g_rank, g_world):
         raise ValueError(f"shard: rank={rank}, world={world} but this process is rank {g_rank} of a group of "
@@ -185,22 +187,23 @@ def _dry_rank(rank: int, world: int, backend: str, port: int, out: str, new_toke
         p = prompt[0].tolist()
         ar = generate_ar(model, p, new_tokens)
         ar_ref = generate_ar(ref, p, new_tokens)
-        # DDTree with the test oracle (it knows the sharded target's greedy future: long accepted paths, so the
-        # walk and the cache compaction run across shards) and with a random DFlash drafter (its features come
-        # from the sharded target's hidden states)
+        # DDTree with the test oracle (it knows the sharded target's greedy future: long accepted paths, so
+        # the walk and the cache compaction run across shards) and with a random DFlash drafter (its features
+        # come from the sharded target's hidden states)
         oracle = OracleDrafter(p + ar.tokens, args.vocab_size, block_size=6, seed=4)
         dd = generate_ddtree(model, oracle, p, new_tokens, budget=budget)
         dfl = generate_ddtree(model, build_drafter(model, seed=2, block_size=6), p, new_tokens, budget=budget)
-        # the engine unchanged on every rank: requests of different lengths batched, the DFlash drafter's batched
-        # context, against this rank's own oracle loop
+        # the engine unchanged on every rank: requests of different lengths batched, the DFlash drafter's
+        # batched context, against this rank's own oracle loop
         from .engine import Engine
         from .oracle import oracle_ar
-        prompts = [torch.randint(2, args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        prompts = [torch.randint(2, args.vocab_size, (n,),
+                                 generator=torch.Generator().manual_seed(n)).tolist()
                    for n in (5, 17, 9, 30)]
-        eng = Engine(model, build_drafter(model, seed=2, block_size=6), mode="ddtree", budget=budget, max_batch=3,
-                     max_len=128)
-        batch_ok = [r.tokens for r in eng.generate(prompts, new_tokens)] == [oracle_ar(model, q, new_tokens).tokens
-                                                                             for q in prompts]
+        eng = Engine(model, build_drafter(model, seed=2, block_size=6), mode="ddtree", budget=budget,
+                     max_batch=3, max_len=128)
+        batch_ok = [r.tokens for r in eng.generate(prompts, new_tokens)] == [
+            oracle_ar(model, q, new_tokens).tokens for q in prompts]
         auto_ok, plans = None, None
         if auto:  # budget="auto": each rank measures its own costs; rank 0's decisions are every rank's
             ea = Engine(model, build_drafter(model, seed=2, block_size=6), mode="ddtree", budget="auto",
@@ -230,8 +233,8 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
     relative error of its logits against the unsharded model, whether its DDTree outputs (test-oracle drafter,
     random DFlash drafter) equal its AR output, whether a batch of 4 requests through one engine equals the
     oracle loop's outputs, whether its AR output equals the unsharded model's, the
-    oracle's tau and its parameter count; int4: the routed experts in the INT4 release format. Returns one dict
-    per rank."""
+    oracle's tau and its parameter count; int4: the routed experts in the INT4 release format. Returns one
+    dict per rank."""
     import json
     import tempfile
 
@@ -242,7 +245,8 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
         raise ValueError(f"world={world!r}: expected an int >= 1")
     check_shardable(DRY_ARGS, world)
     if backend == "nccl" and torch.cuda.device_count() < world:
-        raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are visible")
+        raise ValueError(f"backend='nccl' with world={world}: only {torch.cuda.device_count()} GPUs are "
+                         "visible")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ranks.json")
         mp.spawn(_dry_rank, args=(world, backend, _free_port(), out, new_tokens, budget, int4, auto),

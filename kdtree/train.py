@@ -65,7 +65,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.soft_weight={self.soft_weight!r}: expected a finite number >= 0")
         for name in ("grad_clip", "weight_decay", "bias_update"):  # a negative clip would flip the gradient
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "grad_clip" and v == 0):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) \
+                    or (name == "grad_clip" and v == 0):
                 raise ValueError(f"TrainConfig.{name}={v!r}: expected a finite number "
                                  f"{'> 0' if name == 'grad_clip' else '>= 0'}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -252,14 +253,15 @@ def target_features(target: Transformer, seqs: torch.Tensor, layer_ids, logits: 
 
 def _draft_blocks(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int, m: int,
                   rng: np.random.Generator, target_logits: bool = False):
-    """m random blocks per sequence, drafted as at inference: roots in the generated part (position >= prompt_len
-    - 1), so the labels are the target's greedy continuation. Returns (anchors [B, m], drafter logits
-    [B, m, L, V], labels [B, m, L], the target's logits [B, n, V] or None)."""
+    """m random blocks per sequence, drafted as at inference: roots in the generated part
+    (position >= prompt_len - 1), so the labels are the target's greedy continuation. Returns (anchors [B, m],
+    drafter logits [B, m, L, V], labels [B, m, L], the target's logits [B, n, V] or None)."""
     B, n = seqs.shape
     bs, L = drafter.block_size, drafter.block_size - 1
     hi = n - bs  # the root's block must fit: labels at r+1 .. r+L <= n-1
     if hi < prompt_len - 1:
-        raise ValueError(f"sequences of {n} tokens: too short for blocks of {bs} after a prompt of {prompt_len}")
+        raise ValueError(f"sequences of {n} tokens: too short for blocks of {bs} after a prompt of "
+                         f"{prompt_len}")
     anchors = torch.from_numpy(rng.integers(prompt_len - 1, hi + 1, size=(B, m))).to(seqs.device)
     feats = target_features(target, seqs, drafter.target_layer_ids, logits=target_logits)
     t_logits = None
@@ -275,18 +277,20 @@ def _draft_blocks(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tenso
 
 def drafter_loss(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int,
                  cfg: TrainConfig, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of `cfg.anchors` random blocks per sequence (`_draft_blocks`), plus `cfg.soft_weight` times
-    KL(target || drafter) per depth: on a greedy sequence the target's distribution at position r + k - 1 is
-    exactly the one whose argmax is the depth-k label, so its alternatives teach the drafter's lower ranks
-    (what a tree spends its budget on). Returns (loss, per-depth accuracy)."""
+    """Cross-entropy of `cfg.anchors` random blocks per sequence (`_draft_blocks`), plus `cfg.soft_weight`
+    times KL(target || drafter) per depth: on a greedy sequence the target's distribution at position
+    r + k - 1 is exactly the one whose argmax is the depth-k label, so its alternatives teach the drafter's
+    lower ranks (what a tree spends its budget on). Returns (loss, per-depth accuracy)."""
     soft = cfg.soft_weight > 0
-    anchors, logits, labels, t_logits = _draft_blocks(drafter, target, seqs, prompt_len, cfg.anchors, rng, soft)
+    anchors, logits, labels, t_logits = _draft_blocks(drafter, target, seqs, prompt_len, cfg.anchors, rng,
+                                                      soft)
     B, m, L = labels.shape
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     per = ce.view(B, m, L)
     if soft:  # the target's distributions at positions anchor + k - 1, k = 1..L
         pos = (anchors[:, :, None] + torch.arange(L, device=seqs.device)).reshape(B, -1)
-        t_logp = torch.log_softmax(t_logits.float().gather(1, pos[:, :, None].expand(-1, -1, t_logits.shape[-1])), -1)
+        t_logp = torch.log_softmax(
+            t_logits.float().gather(1, pos[:, :, None].expand(-1, -1, t_logits.shape[-1])), -1)
         q_logp = torch.log_softmax(logits.float(), -1).reshape(B, -1, logits.shape[-1])
         kl = (t_logp.exp() * (t_logp - q_logp)).sum(-1)
         per = per + cfg.soft_weight * kl.view(B, m, L)
@@ -300,18 +304,20 @@ def drafter_loss(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor
 def rank_coverage(drafter: DFlashDrafter, target: Transformer, seqs: torch.Tensor, prompt_len: int,
                   ks=(1, 4, 16, 64), anchors: int = 8, seed: int = 1) -> dict[int, list[float]]:
     """{k: [share of blocks whose depth-d label is among the drafter's top k, d = 1..L]} on greedy sequences:
-    what a tree can find at each depth (a label outside the top B of its depth is never in a budget-B tree)."""
+    what a tree can find at each depth (a label outside the top B of its depth is never in a budget-B
+    tree)."""
     was = drafter.training
     drafter.eval()
-    _, logits, labels, _ = _draft_blocks(drafter, target, seqs, prompt_len, anchors, np.random.default_rng(seed))
+    _, logits, labels, _ = _draft_blocks(drafter, target, seqs, prompt_len, anchors,
+                                         np.random.default_rng(seed))
     drafter.train(was)
     lg = logits.float()
     rank = (lg > lg.gather(-1, labels[..., None])).sum(-1)  # [B, m, L]: the label's rank (0 = argmax)
     return {int(k): (rank < k).float().mean(dim=(0, 1)).tolist() for k in ks}
 
 
-def train_drafter(target: Transformer, seqs: torch.Tensor, prompt_len: int, args: DrafterArgs, cfg: TrainConfig,
-                  device="cpu", heldout: torch.Tensor | None = None, progress: bool = True):
+def train_drafter(target: Transformer, seqs: torch.Tensor, prompt_len: int, args: DrafterArgs,
+                  cfg: TrainConfig, device="cpu", heldout: torch.Tensor | None = None, progress: bool = True):
     """Train a DFlash drafter on greedy sequences [N, n] of `target` (frozen). Returns (drafter, log)."""
     torch.manual_seed(cfg.seed)
     target = target.to(device).eval()
@@ -347,8 +353,8 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
     """AR, the DFlash chain and DDTree at each budget on the same prompts, per temperature: tau (tokens per
     verify round), tok/s (generated tokens over wall time, all requests one after another), target forwards
     per token, the histogram of tokens per round (accept_hist[i] = rounds that emitted i + 1 tokens), seconds
-    per stage (GenerationResult.stage_times summed), and at T = 0 whether every output equals AR's token for token. Each mode first runs once untimed
-(kernel compilation, first allocations). Returns {"rows": [...],
+    per stage (GenerationResult.stage_times summed), and at T = 0 whether every output equals AR's token for
+    token. Each mode first runs once untimed (kernel compilation, first allocations). Returns {"rows": [...],
     "targets": [...]} with the lab's goals: best-budget tau_DDTree >= tau_DFlash + 1.5 and DDTree tok/s >=
     1.3x the DFlash chain at T = 0, lossless throughout."""
     from .decode import generate_ar, generate_ddtree, generate_dflash
@@ -362,9 +368,11 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
     warm = set()
     for T, mode, B in it:
         if (mode, B) not in warm:  # untimed: kernel compilation and first-call allocations stay out of tok/s
-            kw = {} if mode == "ar" else dict(backend=backend) if mode == "dflash" else dict(budget=B, backend=backend)
+            kw = ({} if mode == "ar" else dict(backend=backend) if mode == "dflash"
+                  else dict(budget=B, backend=backend))
             gen = {"ar": generate_ar, "dflash": generate_dflash, "ddtree": generate_ddtree}[mode]
-            gen(target, *(() if mode == "ar" else (drafter,)), prompts[0], min(8, max_new_tokens), temperature=T, **kw)
+            gen(target, *(() if mode == "ar" else (drafter,)), prompts[0], min(8, max_new_tokens),
+                temperature=T, **kw)
             warm.add((mode, B))
         toks, rounds, forwards, wall, lossless, stages = 0, [], 0, 0.0, True, {}
         for i, p in enumerate(prompts):
@@ -372,7 +380,8 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
                 r = generate_ar(target, p, max_new_tokens, temperature=T, seed=i)
                 ar_out[(T, i)] = r.tokens
             elif mode == "dflash":
-                r = generate_dflash(target, drafter, p, max_new_tokens, temperature=T, seed=i, backend=backend)
+                r = generate_dflash(target, drafter, p, max_new_tokens, temperature=T, seed=i,
+                                    backend=backend)
             else:
                 r = generate_ddtree(target, drafter, p, max_new_tokens, budget=B, temperature=T, seed=i,
                                     backend=backend)
@@ -385,9 +394,11 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
             if T == 0.0 and mode != "ar":
                 lossless &= r.tokens == ar_out[(T, i)]
         rows.append({"temperature": T, "mode": mode, "budget": B, "tau": float(np.mean(rounds)),
-                     "tok_per_s": toks / wall if wall else None, "forwards_per_token": forwards / max(toks, 1),
-                     "tokens": toks, "wall_s": wall, "lossless": bool(lossless) if T == 0.0 and mode != "ar" else None,
-                     "rounds": len(rounds), "accept_hist": np.bincount(rounds).tolist()[1:], "stage_s": stages})
+                     "tok_per_s": toks / wall if wall else None,
+                     "forwards_per_token": forwards / max(toks, 1), "tokens": toks, "wall_s": wall,
+                     "lossless": bool(lossless) if T == 0.0 and mode != "ar" else None,
+                     "rounds": len(rounds), "accept_hist": np.bincount(rounds).tolist()[1:],
+                     "stage_s": stages})
     targets = []
     t0 = [r for r in rows if r["temperature"] == 0.0]
     if t0:

@@ -147,7 +147,8 @@ def check_tree(logits: np.ndarray, budget: int, tree=None) -> list[str]:
     for i in range(vb.n):  # mask row = the path to the root
         anc, j = {i}, i
         while vb.parents[j] >= 0:
-            j = int(vb.parents[j]); anc.add(j)
+            j = int(vb.parents[j])
+            anc.add(j)
         if set(np.flatnonzero(vb.mask[i])) != anc:
             errs.append(f"mask row {i} != ancestors")
             break
@@ -156,7 +157,8 @@ def check_tree(logits: np.ndarray, budget: int, tree=None) -> list[str]:
 
 def golden_property_checks(n_cases: int = 200, seed: int = 0, max_L: int = 4, max_V: int = 6,
                            max_budget: int = 40) -> dict:
-    """Random small cases (brute force is exponential): tree == top-B prefixes, prefix-closed, parents first."""
+    """Random small cases (brute force is exponential): tree == top-B prefixes, prefix-closed, parents
+    first."""
     n_cases = _count("n_cases", n_cases)
     rng = np.random.default_rng(seed)
     failures = []
@@ -193,7 +195,8 @@ DEFAULT_CASES = (
 )
 
 
-def random_prompts(args: ModelArgs, n: int, seed: int, min_len: int = 4, max_len: int = 24) -> list[list[int]]:
+def random_prompts(args: ModelArgs, n: int, seed: int, min_len: int = 4,
+                   max_len: int = 24) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, args.vocab_size, size=int(rng.integers(min_len, max_len + 1))).tolist()
             for _ in range(n)]
@@ -260,7 +263,8 @@ def oracle_sweep(model: Transformer, prompts, max_new_tokens: int, block_size: i
         it = tqdm(prompts, desc=f"oracle sweep ({len(budgets)} budgets)")
     for i, prompt in enumerate(it):
         ar = oracle_ar(model, prompt, max_new_tokens)
-        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i, **(oracle or {}))
+        o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block_size, seed=seed + i,
+                          **(oracle or {}))
         runs = {"ar": ar, "dflash": generate_dflash(model, o, prompt, max_new_tokens)}
         for b in budgets:
             runs[f"ddtree B={b}"] = generate_ddtree(model, o, prompt, max_new_tokens, budget=b)
@@ -289,7 +293,7 @@ def example_round(model: Transformer, drafter, prompt, budget: int):
     return vb, accepted, bonus
 
 
-# ----------------------------------------------------------------------------- GPU kernels vs golden (notebook 00)
+# ------------------------------------------------------------------------ GPU kernels vs golden (notebook 00)
 def tiny_kernel_args() -> ModelArgs:
     """tiny-a with the K2.6 attention widths the kernels are built for (latent 512 + rope 64)."""
     from .config import TINY_A
@@ -365,7 +369,8 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
         acc, ln, bonus = kernels.tree_walk(tb.tokens[i:i + 1].contiguous(), tb.parents[i:i + 1].contiguous(),
                                            ch.cuda(), max_accept=L + 1)
         ga, gb = golden.walk(vb.tokens, vb.parents, choice)
-        same &= int(ln[0]) == len(ga) and int(bonus[0]) == gb and np.array_equal(acc[0, :len(ga)].cpu().numpy(), ga)
+        same &= int(ln[0]) == len(ga) and int(bonus[0]) == gb \
+            and np.array_equal(acc[0, :len(ga)].cpu().numpy(), ga)
     out["tree_build_and_walk_equal_golden"] = bool(same)
     # verify attention vs float64
     N, H, prefix = 33, 8, 700
@@ -380,9 +385,10 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
     want, _ = golden.mla_tree_attention(qn[..., :512], qn[..., 512:], kv[:, :512], kv[:, 512:], mask, 0.07)
     errs = []
     for impl in kernels.available_verify_impls():  # each kernel the GPU has
-        got, _ = kernels.verify_attn(q.cuda(), cache.cuda(), torch.arange(pages, dtype=torch.int32).cuda()[None],
-                                     torch.tensor([S], dtype=torch.int32).cuda(), torch.from_numpy(mask).cuda()[None],
-                                     0.07, impl=impl)
+        got, _ = kernels.verify_attn(q.cuda(), cache.cuda(),
+                                     torch.arange(pages, dtype=torch.int32).cuda()[None],
+                                     torch.tensor([S], dtype=torch.int32).cuda(),
+                                     torch.from_numpy(mask).cuda()[None], 0.07, impl=impl)
         errs.append(float(np.linalg.norm(got[0].double().cpu().numpy() - want) / np.linalg.norm(want)))
         out[f"verify_attn_{impl}_rel_err_vs_float64"] = errs[-1]
     out["verify_attn_rel_err_vs_float64"] = max(errs)
@@ -403,8 +409,8 @@ def kernel_checks(seed: int = 0, n_prompts: int = 4, max_new_tokens: int = 48, b
         model.attn_impl = "kernel"
         ar16 = oracle_ar(model, prompt, max_new_tokens)
         o16 = OracleDrafter(prompt + ar16.tokens, model.args.vocab_size, block_size, seed=seed + i)
-        same_bf16 += generate_ddtree(model, o16, prompt, max_new_tokens, budget=budget, backend="kernel").tokens \
-            == ar16.tokens
+        same_bf16 += generate_ddtree(model, o16, prompt, max_new_tokens, budget=budget,
+                                     backend="kernel").tokens == ar16.tokens
     out["gpu_round_ddtree_equals_ar"] = bool(equal)
     out["gpu_round_forwards_per_token"] = {k: float(np.mean(v)) for k, v in fpt.items()}
     out["bf16_attention_prompts_identical_to_ar"] = f"{same_bf16}/{len(prompts)}"

@@ -189,7 +189,8 @@ def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs, allow_no
                     args.hidden_size), "down": (args.hidden_size, args.moe_intermediate_size)}
             for name, w in (("gate", g), ("up", u), ("down", d)):
                 if w.shape != want[name]:
-                    raise CheckpointError(f"{pre}.{name}_proj.weight_shape: expected {want[name]}, found {w.shape}")
+                    raise CheckpointError(f"{pre}.{name}_proj.weight_shape: expected {want[name]}, "
+                                          f"found {w.shape}")
                 if not allow_nonfinite and not bool(torch.isfinite(w.scale).all()):
                     raise CheckpointError(f"{pre}.{name}_proj.weight_scale holds NaN or inf "
                                           "(allow_nonfinite=True loads it anyway)")
@@ -202,7 +203,8 @@ def _take_int4_experts(found: dict[str, torch.Tensor], args: ModelArgs, allow_no
         extra = [k for k in found if k.startswith(f"model.layers.{i}.mlp.experts.") and ".weight" in k
                  and int(k.split(".")[4]) >= args.n_routed_experts]
         if extra:
-            raise CheckpointError(f"layer {i}: experts beyond n_routed_experts={args.n_routed_experts}: {extra[:4]}")
+            raise CheckpointError(f"layer {i}: experts beyond n_routed_experts={args.n_routed_experts}: "
+                                  f"{extra[:4]}")
         out[i] = Int4Experts(*quant.stack_experts(w13), *quant.stack_experts(w2))
     return out
 
@@ -265,7 +267,8 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     """Write config.json + model.safetensors in the hub layout (INT4 routed experts as pack-quantized
     tensors per expert, the way compressed-tensors writes them)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, ...)")
+        raise ValueError(f"dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, "
+                         "...)")
     released = [i for i, layer in enumerate(model.model.layers)
                 if getattr(getattr(layer.mlp, "experts", None), "released", False)]
     if released:
@@ -273,14 +276,15 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
                          "(Int4Experts.keep_kernel_only): there are no release-format weights to write")
     d = Path(path)
     if (d / "model.safetensors.index.json").exists():
-        raise ValueError(f"{d}: holds a sharded checkpoint (model.safetensors.index.json), which load() would read "
-                         "instead of the file written here: save into an empty folder")
+        raise ValueError(f"{d}: holds a sharded checkpoint (model.safetensors.index.json), which load() "
+                         "would read instead of the file written here: save into an empty folder")
     d.mkdir(parents=True, exist_ok=True)
     sd = {}
     for k, v in model.state_dict().items():
         if ".mlp.experts.w" in k:
             continue
-        sd[k] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+        sd[k] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu() \
+            .contiguous()
     quantized = False
     for i, layer in enumerate(model.model.layers):
         ex = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
@@ -301,8 +305,8 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     if quantized:
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                          "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                          "group_size": quant.GROUP}}}}
+                                          "num_bits": 4, "type": "int", "symmetric": True,
+                                          "strategy": "group", "group_size": quant.GROUP}}}}
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return d
 

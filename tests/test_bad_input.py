@@ -113,7 +113,8 @@ def test_drafter_sessions_check_their_calls():
     with pytest.raises(RuntimeError, match="call start"):
         s.accept(torch.zeros(1, d.fc.in_features))
     s.start([1, 2, 3], torch.randn(3, d.fc.in_features))
-    with pytest.raises(ValueError, match=r"features: 6 more positions overflow the session \(3 of max_len 8\)"):
+    with pytest.raises(ValueError,
+                       match=r"features: 6 more positions overflow the session \(3 of max_len 8\)"):
         s.accept(torch.randn(6, d.fc.in_features))
     assert s.length == 3
     with pytest.raises(ValueError, match="committed: expected"):
@@ -124,8 +125,8 @@ def test_drafter_sessions_check_their_calls():
 def test_train_config_rejects_settings_that_train_wrong():
     from kdtree.train import TrainConfig
     for kw, msg in ((dict(grad_clip=-1.0), "grad_clip=-1.0"), (dict(grad_clip=0.0), "grad_clip=0.0"),
-                    (dict(weight_decay=float("nan")), "weight_decay=nan"), (dict(bias_update=-1e-3), "bias_update"),
-                    (dict(warmup=-5), "warmup=-5")):
+                    (dict(weight_decay=float("nan")), "weight_decay=nan"),
+                    (dict(bias_update=-1e-3), "bias_update"), (dict(warmup=-5), "warmup=-5")):
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**kw)
     assert TrainConfig(warmup=0).warmup == 0
@@ -144,7 +145,8 @@ def test_int4_experts_check_dtypes_and_sizes():
     from kdtree.quant import QuantFormatError
     ok = Int4Experts.random(4, 64, 32, seed=0)
     parts = [ok.w13_packed, ok.w13_scale, ok.w2_packed, ok.w2_scale]
-    with pytest.raises(QuantFormatError, match="w13_packed: expected a tensor of torch.int32, got torch.float32"):
+    with pytest.raises(QuantFormatError,
+                       match="w13_packed: expected a tensor of torch.int32, got torch.float32"):
         Int4Experts(parts[0].float(), *parts[1:])
     with pytest.raises(QuantFormatError, match="w2_scale: expected a tensor of"):
         Int4Experts(*parts[:3], parts[3].to(torch.int32))
@@ -154,9 +156,11 @@ def test_int4_experts_check_dtypes_and_sizes():
 
 def test_drafter_args_reject_sizes_and_constants_that_cannot_work():
     from kdtree.drafter import DrafterArgs
-    for kw, msg in ((dict(num_attention_heads=0), "num_attention_heads=0"), (dict(hidden_size=-8), "hidden_size=-8"),
+    for kw, msg in ((dict(num_attention_heads=0), "num_attention_heads=0"),
+                    (dict(hidden_size=-8), "hidden_size=-8"),
                     (dict(num_key_value_heads=0), "num_key_value_heads=0"),
-                    (dict(rope_theta=float("nan")), "rope_theta=nan"), (dict(rms_norm_eps=-1e-6), "rms_norm_eps"),
+                    (dict(rope_theta=float("nan")), "rope_theta=nan"),
+                    (dict(rms_norm_eps=-1e-6), "rms_norm_eps"),
                     (dict(target_layer_ids=(0, -1)), r"target_layer_ids=\(0, -1\)")):
         with pytest.raises(ValueError, match=msg):
             DrafterArgs(**kw)
@@ -168,7 +172,8 @@ def test_seed_and_stop_tokens_are_checked():
         decode.generate_ar(m, [1, 2], 2, seed=None)
     with pytest.raises(ValueError, match=r"stop_tokens=\[1.5\]: expected token ids"):
         decode.generate_ar(m, [1, 2], 2, stop_tokens=[1.5])
-    assert decode.generate_ar(m, [1, 2], 3, stop_tokens=None).tokens == decode.generate_ar(m, [1, 2], 3).tokens
+    assert decode.generate_ar(m, [1, 2], 3, stop_tokens=None).tokens \
+        == decode.generate_ar(m, [1, 2], 3).tokens
 
 
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
@@ -176,7 +181,8 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
     from kdtree.weights import CheckpointError, read_state_dict
     save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(tmp_path / "part-1.safetensors"))
     save_file({"a": torch.full((2,), 2.0)}, str(tmp_path / "part-2.safetensors"))
-    with pytest.raises(CheckpointError, match=r"tensor a is in both part-1.safetensors and part-2.safetensors"):
+    with pytest.raises(CheckpointError,
+                       match=r"tensor a is in both part-1.safetensors and part-2.safetensors"):
         read_state_dict(tmp_path)
 
 
@@ -223,9 +229,11 @@ def _tree(tokens, depths, parents):
 
 
 @pytest.mark.parametrize("call,needle", [
-    (lambda: golden.build_tree(np.array([[1.7, 2.0]]), np.log(np.array([[0.6, 0.4]])), 2), "integer token ids"),
+    (lambda: golden.build_tree(np.array([[1.7, 2.0]]), np.log(np.array([[0.6, 0.4]])), 2),
+     "integer token ids"),
     (lambda: golden.build_tree(np.array([[1, -3]]), np.log(np.array([[0.6, 0.4]])), 2), "ids >= 0, got -3"),
-    (lambda: golden.ddtree(np.zeros((2, 8), np.float32), 10 ** 9), r"budget=1000000000: expected an int in \[1,"),
+    (lambda: golden.ddtree(np.zeros((2, 8), np.float32), 10 ** 9),
+     r"budget=1000000000: expected an int in \[1,"),
     (lambda: golden.compile_tree(_tree([1, 2], [1, 2], [-1, 5]), 0, 0), r"parents\[1\] = 5"),
     (lambda: golden.compile_tree(_tree([1, 2], [1, 3], [-1, 0]), 0, 0), r"depths\[1\] = 3, expected 2"),
     (lambda: golden.compile_tree(_tree([1.5, 2], [1, 2], [-1, 0]), 0, 0), "integer token ids"),

@@ -11,12 +11,14 @@ def test_all_experts_touched_is_every_parameter_but_the_embedding_table(args):
     assert full == args.param_count() - args.vocab_size * args.hidden_size + args.hidden_size
     top = decode_weight_bytes(args, itemsize=2)
     per_expert = 3 * args.hidden_size * args.moe_intermediate_size * 2
-    assert full * 2 - top == args.n_moe_layers * (args.n_routed_experts - args.num_experts_per_tok) * per_expert
+    assert full * 2 - top \
+        == args.n_moe_layers * (args.n_routed_experts - args.num_experts_per_tok) * per_expert
 
 
 def test_mid_config_shape_and_bytes():
     a = load_config("mid")
-    assert (a.hidden_size, a.num_hidden_layers, a.n_routed_experts, a.num_experts_per_tok) == (2048, 12, 32, 4)
+    assert (a.hidden_size, a.num_hidden_layers, a.n_routed_experts, a.num_experts_per_tok) \
+        == (2048, 12, 32, 4)
     assert 1.3e9 < a.param_count() < 1.5e9
     # bf16, top-4 routing: attention 137 M, dense 35 M, touched + shared experts 173 M, lm_head 66 M weights
     assert 0.80e9 < decode_weight_bytes(a) < 0.84e9

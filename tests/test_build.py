@@ -19,8 +19,9 @@ def test_sources_ship_with_the_package():
 @pytest.mark.parametrize("src", SOURCES, ids=[p.name for p in SOURCES])
 def test_compiles_for_sm90a(src, nvcc, tmp_path):
     # KDTREE_WGMMA: the loader's sm_90a build, with the warpgroup-MMA kernels
-    r = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DKDTREE_WGMMA=1", "-Xptxas", "-v",
-                        "-c", str(src), "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DKDTREE_WGMMA=1",
+                        "-Xptxas", "-v", "-c", str(src), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "spill stores" in r.stderr
     import re
@@ -31,7 +32,8 @@ def test_compiles_for_sm90a(src, nvcc, tmp_path):
 
 
 def test_split_limit_matches_the_kernel():
-    """verify_attn_combine sizes its shared weights by verify_attn.cu's MAX_SPLITS; the wrapper's limit is it."""
+    """verify_attn_combine sizes its shared weights by verify_attn.cu's MAX_SPLITS; the wrapper's limit is
+    it."""
     import re
 
     from kdtree import kernels
@@ -49,31 +51,48 @@ def test_fused_moe_grid_matches_the_kernel():
     assert int(re.search(r"#define MOE_FUSED_MINB (\d+)", src).group(1)) == kernels.FUSED_BLOCKS_PER_SM
 
 
-def test_verify_ablations_apply_and_compile(nvcc, tmp_path):
-    """bench.VERIFY_ABLATIONS edit verify_attn.cu's text: each edit must still find its text (an edit that no
-    longer matches would time the full kernel under an ablation's name), and the edited source must compile."""
-    from kdtree import bench, kernels
-    src = next(p for p in SOURCES if p.name == "verify_attn.cu").read_text()
-    for name, edits in bench.VERIFY_ABLATIONS.items():
-        for old, new in edits:
-            assert src.count(old) >= 1, (name, old)
-        edited = kernels._edited("verify_attn", src, edits)
-        assert (edited != src) == bool(edits), name
-    (tmp_path / "abl.cu").write_text(edited)  # the last: no S, no P V, no cp.async
-    r = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-DKDTREE_WGMMA=1",
-                        f"-I{kernels.cuda_source_dir()}", "-c", str(tmp_path / "abl.cu"), "-o", str(tmp_path / "k.o")],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+def _ptx(nvcc, src, out, defines=()):
+    return subprocess.Popen([nvcc, "-std=c++17", "-O3", "-ptx", "-arch=sm_90a", "-DKDTREE_WGMMA=1",
+                             f"-I{src.parent}", *defines, str(src), "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)
 
 
-def test_source_edits_reject_missing_text_and_restore():
+@pytest.mark.slow
+def test_verify_ablations_build_and_their_defaults_leave_the_kernel_as_it_is(nvcc, tmp_path):
+    """bench.VERIFY_ABLATIONS set verify_attn.cu's KDTREE_ABLATE_* switches: every ablation compiles and
+    changes the PTX (one that did not would time the full kernel under an ablation's name), and the switches
+    set to their defaults give the PTX of the plain build."""
+    from kdtree import bench
+    src = next(p for p in SOURCES if p.name == "verify_attn.cu")
+    defaults = ["-DKDTREE_ABLATE_S_STEPS=36", "-DKDTREE_ABLATE_NO_PV=0", "-DKDTREE_ABLATE_NO_EXP=0",
+                "-DKDTREE_ABLATE_NO_LOADS=0"]
+    builds = {"plain": (), "defaults": defaults}
+    for name, defines in bench.VERIFY_ABLATIONS.items():
+        if defines:
+            builds[name] = [f"-D{k}={v}" for k, v in defines.items()]
+    procs = {k: _ptx(nvcc, src, tmp_path / f"{i}.ptx", d) for i, (k, d) in enumerate(builds.items())}
+    ptx = {}
+    for i, (k, p) in enumerate(procs.items()):
+        err = p.communicate(timeout=900)[1]
+        assert p.returncode == 0, (k, err[-4000:])
+        ptx[k] = [ln for ln in (tmp_path / f"{i}.ptx").read_text().splitlines() if not ln.startswith("//")]
+    assert ptx["defaults"] == ptx["plain"]
+    for name in builds:
+        if name not in ("plain", "defaults"):
+            assert ptx[name] != ptx["plain"], name
+
+
+def test_compile_defines_refuse_unknown_switches_and_restore():
     from kdtree import kernels
-    with pytest.raises(ValueError, match="does not occur in cuda/verify_attn.cu"):
-        with kernels.source_edits("verify_attn", [("no such text in the kernel", "")]):
+    with pytest.raises(ValueError, match="not a macro that cuda/verify_attn.cu reads"):
+        with kernels.compile_defines("verify_attn", {"KDTREE_ABLATE_NO_SUCH_PART": 1}):
             pass
-    assert "verify_attn" not in kernels._SOURCE_EDITS
+    with pytest.raises(ValueError, match="must be an int"):
+        with kernels.compile_defines("verify_attn", {"KDTREE_ABLATE_NO_PV": "1"}):
+            pass
+    assert "verify_attn" not in kernels._DEFINES
     with pytest.raises(RuntimeError, match="inside"):
-        with kernels.source_edits("verify_attn", [("ks < 36", "ks < 4")]):
-            assert kernels._SOURCE_EDITS["verify_attn"] == (("ks < 36", "ks < 4"),)
+        with kernels.compile_defines("verify_attn", {"KDTREE_ABLATE_NO_PV": 1}):
+            assert kernels._DEFINES["verify_attn"] == (("KDTREE_ABLATE_NO_PV", 1),)
             raise RuntimeError("inside")
-    assert "verify_attn" not in kernels._SOURCE_EDITS
+    assert "verify_attn" not in kernels._DEFINES

@@ -1,5 +1,5 @@
-"""The drafter's calibration table: its statistics, the correction, storage, and a measurement on the trained pair
-that agrees with the engine's own accept lengths."""
+"""The drafter's calibration table: its statistics, the correction, storage, and a measurement on the trained
+pair that agrees with the engine's own accept lengths."""
 import json
 
 import numpy as np
@@ -39,9 +39,9 @@ def test_an_overconfident_drafter_is_corrected_and_the_check_can_fail():
 
 
 def test_bins_scale_their_predictions_and_sparse_ones_fall_back():
-    """A (depth, bin) with enough nodes scales its predictions by its realized / predicted (keeping their order
-    within the bin); one with too few takes the bin's ratio over all depths, then 1; a depth beyond the table
-    keeps the prediction; nothing exceeds 1."""
+    """A (depth, bin) with enough nodes scales its predictions by its realized / predicted (keeping their
+    order within the bin); one with too few takes the bin's ratio over all depths, then 1; a depth beyond the
+    table keeps the prediction; nothing exceeds 1."""
     cal = Calibration.empty(2)
     j = 5  # edges[5] = 0.1 <= p < 0.2
     cal.count[0][j], cal.predicted[0][j], cal.accepted[0][j] = 100, 15.0, 30          # ratio 2 at depth 1
@@ -59,8 +59,9 @@ def test_bins_scale_their_predictions_and_sparse_ones_fall_back():
 
 
 def test_node_acceptance_follows_the_target_down_the_tree():
-    tree = golden.Tree(np.array([5, 6, 7, 8]), np.array([1, 1, 2, 2], np.int32), np.array([-1, -1, 0, 1], np.int32),
-                       np.log(np.array([0.5, 0.3, 0.2, 0.1], np.float32)), np.zeros(4, np.int32))
+    tree = golden.Tree(np.array([5, 6, 7, 8]), np.array([1, 1, 2, 2], np.int32),
+                       np.array([-1, -1, 0, 1], np.int32), np.log(np.array([0.5, 0.3, 0.2, 0.1], np.float32)),
+                       np.zeros(4, np.int32))
     blk = golden.compile_tree(tree, 9, 10)
     choice = np.array([6, 0, 8, 0, 0])  # root chooses 6 (node 1), node 1 chooses 8 (node 3)
     assert node_acceptance(blk, choice).tolist() == [False, True, False, True]

@@ -33,13 +33,15 @@ def _tensors(d, sd):
 def test_a_config_with_fewer_layers_than_the_tensors_is_refused(ckpt):
     d, _, cfg = ckpt
     _config(d, {**cfg, "num_hidden_layers": 3})
-    with pytest.raises(weights.CheckpointError, match=r"tensor model\.layers\.3\..* is past num_hidden_layers=3"):
+    with pytest.raises(weights.CheckpointError,
+                       match=r"tensor model\.layers\.3\..* is past num_hidden_layers=3"):
         weights.load(d)
 
 
 @pytest.mark.parametrize("key,value,needle", [
     ("num_hidden_layers", 100_000, r"num_hidden_layers=100000 but the tensors hold layers 0\.\.3"),
-    ("n_routed_experts", 2 ** 20, r"layer 1 holds experts 0\.\.7 \(8\); the config says n_routed_experts=1048576"),
+    ("n_routed_experts", 2 ** 20,
+     r"layer 1 holds experts 0\.\.7 \(8\); the config says n_routed_experts=1048576"),
 ])
 def test_huge_configs_are_refused_before_any_model_is_built(ckpt, key, value, needle):
     d, _, cfg = ckpt
@@ -67,7 +69,8 @@ def test_an_integer_tensor_in_a_float_weight_is_refused(ckpt):
     d, sd, _ = ckpt
     sd["model.norm.weight"] = torch.ones(256, dtype=torch.int64)
     _tensors(d, sd)
-    with pytest.raises(weights.CheckpointError, match=r"model\.norm\.weight: expected a floating-point tensor"):
+    with pytest.raises(weights.CheckpointError,
+                       match=r"model\.norm\.weight: expected a floating-point tensor"):
         weights.load(d)
 
 

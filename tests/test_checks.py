@@ -15,7 +15,8 @@ def test_ints_accept_numpy_scalars(v):
     assert checks.positive_int("n", v) == 3 and type(checks.positive_int("n", v)) is int
 
 
-@pytest.mark.parametrize("v,needle", [(True, "n=True: expected a positive int"), (np.bool_(True), "n=(np.)?True"),
+@pytest.mark.parametrize("v,needle", [(True, "n=True: expected a positive int"),
+                                      (np.bool_(True), "n=(np.)?True"),
                                       (3.0, "n=3.0: expected a positive int"), (0, "n=0"), ("3", "n='3'"),
                                       (None, "n=None")])
 def test_ints_refuse_bools_floats_and_out_of_range(v, needle):

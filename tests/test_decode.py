@@ -73,9 +73,9 @@ def test_stop_tokens_and_max_new_tokens(tiny):
 
 def _micro():
     args = ModelArgs(vocab_size=6, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
-                     intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                     num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                     v_head_dim=8, max_position_embeddings=64)
+                     intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
+                     num_experts_per_tok=2, num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                     qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=64)
     return build_model(args, seed=5)
 
 

@@ -22,13 +22,13 @@ def _position_errors(b, a):
 
 
 def test_kernel_attention_matches_absorb(model):
-    """Whole-model logits, bf16 kernel attention vs float32 absorb, per position: the median within 1e-2 and at
-    most 5% of positions past 5e-2. bf16 rounding of the queries and the cache moves isolated positions of some
-    prompts by a discrete step (a flip downstream in these random-weight models: near-one-hot attention or a
-    routing choice, see validate.kernel_model). Measured on the H200 over 8 prompts, either kernel: medians
-    0.0006-0.0027, 90th percentiles <= 0.007, 0-2.4% of positions past 5e-2 with errors up to 0.84; so a
-    whole-tensor bound cannot be both tight and stable, while a wiring fault (mask, scale, pages) moves every
-    position."""
+    """Whole-model logits, bf16 kernel attention vs float32 absorb, per position: the median within 1e-2 and
+    at most 5% of positions past 5e-2. bf16 rounding of the queries and the cache moves isolated positions of
+    some prompts by a discrete step (a flip downstream in these random-weight models: near-one-hot attention
+    or a routing choice, see validate.kernel_model). Measured on the H200 over 8 prompts, either kernel:
+    medians 0.0006-0.0027, 90th percentiles <= 0.007, 0-2.4% of positions past 5e-2 with errors up to 0.84; so
+    a whole-tensor bound cannot be both tight and stable, while a wiring fault (mask, scale, pages) moves
+    every position."""
     x = torch.randint(0, model.args.vocab_size, (1, 300), device="cuda")
     ref_model = kernel_model(seed=3)
     ref_model.attn_impl = "absorb"
@@ -45,7 +45,8 @@ def test_kernel_attention_matches_absorb(model):
     for m in (ref_model, model):
         c = m.new_cache(400)
         m(x, c)
-        outs.append(m(torch.from_numpy(vb.tokens)[None].cuda(), c, position_ids=torch.from_numpy(vb.positions).cuda(),
+        outs.append(m(torch.from_numpy(vb.tokens)[None].cuda(), c,
+                      position_ids=torch.from_numpy(vb.positions).cuda(),
                       mask=torch.from_numpy(vb.mask).cuda()).logits)
     check(_position_errors(outs[1], outs[0]))
 
@@ -70,7 +71,8 @@ def test_gpu_tree_round_is_lossless(fp32_model, budget, block):
 
 @pytest.mark.parametrize("budget,block", [(8, 4), (64, 16), (512, 16)])
 def test_kernel_backend_equals_golden_backend(model, budget, block):
-    """With bf16 kernel attention too, the GPU round and the numpy round emit the same tokens and accept lengths."""
+    """With bf16 kernel attention too, the GPU round and the numpy round emit the same tokens and accept
+    lengths."""
     for i, prompt in enumerate(random_prompts(model.args, 4, seed=budget + 1)):
         ar = generate_ar(model, prompt, 64)
         o = OracleDrafter(prompt + ar.tokens, model.args.vocab_size, block, seed=i)
@@ -95,7 +97,8 @@ def test_kernel_attention_in_decoding_matches_float64(model):
         m = ((mask[0][:, j // 32] >> (j % 32)) & 1).bool()
         vis = torch.cat([torch.ones(N, S - N, dtype=torch.bool, device=q.device), m], 1)
         s = torch.einsum("nhd,sd->nhs", q[0].double(), rows) * scale
-        ref = torch.einsum("nhs,sd->nhd", torch.softmax(s.masked_fill(~vis[:, None], float("-inf")), -1), rows[:, :512])
+        ref = torch.einsum("nhs,sd->nhd", torch.softmax(s.masked_fill(~vis[:, None], float("-inf")), -1),
+                           rows[:, :512])
         errs.append(float((out[0].double() - ref).norm() / ref.norm()))
         return out, lse
 

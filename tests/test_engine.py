@@ -13,7 +13,8 @@ from kdtree.validate import random_prompts
 
 
 class MultiOracle:
-    """Test oracle for many requests at once: each session picks the OracleDrafter of its prompt's reference."""
+    """Test oracle for many requests at once: each session picks the OracleDrafter of its prompt's
+    reference."""
 
     def __init__(self, refs: dict, vocab_size: int, block_size: int = 8, seed: int = 0):
         self.refs, self.vocab_size, self.block_size, self.seed = refs, vocab_size, block_size, seed
@@ -25,7 +26,8 @@ class MultiOracle:
         class _S:
             def start(self, prompt, features=None):
                 ref = outer.refs[tuple(prompt)]
-                self.o = OracleDrafter(list(prompt) + ref, outer.vocab_size, outer.block_size, seed=outer.seed)
+                self.o = OracleDrafter(list(prompt) + ref, outer.vocab_size, outer.block_size,
+                                       seed=outer.seed)
 
             def propose(self, committed):
                 return self.o.propose(committed)
@@ -60,7 +62,8 @@ def test_engine_equals_the_oracle_with_requests_joining(tiny, mode, budget):
     prompts = random_prompts(args, 9, seed=3, min_len=3, max_len=40)
     lens = [5 + 4 * i for i in range(9)]
     refs = [oracle_ar(model, p, n).tokens for p, n in zip(prompts, lens)]
-    drafter = None if mode == "ar" else MultiOracle({tuple(p): r for p, r in zip(prompts, refs)}, args.vocab_size, 8)
+    drafter = None if mode == "ar" else MultiOracle({tuple(p): r for p, r in zip(prompts, refs)},
+                                                    args.vocab_size, 8)
     e = Engine(model, drafter, mode=mode, budget=budget, max_batch=4, max_len=256)
     assert e.graph_reason is not None  # the CPU runs the rounds eagerly
     outs, res = _serve(e, prompts, lens)
@@ -101,7 +104,8 @@ def test_trained_pair_batched_equals_the_oracle(pair, mode, budget):
 
 
 def test_requests_wait_for_pages_and_all_come_back(tiny):
-    """A pool of 4 pages for requests needing 2 each: at most two run at once, the rest wait (no preemption)."""
+    """A pool of 4 pages for requests needing 2 each: at most two run at once, the rest wait (no
+    preemption)."""
     _, args, model = tiny
     prompts = random_prompts(args, 6, seed=8, min_len=30, max_len=50)
     refs = [oracle_ar(model, p, 40).tokens for p in prompts]
@@ -169,20 +173,23 @@ def test_bad_engine_settings_are_refused(tiny):
     _, args, model = tiny
     d = build_drafter(model, block_size=4)
     for kw, needle in ((dict(mode="beam"), "mode="), (dict(mode="ddtree", drafter=d), "budget="),
-                       (dict(mode="ddtree", drafter=d, budget=0), "budget="), (dict(mode="ar", budget=4), "budget"),
-                       (dict(mode="dflash"), "drafter: expected a drafter"), (dict(max_batch=0), "max_batch="),
+                       (dict(mode="ddtree", drafter=d, budget=0), "budget="),
+                       (dict(mode="ar", budget=4), "budget"),
+                       (dict(mode="dflash"), "drafter: expected a drafter"),
+                       (dict(max_batch=0), "max_batch="),
                        (dict(max_len=10**7), "max_len="), (dict(page_size=32), "page_size="),
                        (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets="),
                        (dict(buckets="x"), "buckets="), (dict(moe="sparse"), "moe="),
                        (dict(moe="grouped", deterministic=True), "only 'dense' is batch-invariant"),
-                       (dict(mode="ddtree", drafter=d, budget=300, max_len=256), "budget: a verify block of 301")):
+                       (dict(mode="ddtree", drafter=d, budget=300, max_len=256),
+                        "budget: a verify block of 301")):
         with pytest.raises(ValueError, match=needle):
             Engine(model, **kw)
 
 
 def test_sampling_streams_are_per_request(pair):
-    """T > 0: a request's tokens depend on its seed only, not on its batch mates (sampling and greedy ones mixed)
-    or the batch size."""
+    """T > 0: a request's tokens depend on its seed only, not on its batch mates (sampling and greedy ones
+    mixed) or the batch size."""
     t, d = pair
     prompts = random_prompts(t.args, 5, seed=6, min_len=8, max_len=30)
     temps = [0.9, 0.0, 0.9, 0.0, 1.3]
@@ -228,8 +235,8 @@ def test_short_soak_pages_return_and_outputs_match(pair):
 
 
 def test_a_request_with_non_finite_logits_fails_alone(tiny):
-    """Token 7's embedding is NaN: a request whose prompt holds it fails with a clear error at its prefill; the
-    requests in flight go on and still equal the oracle (run on a clean copy of the model)."""
+    """Token 7's embedding is NaN: a request whose prompt holds it fails with a clear error at its prefill;
+    the requests in flight go on and still equal the oracle (run on a clean copy of the model)."""
     import copy
     _, args, model = tiny
     bad = copy.deepcopy(model)
@@ -277,6 +284,7 @@ def test_prompts_of_one_chunk_length_share_each_prefill_forward(tiny):
     prompts = [g.integers(0, args.vocab_size, n).tolist() for n in lens]
     refs = [oracle_ar(model, p, 6).tokens for p in prompts]
     d = build_drafter(model, block_size=4)
+    batched = None  # the batched (first, det=False) pass's drafter context, compared in the second pass
     for det, forwards in ((False, 7), (True, 4 + 4 + 2 + 5)):  # chunks of 7: see the groups below
         e = Engine(model, d, mode="ddtree", budget=8, max_batch=4, max_len=128, prefill_chunk=7,
                    deterministic=det, moe="dense", backend="golden")

@@ -80,7 +80,8 @@ def test_topk_sorts_by_logprob_then_token_id():
         tt, lp = golden.topk_logprobs(x, k)
         assert tt.shape == (L, min(k, V))
         x64 = x.astype(np.float64)
-        ref = x64 - (x64.max(1, keepdims=True) + np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1, keepdims=True)))
+        ref = x64 - (x64.max(1, keepdims=True)
+                     + np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1, keepdims=True)))
         for r in range(L):
             want = sorted(range(V), key=lambda t: (-x[r, t], t))[:min(k, V)]
             assert tt[r].tolist() == want
@@ -175,7 +176,8 @@ def test_mla_tree_attention_matches_torch_sdpa():
     rng = np.random.default_rng(5)
     N, H, R, P, prefix = 9, 4, 16, 8, 13
     S = prefix + N
-    q = rng.standard_normal((N, H, R + P)); k = rng.standard_normal((S, R + P))
+    q = rng.standard_normal((N, H, R + P))
+    k = rng.standard_normal((S, R + P))
     mask = golden.ancestor_mask(np.array([-1, 0, 0, 1, 1, 2, 3, 6, 7]))
     out, _ = golden.mla_tree_attention(q[..., :R], q[..., R:], k[:, :R], k[:, R:], mask, 0.2)
     full = np.concatenate([np.ones((N, prefix), bool), mask], 1)

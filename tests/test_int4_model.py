@@ -45,7 +45,8 @@ def test_int4_checkpoint_round_trip(pair, tmp_path):
     for n in ("gate", "up", "down"):
         for suf in ("weight_packed", "weight_scale", "weight_shape"):
             assert f"model.layers.{layer}.mlp.experts.0.{n}_proj.{suf}" in names
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] \
+        == "pack-quantized"
     back = weights.load(tmp_path)
     x = torch.randint(0, q.args.vocab_size, (1, 9))
     torch.testing.assert_close(back(x).logits, q(x).logits, rtol=0, atol=0)
@@ -53,7 +54,8 @@ def test_int4_checkpoint_round_trip(pair, tmp_path):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda sd, p: sd.pop(f"{p}.3.up_proj.weight_scale"), r"experts.3.up_proj: expected the pack-quantized"),
-    (lambda sd, p: sd.update({f"{p}.0.down_proj.weight_scale": sd[f"{p}.0.down_proj.weight_scale"][:, :1].contiguous()}),
+    (lambda sd, p: sd.update({f"{p}.0.down_proj.weight_scale":
+                              sd[f"{p}.0.down_proj.weight_scale"][:, :1].contiguous()}),
      r"experts.0.down_proj.weight_scale: expected shape"),
     (lambda sd, p: sd.update({f"{p}.1.gate_proj.weight_shape": torch.tensor([32, 256])}),
      r"experts.1.gate_proj.weight_packed: expected shape"),

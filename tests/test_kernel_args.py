@@ -23,8 +23,8 @@ def test_tree_build_rejects():
 
 
 def test_tree_kernel_fits_the_frontier_in_registers_or_goes_to_groups():
-    """One slot per node plus the root's, 32 lanes: registers per lane while <= 4, then the shared-memory groups;
-    the shared memory covers every slot of the chosen layout."""
+    """One slot per node plus the root's, 32 lanes: registers per lane while <= 4, then the shared-memory
+    groups; the shared memory covers every slot of the chosen layout."""
     for B in range(1, 1025):
         name = K.tree_kernel(B)
         need = -(-(B + 1) // 32)
@@ -66,7 +66,8 @@ def test_verify_attn_rejects():
     with pytest.raises(ValueError, match="q: expected head dim 576"):
         K.verify_attn(q[..., :512].contiguous(), cache, pt, sl, m, 0.1)
     with pytest.raises(ValueError, match="cache: expected rows of 576"):
-        K.verify_attn(torch.zeros(1, 2, 4, 576, dtype=torch.bfloat16), cache[:, :512].contiguous(), pt, sl, m, 0.1)
+        K.verify_attn(torch.zeros(1, 2, 4, 576, dtype=torch.bfloat16), cache[:, :512].contiguous(), pt, sl, m,
+                      0.1)
     with pytest.raises(ValueError, match="whole number of pages"):
         K.verify_attn(q, cache[:100], pt, sl, m, 0.1)
     with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
@@ -101,7 +102,8 @@ def test_moe_int4_rejects():
     x = torch.zeros(T, D, dtype=torch.bfloat16)
     ids = torch.zeros(T, k, dtype=torch.int32)
     w = torch.ones(T, k)
-    p13, s13 = torch.zeros(E, 2 * I, D // 8, dtype=torch.int32), torch.ones(E, 2 * I, D // 32, dtype=torch.bfloat16)
+    p13, s13 = (torch.zeros(E, 2 * I, D // 8, dtype=torch.int32),
+                torch.ones(E, 2 * I, D // 32, dtype=torch.bfloat16))
     p2, s2 = torch.zeros(E, D, I // 8, dtype=torch.int32), torch.ones(E, D, I // 32, dtype=torch.bfloat16)
     args = [p13, s13, p2, s2]
     bad = {0: (p13[:, :, :3].contiguous(), r"w13_packed: expected int32 \[E, 2I, D/8\]"),
@@ -130,8 +132,9 @@ def test_moe_int4_rejects():
 
 
 def test_repack_puts_each_lanes_fragment_nibbles_in_place():
-    """Lane (g, c), word j of a repacked group: nibble b = input 2c and nibble 4 + b = input 2c + 1 of A register
-    b, i.e. of row g + 8 (b % 2), inputs 16 j + 8 (b // 2) + 2c and + 1 of the group (checkpoint codes + 8)."""
+    """Lane (g, c), word j of a repacked group: nibble b = input 2c and nibble 4 + b = input 2c + 1 of A
+    register b, i.e. of row g + 8 (b % 2), inputs 16 j + 8 (b // 2) + 2c and + 1 of the group (checkpoint
+    codes + 8)."""
     from kdtree import quant
     g_ = torch.Generator().manual_seed(6)
     R, Kin = 48, 96
@@ -142,8 +145,10 @@ def test_repack_puts_each_lanes_fragment_nibbles_in_place():
     assert wr.shape == (R // 16, Kin // 32, 32, 2) and wr.dtype == torch.int32
     assert sr.shape == (R // 16, Kin // 32, 8, 2)
     words = wr.to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).view(R // 16, Kin // 32, 8, 4, 2, 2, 4)
-    t, grp, g, c, j, h, b = torch.meshgrid(*(torch.arange(n) for n in nib.shape), indexing="ij")  # h: nibble // 4
+    nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).view(R // 16, Kin // 32,
+                                                                             8, 4, 2, 2, 4)
+    # h: nibble // 4
+    t, grp, g, c, j, h, b = torch.meshgrid(*(torch.arange(n) for n in nib.shape), indexing="ij")
     want = q.to(torch.int64)[t * 16 + g + 8 * (b % 2), grp * 32 + 16 * j + 8 * (b // 2) + 2 * c + h] + 8
     assert torch.equal(nib, want)
     tt, gg, g2, hh = torch.meshgrid(*(torch.arange(n) for n in sr.shape), indexing="ij")
@@ -156,7 +161,8 @@ def test_group_pairs_groups_by_expert():
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, k, generator=g)
     tok, pw, off, active = K.group_pairs(ids, w, E)
-    want = sorted((int(ids[t, j]), t, float(w[t, j])) for t in range(T) for j in range(k))  # by expert, then token
+    # by expert, then token
+    want = sorted((int(ids[t, j]), t, float(w[t, j])) for t in range(T) for j in range(k))
     assert tok.tolist() == [t for _, t, _ in want] and pw.tolist() == [x for _, _, x in want]
     assert off.tolist() == [sum(1 for e2, _, _ in want if e2 < e) for e in range(E + 1)]
     used = sorted({e for e, _, _ in want})
@@ -164,7 +170,8 @@ def test_group_pairs_groups_by_expert():
 
 
 def test_golden_group_pairs_is_the_torch_grouping():
-    """golden.group_pairs (the moe_group kernel's twin) equals the torch path on CPU tensors, P < E included."""
+    """golden.group_pairs (the moe_group kernel's twin) equals the torch path on CPU tensors, P < E
+    included."""
     from kdtree import golden
     g = torch.Generator().manual_seed(11)
     for T, k, E in ((1, 1, 5), (2, 3, 16), (17, 4, 8), (40, 8, 384)):
@@ -178,7 +185,8 @@ def test_golden_group_pairs_is_the_torch_grouping():
         want = K.group_pairs(ids, w, E)
         got = golden.group_pairs(ids.numpy(), w.numpy(), E)
         n = int(got[2][-1])
-        assert n == T * k - 1 and np.array_equal(got[2], want[2].numpy()) and np.array_equal(got[3], want[3].numpy())
+        assert n == T * k - 1 and np.array_equal(got[2], want[2].numpy()) \
+            and np.array_equal(got[3], want[3].numpy())
         assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
 
 
@@ -191,9 +199,10 @@ def test_moe_int4_rejects_an_unknown_tile():
 def test_moe_int4_rejects_fused_beyond_its_limits():
     mw = K.MoeWeights(*(torch.zeros(1),) * 4, 4, 32, 32)
     with pytest.raises(ValueError, match="fused=True runs 8-pair passes"):
-        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
-                   mw, tile_tokens=16, fused=True)
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 1), mw, tile_tokens=16, fused=True)
     T, k = 9, 8
-    with pytest.raises(ValueError, match=r"fused=True: expected T \* k <= 64 token-expert pairs, got 9 x 8 = 72"):
+    with pytest.raises(ValueError,
+                       match=r"fused=True: expected T \* k <= 64 token-expert pairs, got 9 x 8 = 72"):
         K.moe_int4(torch.zeros(T, 32, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32),
                    torch.ones(T, k), mw, fused=True)

@@ -24,9 +24,10 @@ def _logits(rng, b, L, V, dtype):
     return t, t.float().numpy()  # the golden sees exactly the values the kernel sees
 
 
-@pytest.mark.parametrize("V,K,dtype", [(2, 1, torch.float32), (7, 5, torch.bfloat16), (1000, 64, torch.float32),
-                                       (163840, 64, torch.bfloat16), (163840, 1024, torch.float32),
-                                       (262144, 1024, torch.bfloat16), (50000, 1024, torch.bfloat16)])
+@pytest.mark.parametrize("V,K,dtype", [(2, 1, torch.float32), (7, 5, torch.bfloat16),
+                                       (1000, 64, torch.float32), (163840, 64, torch.bfloat16),
+                                       (163840, 1024, torch.float32), (262144, 1024, torch.bfloat16),
+                                       (50000, 1024, torch.bfloat16)])
 def test_topk_matches_golden(V, K, dtype):
     from kdtree import kernels
     rng = np.random.default_rng(V + K)
@@ -38,11 +39,12 @@ def test_topk_matches_golden(V, K, dtype):
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "inf_holes", "one_finite"])
-@pytest.mark.parametrize("R,V,K", [(15, 163840, 16), (15, 163840, 64), (64, 262144, 64), (15, 163840, 256), (6, 3000, 200)])
+@pytest.mark.parametrize("R,V,K", [(15, 163840, 16), (15, 163840, 64), (64, 262144, 64), (15, 163840, 256),
+                                   (6, 3000, 200)])
 def test_topk_small_paths_match_golden(kind, R, V, K, monkeypatch):
-    """topk_*_small up to their limit (TOPK_SMALL_MAX_K, above the K where topk_logprobs picks them): the ranked
-    lists under a real bound (distinct values), the radix fallback (thousands of ties at the bound), small chunks
-    without a bound, in the partial and the merge."""
+    """topk_*_small up to their limit (TOPK_SMALL_MAX_K, above the K where topk_logprobs picks them): the
+    ranked lists under a real bound (distinct values), the radix fallback (thousands of ties at the bound),
+    small chunks without a bound, in the partial and the merge."""
     from kdtree import kernels
     from kdtree.ops import tree as ops_tree  # topk_logprobs reads TOPK_SMALL_K there
     assert K <= kernels.TOPK_SMALL_MAX_K
@@ -86,7 +88,8 @@ def _check_tree(tb, i, x, budget, root, start):
     return vb
 
 
-@pytest.mark.parametrize("b,L,V,budget,dtype", [(1, 15, 163840, 64, torch.bfloat16), (4, 15, 163840, 1024, torch.bfloat16),
+@pytest.mark.parametrize("b,L,V,budget,dtype", [(1, 15, 163840, 64, torch.bfloat16),
+                                                (4, 15, 163840, 1024, torch.bfloat16),
                                                 (3, 7, 1000, 256, torch.float32), (2, 1, 3, 5, torch.float32),
                                                 (2, 16, 2, 1024, torch.float32)])
 def test_tree_build_matches_golden(b, L, V, budget, dtype):
@@ -109,7 +112,8 @@ FUZZ_EXAMPLES = int(os.environ.get("KDTREE_FUZZ_EXAMPLES", "10000"))
        logV=st.floats(math.log(2), math.log(262144)), logB=st.floats(0, math.log(1024)),
        bf16=st.booleans())
 def test_fuzz_tree_build_and_walk(seed, b, L, logV, logB, bf16):
-    """>= 10,000 random cases (ties, -inf, identical rows; B 1..1024, V 2..262144, L 1..16): zero mismatches."""
+    """>= 10,000 random cases (ties, -inf, identical rows; B 1..1024, V 2..262144, L 1..16): zero
+    mismatches."""
     from kdtree import kernels
     V, budget = max(2, int(math.exp(logV))), max(1, min(1024, int(math.exp(logB))))
     if V * L * b > 4_000_000:  # keep the numpy golden quick
@@ -140,7 +144,8 @@ def _paged(rng, b, n_layers, rows_per_req, D=576, page=64):
     pages_per = math.ceil(rows_per_req / page)
     total = b * pages_per + 3
     perm = rng.permutation(total)[:b * pages_per].reshape(b, pages_per)
-    cache = torch.randn(n_layers, total * page, D, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+    cache = torch.randn(n_layers, total * page, D,
+                        generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
     return cache.to(torch.bfloat16).cuda(), torch.from_numpy(perm.astype(np.int32)).cuda()
 
 
@@ -170,15 +175,16 @@ def test_kv_compact_matches_golden():
 
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-IMPLS = [pytest.param(i, marks=pytest.mark.skipif(not _HOPPER, reason=f"the {i} kernel needs a compute capability 9.0 GPU"))
+IMPLS = [pytest.param(i, marks=pytest.mark.skipif(
+             not _HOPPER, reason=f"the {i} kernel needs a compute capability 9.0 GPU"))
          for i in ("wgmma", "ws")] + ["mma"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("b,N,H,prefix,tree,splits", [
-    (1, 1, 64, 4096, False, None), (2, 17, 16, 300, True, None), (1, 64, 8, 1000, True, 3), (3, 5, 4, 0, True, 4),
-    (2, 33, 2, 129, False, 2), (1, 256, 1, 70, True, None), (2, 1, 128, 2000, False, 7), (1, 40, 3, 64, True, 1),
-    (1, 1, 128, 8000, False, 100)])
+    (1, 1, 64, 4096, False, None), (2, 17, 16, 300, True, None), (1, 64, 8, 1000, True, 3),
+    (3, 5, 4, 0, True, 4), (2, 33, 2, 129, False, 2), (1, 256, 1, 70, True, None),
+    (2, 1, 128, 2000, False, 7), (1, 40, 3, 64, True, 1), (1, 1, 128, 8000, False, 100)])
 def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
     """Both kernels against the float64 golden: trees and chains, head counts whose N*H is not a multiple of
     the 64-row block, prefixes on and off page boundaries, explicit context splits (some of them empty)."""
@@ -192,7 +198,8 @@ def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
     for i in range(b):
         if tree:
             t = golden.ddtree(rng.standard_normal((6, 8)).astype(np.float32) * 2, N - 1) if N > 1 else None
-            m = golden.compile_tree(t, 0, 0).mask if t is not None and t.n + 1 == N else np.tril(np.ones((N, N), bool))
+            m = golden.compile_tree(t, 0, 0).mask if t is not None and t.n + 1 == N \
+                else np.tril(np.ones((N, N), bool))
         else:
             m = np.tril(np.ones((N, N), bool))
         masks.append(m)
@@ -203,7 +210,8 @@ def test_verify_attn_matches_golden(b, N, H, prefix, tree, splits, impl):
     for i in range(b):
         kv = _rows(cache, pt[i], S).double().cpu().numpy()
         qi = q[i].double().cpu().numpy()
-        want, wl = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], masks[i], scale)
+        want, wl = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], masks[i],
+                                             scale)
         got = out[i].double().cpu().numpy()
         assert np.isfinite(got).all()
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -224,7 +232,8 @@ def test_verify_attn_other_page_sizes(page, impl):
     q = (torch.randn(b, N, H, 576) * 0.5).to(torch.bfloat16).cuda()
     m = np.tril(np.ones((N, N), bool))
     out, _ = kernels.verify_attn(q, cache, pt, torch.full((b,), S, dtype=torch.int32).cuda(),
-                                 torch.from_numpy(np.stack([m] * b)).cuda(), 0.0721, page_size=page, impl=impl)
+                                 torch.from_numpy(np.stack([m] * b)).cuda(), 0.0721, page_size=page,
+                                 impl=impl)
     for i in range(b):
         kv = _rows(cache, pt[i], S, page=page).double().cpu().numpy()
         qi = q[i].double().cpu().numpy()
@@ -236,8 +245,8 @@ def test_verify_attn_other_page_sizes(page, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_verify_attn_capacity_past_the_context(impl):
     """A page table 8x longer than the context (as a model's cache): splits sized for the capacity (unchecked
-    values), for seq_len's maximum (checked) and for a host bound (max_seq_len) all match golden; the splits past
-    the context are empty."""
+    values), for seq_len's maximum (checked) and for a host bound (max_seq_len) all match golden; the splits
+    past the context are empty."""
     from kdtree import kernels
     rng = np.random.default_rng(7)
     b, N, H, S = 2, 4, 16, 700
@@ -253,7 +262,8 @@ def test_verify_attn_capacity_past_the_context(impl):
             Si = int(seq[i])
             kv = _rows(cache, pt[i], Si).double().cpu().numpy()
             qi = q[i].double().cpu().numpy()
-            want, _ = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], m, 0.0721)
+            want, _ = golden.mla_tree_attention(qi[..., :512], qi[..., 512:], kv[:, :512], kv[:, 512:], m,
+                                                0.0721)
             err = np.linalg.norm(out[i].double().cpu().numpy() - want) / np.linalg.norm(want)
             assert err <= 1e-2, (kw, i, err)
 
@@ -263,7 +273,8 @@ def test_gpu_bad_values_rejected_before_launch():
     x = torch.randn(1, 3, 100).cuda()
     x[0, 1, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        kernels.tree_build(x, 8, torch.zeros(1, dtype=torch.int32).cuda(), torch.zeros(1, dtype=torch.int32).cuda())
+        kernels.tree_build(x, 8, torch.zeros(1, dtype=torch.int32).cuda(),
+                           torch.zeros(1, dtype=torch.int32).cuda())
     q = torch.zeros(1, 2, 4, 576, dtype=torch.bfloat16).cuda()
     cache = torch.zeros(128, 576, dtype=torch.bfloat16).cuda()
     m = torch.ones(1, 2, 2, dtype=torch.bool).cuda()
@@ -288,5 +299,6 @@ def test_kernels_run_on_the_current_device_and_name_a_mismatch():
         assert tok.device.index == 1
         np.testing.assert_array_equal(tok.cpu().numpy(), gt)
         np.testing.assert_array_equal(lp.cpu().numpy(), gl)
-    with torch.cuda.device(0), pytest.raises(ValueError, match=r"tensors on cuda:1 but the current CUDA device is cuda:0"):
+    with torch.cuda.device(0), \
+            pytest.raises(ValueError, match=r"tensors on cuda:1 but the current CUDA device is cuda:0"):
         kernels.topk_logprobs(t.to("cuda:1").reshape(6, 5000), 16)

@@ -32,7 +32,8 @@ def test_lab_cli_runs_notebook_00_with_parameters(tmp_path):
 
 
 def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
-    """The K2.6 microbenchmark notebook's CPU smoke set: every section that can run on a CPU writes its numbers."""
+    """The K2.6 microbenchmark notebook's CPU smoke set: every section that can run on a CPU writes its
+    numbers."""
     env = {k: v for k, v in os.environ.items() if k != "KDTREE_OUT_DIR"}
     cmd = [sys.executable, "-m", "kdtree", "lab", "01", "--device", "cpu", "--out-dir", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -42,7 +43,8 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
     assert {(r["batch"], r["budget"]) for r in rec["tree_round"]} == {(1, 16), (1, 64), (4, 16), (4, 64)}
     assert all(r["reference_s"] > 0 for r in rec["tree_round"])
     assert [r["tokens"] for r in rec["moe_int4"]] == [1, 8, 64]
-    assert rec["gpu_state"] == {"start": None, "end": None}  # no GPU clock state on a CPU, and no waiting for one
+    # no GPU clock state on a CPU, and no waiting for one
+    assert rec["gpu_state"] == {"start": None, "end": None}
     assert all(r["gpu_state"] is None and r["settle_s"] == 0.0 for r in rec["moe_int4"])
     assert {r["kind"] for r in rec["layer_verify"]} == {"dense", "moe"}
     assert rec["builder_share"] and all(0 < s["reference_share"] < 1 for s in rec["builder_share"])
@@ -81,7 +83,8 @@ def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
     assert rec["k26"]["label"].startswith("K2.6 shape, random weights, SIMULATED") and len(k26) == 5
     assert not any(c.get("error") for c in k26)
     names = [t["name"] for t in rec["targets"]]
-    assert any(n.startswith("trained pair, batch 2: auto") for n in names) and any("K2.6 sim" in n for n in names)
+    assert any(n.startswith("trained pair, batch 2: auto") for n in names) \
+        and any("K2.6 sim" in n for n in names)
     for png in ("e2e_auto.png", "e2e_k26.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
@@ -158,7 +161,8 @@ def test_lab_parameters_must_be_declared_and_in_range(tmp_path, capsys):
     assert "expected one of" in capsys.readouterr().err
     with pytest.raises(ValueError, match="matches .*: name one of them"):
         lab.find_notebooks(["0"])
-    assert "block_size" in lab.declared_parameters(lab.find_notebooks(["00"])[0])  # papermill's parser misses it
+    # papermill's parser misses it
+    assert "block_size" in lab.declared_parameters(lab.find_notebooks(["00"])[0])
 
 
 def test_a_failing_notebook_reports_its_cell_in_a_few_lines(tmp_path, capsys):
@@ -168,8 +172,9 @@ def test_a_failing_notebook_reports_its_cell_in_a_few_lines(tmp_path, capsys):
               "source": ['device = "auto"\n', 'out_dir = "."\n']},
              {"cell_type": "code", "id": "f", "metadata": {}, "execution_count": None, "outputs": [],
               "source": ['raise RuntimeError("the cause, stated")\n']}]
-    nb.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {"name": "python3", "language": "python",
-                                                                        "display_name": "Python 3"}},
+    nb.write_text(json.dumps({"cells": cells,
+                              "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                                          "display_name": "Python 3"}},
                               "nbformat": 4, "nbformat_minor": 5}))
     assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err

@@ -49,12 +49,14 @@ def _check_golden(out, x, ids, wts, p13, s13, p2, s2):
     assert err <= 1e-2, err  # bf16 activations and workspace, fp32 accumulation
 
 
-# (tile_tokens, fused): 8- and 16-pair passes of the grouped path, the one-launch path (small cases), the default
+# (tile_tokens, fused): 8- and 16-pair passes of the grouped path, the one-launch path (small cases), the
+# default
 MODES = [(8, False), (16, False), (8, True), (None, None)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"tile{m[0]}-fused{m[1]}")
-@pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
+@pytest.mark.parametrize("p", CASES,
+                         ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
 def test_moe_int4_matches_golden(p, mode):
     from kdtree import kernels
     tile_tokens, fused = mode
@@ -87,12 +89,15 @@ def test_moe_fused_repeated_calls_int64_ids_and_a_graph():
         out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=True, check_values=False)
     for seed in (201, 202):
         x, ids, wts, *_ = _case(p, seed=seed)
-        xs.copy_(x.cuda()); ids_s.copy_(ids.cuda()); w_s.copy_(wts.cuda())
+        xs.copy_(x.cuda())
+        ids_s.copy_(ids.cuda())
+        w_s.copy_(wts.cuda())
         out.fill_(float("nan"))
         g.replay()
         _check_golden(out, x, ids, wts, p13, s13, p2, s2)
     x, ids, wts, *_ = _case(p, seed=203)  # eager calls keep working after the replays
-    _check_golden(kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=True), x, ids, wts, p13, s13, p2, s2)
+    _check_golden(kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=True), x, ids, wts, p13, s13,
+                  p2, s2)
 
 
 def test_moe_fused_drops_ids_outside_the_experts_like_the_grouped_path():
@@ -114,7 +119,8 @@ def test_moe_int4_rejects_expert_ids_out_of_range():
     x, ids, wts, p13, s13, p2, s2 = _case(MoeParam(4, 64, 32, 4, 2), seed=9)
     ids[2, 1] = 4
     with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 4\)"):
-        kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2))))
+        kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(),
+                         kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2))))
 
 
 def test_int4_experts_kernel_path_matches_reference_path():
@@ -131,11 +137,13 @@ def test_int4_experts_kernel_path_matches_reference_path():
 
 
 @pytest.mark.parametrize("T,k,E,dtype,skew", [(1, 1, 4, torch.int32, False), (1, 8, 384, torch.int32, False),
-                                              (3, 2, 4096, torch.int64, False), (64, 8, 384, torch.int32, True),
-                                              (1024, 8, 384, torch.int64, False), (700, 3, 7, torch.int32, True)])
+                                              (3, 2, 4096, torch.int64, False),
+                                              (64, 8, 384, torch.int32, True),
+                                              (1024, 8, 384, torch.int64, False),
+                                              (700, 3, 7, torch.int32, True)])
 def test_moe_group_matches_golden(T, k, E, dtype, skew):
-    """moe_group_* vs golden.group_pairs: offsets and active slots bit for bit; within an expert the pairs as a
-    multiset (the kernel's order there is unspecified). Fresh random routing per case; an id out of range is
+    """moe_group_* vs golden.group_pairs: offsets and active slots bit for bit; within an expert the pairs as
+    a multiset (the kernel's order there is unspecified). Fresh random routing per case; an id out of range is
     dropped."""
     from kdtree import kernels
     g = torch.Generator().manual_seed(T * 7 + E)

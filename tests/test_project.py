@@ -1,5 +1,6 @@
 """kdtree.project: the round-time model that turns single-GPU layer measurements and a measured tau into
-per-user tok/s at a real model's scale (synthetic records with known power laws, so every number is checkable)."""
+per-user tok/s at a real model's scale (synthetic records with known power laws, so every number is
+checkable)."""
 import math
 
 import numpy as np
@@ -26,7 +27,8 @@ def test_loglog_is_exact_on_power_laws_and_says_when_it_extrapolates():
         assert math.isclose(y, 3.0 * x ** 1.7, rel_tol=1e-12) and ext is False
     y, ext = P.loglog(pts, 60)  # along the last segment, up to 2x the largest measured x
     assert math.isclose(y, 3.0 * 60 ** 1.7, rel_tol=1e-12) and ext is True
-    assert P.loglog(pts, 65) == (None, False) and P.loglog(pts, 1) == (None, False) and P.loglog([], 4) == (None, False)
+    assert P.loglog(pts, 65) == (None, False) and P.loglog(pts, 1) == (None, False) \
+        and P.loglog([], 4) == (None, False)
 
 
 def test_round_parts_add_up_as_documented():
@@ -40,13 +42,15 @@ def test_round_parts_add_up_as_documented():
     want_verify = 2 * 1e-4 * 33 ** 0.5 + 8 * 3e-4 * 33 ** 0.75 + head(33)
     assert math.isclose(dd["verify"], want_verify, rel_tol=1e-9)
     assert math.isclose(dd["draft"], 3 * 1e-4 * 8 ** 0.5 + head(7), rel_tol=1e-9)
-    assert math.isclose(dd["build"], 2e-6 * B, rel_tol=1e-9) and math.isclose(dd["walk"], 1e-6 * B, rel_tol=1e-9)
+    assert math.isclose(dd["build"], 2e-6 * B, rel_tol=1e-9) \
+        and math.isclose(dd["walk"], 1e-6 * B, rel_tol=1e-9)
     assert dd["extrapolated"] is False
     small = P.round_parts(rec, "ddtree", 1, 4096, budget=4, **kw)
     # below the smallest measured budget (16): the tree round and walk at budget 16's (an upper bound)
     assert math.isclose(small["build"], 2e-6 * 16) and math.isclose(small["walk"], 1e-6 * 16)
     assert P.round_parts(rec, "ddtree", 1, 4096, budget=100, **kw)["extrapolated"] is True  # 101 rows > 64
-    assert P.round_parts(rec, "ddtree", 1, 4096, budget=200, **kw) is None  # past twice the largest measurement
+    # past twice the largest measurement
+    assert P.round_parts(rec, "ddtree", 1, 4096, budget=200, **kw) is None
     assert P.round_parts(rec, "ar", 8, 4096, **kw) is None  # batch 8 not measured
 
 

@@ -45,14 +45,18 @@ def test_checkpoint_round_trip(tmp_path):
     iw = quant.quantize(torch.randn(64, 96, generator=g))
     save_file(iw.state_dict("model.layers.1.mlp.experts.3.up_proj"), str(tmp_path / "m.safetensors"))
     back = quant.read_int4(load_file(str(tmp_path / "m.safetensors")), "model.layers.1.mlp.experts.3.up_proj")
-    assert back.shape == (64, 96) and torch.equal(back.packed, iw.packed) and torch.equal(back.scale, iw.scale)
+    assert back.shape == (64, 96) and torch.equal(back.packed, iw.packed) \
+        and torch.equal(back.scale, iw.scale)
 
 
 @pytest.mark.parametrize("edit,match", [
     (lambda t: t.pop("p.weight_scale"), r"missing \['p.weight_scale'\]"),
-    (lambda t: t.update({"p.weight_packed": t["p.weight_packed"][:, :-1]}), r"weight_packed: expected shape \(16, 8\)"),
-    (lambda t: t.update({"p.weight_scale": t["p.weight_scale"][:, :1]}), r"weight_scale: expected shape \(16, 2\)"),
-    (lambda t: t.update({"p.weight_packed": t["p.weight_packed"].to(torch.int64)}), "expected an int32 tensor"),
+    (lambda t: t.update({"p.weight_packed": t["p.weight_packed"][:, :-1]}),
+     r"weight_packed: expected shape \(16, 8\)"),
+    (lambda t: t.update({"p.weight_scale": t["p.weight_scale"][:, :1]}),
+     r"weight_scale: expected shape \(16, 2\)"),
+    (lambda t: t.update({"p.weight_packed": t["p.weight_packed"].to(torch.int64)}),
+     "expected an int32 tensor"),
     (lambda t: t.update({"p.weight_shape": torch.tensor([16, 60])}), "positive multiple of 32"),
     (lambda t: t.update({"p.weight_shape": torch.tensor([16.0, 64.0])}), "integer tensor of 2 values"),
 ])
@@ -89,8 +93,8 @@ def test_moe_golden_matches_an_independent_torch_reference():
             gu = w13 @ x[t].double()
             ref[t] += wts[t, j].double() * (w2 @ (torch.nn.functional.silu(gu[:32]) * gu[32:]))
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-10, atol=1e-12)
-    wrong = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy()[:, ::-1], p13.numpy(), s13.float().numpy(),
-                            p2.numpy(), s2.float().numpy())
+    wrong = golden.moe_int4(x.float().numpy(), ids.numpy(), wts.numpy()[:, ::-1], p13.numpy(),
+                            s13.float().numpy(), p2.numpy(), s2.float().numpy())
     assert np.abs(wrong - ref.numpy()).max() > 1e-3  # the comparison can fail
 
 

@@ -85,7 +85,8 @@ def test_extra_layers_are_skipped_not_fatal(tmp_path):
     sd = _ckpt(tmp_path)
     sd["model.layers.4.eh_proj.weight"] = torch.zeros(2, 2)
     _rewrite(tmp_path, sd)
-    with pytest.raises(weights.CheckpointError, match=r"model\.layers\.4\.eh_proj\.weight is past num_hidden"):
+    with pytest.raises(weights.CheckpointError,
+                       match=r"model\.layers\.4\.eh_proj\.weight is past num_hidden"):
         weights.load(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))

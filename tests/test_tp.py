@@ -1,4 +1,5 @@
-"""kdtree.tp: tensor parallelism over torch.distributed, checked by the gloo dry-run on the CPU (8 local ranks)."""
+"""kdtree.tp: tensor parallelism over torch.distributed, checked by the gloo dry-run on the CPU (8 local
+ranks)."""
 import dataclasses
 import socket
 
@@ -94,11 +95,12 @@ def test_dryrun_two_gpus_nccl():
 
 
 def test_dryrun_int4_experts_two_ranks():
-    """INT4 routed experts under expert parallelism: each rank keeps its stacked block; ids of the other rank's
-    experts are dropped by the grouping; the result equals the unsharded INT4 model."""
+    """INT4 routed experts under expert parallelism: each rank keeps its stacked block; ids of the other
+    rank's experts are dropped by the grouping; the result equals the unsharded INT4 model."""
     ranks = tp.dryrun(world=2, backend="gloo", new_tokens=8, budget=8, int4=True)
     for r in ranks:
-        assert r["int4"] and r["logits_rel_err"] < 1e-5 and r["ddtree_equals_ar"] and r["ar_equals_unsharded"], r
+        assert r["int4"] and r["logits_rel_err"] < 1e-5 and r["ddtree_equals_ar"] \
+            and r["ar_equals_unsharded"], r
 
 
 def test_int4_expert_blocks_add_up_to_all_experts():

@@ -14,13 +14,15 @@ from kdtree.model import build_model
 def corpus():
     files = data.corpus_files()
     tok = data.load_tokenizer()
-    return files, tok, data.encode_files(tok, files["train"][:30]), data.encode_files(tok, files["heldout"][:8])
+    return (files, tok, data.encode_files(tok, files["train"][:30]),
+            data.encode_files(tok, files["heldout"][:8]))
 
 
 def test_corpus_split_is_stable_and_disjoint(corpus):
     files = corpus[0]
     assert set(files["train"]).isdisjoint(files["heldout"])
-    assert all(data.split_of(p.relative_to(data.stdlib_root()).as_posix()) == "heldout" for p in files["heldout"])
+    assert all(data.split_of(p.relative_to(data.stdlib_root()).as_posix()) == "heldout"
+               for p in files["heldout"])
     n = len(files["train"]) + len(files["heldout"])
     assert 0.01 < len(files["heldout"]) / n < 0.12  # about 5%
 
@@ -30,7 +32,8 @@ def test_corpus_of_several_sources():
     files = data.corpus_files(("stdlib", "torch"))
     troot = data.source_root("torch")
     tfiles = [p for split in ("train", "heldout") for p in files[split] if troot in p.parents]
-    assert len(tfiles) > 100 and len(set(files["train"]) | set(files["heldout"])) == sum(map(len, files.values()))
+    assert len(tfiles) > 100 \
+        and len(set(files["train"]) | set(files["heldout"])) == sum(map(len, files.values()))
     for split in ("train", "heldout"):
         for p in files[split]:
             key = f"torch/{p.relative_to(troot).as_posix()}" if troot in p.parents else \
@@ -84,8 +87,8 @@ def test_greedy_corpus_is_the_targets_greedy_continuation():
 
 
 def test_drafter_soft_loss_is_the_kl_to_the_targets_distributions():
-    """soft_weight adds depth-weighted KL(target || drafter) at the block's positions: recomputed here from the
-    target's logits at positions anchor + k - 1 (an off-by-one would compare against the wrong rows)."""
+    """soft_weight adds depth-weighted KL(target || drafter) at the block's positions: recomputed here from
+    the target's logits at positions anchor + k - 1 (an off-by-one would compare against the wrong rows)."""
     t = build_model(TINY_A, seed=6)
     d = build_drafter(t, seed=7, block_size=4)
     seqs = torch.randint(2, TINY_A.vocab_size, (3, 24), generator=torch.Generator().manual_seed(8))
@@ -178,7 +181,8 @@ def test_router_bias_update_moves_load_toward_balance():
     worst = load.update(0.05)
     assert worst == float(before.max() / before.mean()) and before[0] == before.max()
     bias = gate.e_score_correction_bias
-    assert abs(float(bias[0]) - 0.95) < 1e-6 and torch.allclose(bias[before < before.mean()], torch.tensor(0.05))
+    assert abs(float(bias[0]) - 0.95) < 1e-6 \
+        and torch.allclose(bias[before < before.mean()], torch.tensor(0.05))
     for _ in range(30):
         m(x)
         load.update(0.05)
@@ -189,8 +193,8 @@ def test_router_bias_update_moves_load_toward_balance():
 
 
 def test_rank_coverage_counts_labels_within_the_top_k():
-    """rank_coverage against a direct count: top-1 coverage is the accuracy, coverage grows with k, and at k = V
-    every label is covered."""
+    """rank_coverage against a direct count: top-1 coverage is the accuracy, coverage grows with k, and at k =
+    V every label is covered."""
     t = build_model(TINY_A, seed=9)
     d = build_drafter(t, seed=10, block_size=4)
     seqs = torch.randint(2, TINY_A.vocab_size, (3, 20), generator=torch.Generator().manual_seed(11))

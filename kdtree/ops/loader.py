@@ -9,7 +9,8 @@ Contract:
     round trip (graph-capturable); above 48 KB of static + dynamic shared memory it opts the kernel in, up to
     the device's sharedMemPerBlockOptin (more raises ValueError). Pointer args go as `_p(tensor)` (uint64),
     int args as `_i(x)` (int32).
-  * `source_edits(name, edits)`: a context in which cuda/<name>.cu compiles with textual edits (timing only).
+  * `compile_defines(name, {macro: value})`: a context in which cuda/<name>.cu compiles with -D options
+    (its KDTREE_ABLATE_* switches; timing only).
   * Checks raise ValueError naming the argument: `_need` (type, dtype, rank, shape, contiguity; no device
     read), `_on_one_gpu` (every tensor on the current CUDA device), `_check_pages` (page indices in range,
     reads the device unless check_values is False).
@@ -52,8 +53,9 @@ def _module(name: str):
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError("the kernel backend needs CuPy (pip install -e '.[gpu]') and a CUDA GPU") from e
     path = cuda_source_dir() / f"{name}.cu"
-    code = f'#line 1 "{path}"\n' + _edited(name, path.read_text())
+    code = f'#line 1 "{path}"\n' + path.read_text()
     options = ("-std=c++17", f"-I{cuda_source_dir()}")
+    options += tuple(f"-D{k}={v}" for k, v in _DEFINES.get(name, ()))
     if os.environ.get("KDTREE_LINEINFO"):  # source lines for profilers (ncu's source page)
         options += ("-lineinfo",)
     if name in _SM90A_MODULES and _sm90():  # warpgroup MMA needs the arch-specific target
@@ -62,34 +64,32 @@ def _module(name: str):
 
 
 _SM90A_MODULES = {"verify_attn"}
-_SOURCE_EDITS: dict[str, tuple[tuple[str, str], ...]] = {}
-
-
-def _edited(name: str, code: str, edits=None) -> str:
-    for old, new in (_SOURCE_EDITS.get(name, ()) if edits is None else edits):
-        if old not in code:
-            raise ValueError(f"source_edits: {old!r} does not occur in cuda/{name}.cu")
-        code = code.replace(old, new)
-    return code
+_DEFINES: dict[str, tuple[tuple[str, int], ...]] = {}   # compile_defines: name -> (macro, value), ...
 
 
 @contextlib.contextmanager
-def source_edits(name: str, edits):
-    """Timing experiments only: while the block runs, cuda/<name>.cu is compiled with the textual edits
-    [(old, new), ...] applied (every occurrence; each old must occur, else ValueError). Outputs of an edited
-    kernel are not meant to be right (bench.bench_verify_ablation removes parts of a tile's work this way)."""
-    edits = tuple((str(a), str(b)) for a, b in edits)
-    _edited(name, (cuda_source_dir() / f"{name}.cu").read_text(), edits)  # fail before any compile
-    prev = _SOURCE_EDITS.get(name)
-    _SOURCE_EDITS[name] = edits
+def compile_defines(name: str, defines: dict):
+    """Timing experiments only: while the block runs, cuda/<name>.cu compiles with the -D options
+    {macro: int} (the .cu's KDTREE_ABLATE_* switches; each macro must occur in the source, else ValueError
+    before anything compiles). An ablated kernel's outputs are not meant to be right."""
+    src = (cuda_source_dir() / f"{name}.cu").read_text()
+    items = []
+    for k, v in dict(defines).items():
+        if not (isinstance(k, str) and k.isidentifier() and k in src):
+            raise ValueError(f"compile_defines: {k!r} is not a macro that cuda/{name}.cu reads")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"compile_defines: {k} must be an int, got {v!r}")
+        items.append((k, v))
+    prev = _DEFINES.get(name)
+    _DEFINES[name] = tuple(items)
     _clear_compiled()
     try:
         yield
     finally:
         if prev is None:
-            _SOURCE_EDITS.pop(name, None)
+            _DEFINES.pop(name, None)
         else:
-            _SOURCE_EDITS[name] = prev
+            _DEFINES[name] = prev
         _clear_compiled()
 
 

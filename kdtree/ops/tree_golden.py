@@ -146,8 +146,11 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
         neg, d, par, r, par_score = heapq.heappop(heap)
         idx = len(tokens)
         score = np.float32(-neg)
-        tokens.append(int(tt[d - 1, r])); depths.append(d); parents.append(par)
-        scores.append(score); ranks.append(r)
+        tokens.append(int(tt[d - 1, r]))
+        depths.append(d)
+        parents.append(par)
+        scores.append(score)
+        ranks.append(r)
         # next sibling: same parent, rank + 1
         if r + 1 < K and np.isfinite(lp[d - 1, r + 1]):
             s = np.float32(par_score + lp[d - 1, r + 1]) if par >= 0 else np.float32(lp[d - 1, r + 1])

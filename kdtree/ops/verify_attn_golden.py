@@ -12,8 +12,11 @@ def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndar
     q_lat [N, H, R] (q_nope folded through W_uk), q_pe [N, H, P] (rotated), kv [S, R] latent cache,
     pe [S, P] rotated rope keys, S = prefix + N with the appended block last; mask [N, N] bool over the
     block (every prefix row visible). Returns (out [N, H, R] = softmax(scores) @ kv, lse [N, H])."""
-    q_lat = np.asarray(q_lat, np.float64); q_pe = np.asarray(q_pe, np.float64)
-    kv = np.asarray(kv, np.float64); pe = np.asarray(pe, np.float64); mask = np.asarray(mask, bool)
+    q_lat = np.asarray(q_lat, np.float64)
+    q_pe = np.asarray(q_pe, np.float64)
+    kv = np.asarray(kv, np.float64)
+    pe = np.asarray(pe, np.float64)
+    mask = np.asarray(mask, bool)
     N, H, R = q_lat.shape
     S = kv.shape[0]
     if (q_pe.shape[:2] != (N, H) or kv.shape != (S, R) or pe.shape != (S, q_pe.shape[2])

@@ -17,7 +17,9 @@ def walk(tokens, parents, target_choice) -> tuple[np.ndarray, int]:
     (argmax for greedy, a sample for T > 0). From the root, move to the child whose token equals the
     target's choice while one exists. Returns (accepted rows [k] int64, starting with 0; bonus token =
     target_choice at the last accepted row)."""
-    tokens = np.asarray(tokens); parents = np.asarray(parents); choice = np.asarray(target_choice)
+    tokens = np.asarray(tokens)
+    parents = np.asarray(parents)
+    choice = np.asarray(target_choice)
     if tokens.ndim != 1 or tokens.shape[0] == 0:
         raise ValueError(f"walk: expected tokens [N] with N >= 1 (row 0 the root), got shape {tokens.shape}")
     for name, a in (("tokens", tokens), ("parents", parents), ("target_choice", choice)):
