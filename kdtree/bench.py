@@ -665,7 +665,7 @@ def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 12
     """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
     context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
     timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails."""
-    from .model import MoE
+    from .model import AttnMeta, MoE
     dev = model.device
     args = model.args
     timer = _timer(str(dev))
@@ -686,18 +686,11 @@ def bench_layer(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 12
         depth = mask.sum(-1) - 1                                              # [B, N]
         pos = (C + depth).to(torch.int64)
         x = (torch.randn(B, N, args.hidden_size, device=dev) * 0.5).to(model.lm_head.weight.dtype)
-        S = C + N
-        kern, bias = None, None
-        if model.attn_impl == "kernel":
-            from .kernels import pack_mask
-            kern = (cache.page_table(), torch.full((B,), S, dtype=torch.int32, device=dev), pack_mask(mask))
-        else:
-            bias = torch.zeros(B, N, S, dtype=torch.float32, device=dev)
-            bias[:, :, C:] = torch.zeros(B, N, N, device=dev).masked_fill(~mask, float("-inf"))
+        meta = AttnMeta.for_cache(cache, C, pos, mask, model.attn_impl)   # the model's own metadata
         cos, sin = model.rope(pos, x.dtype)
         for i, layer in enumerate(model.model.layers):
             def step(layer=layer, i=i):
-                layer(x, cos, sin, cache.latent[i], C, bias, model.attn_impl, kern)
+                layer(x, cos, sin, cache.latent[i], meta)
             how = "wall" if dev.type == "cpu" else "graph"
             with torch.no_grad():
                 if how == "graph":  # GPU time without the host's launch overhead; eager if capture fails

@@ -198,7 +198,8 @@ def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129
         mask = torch.ones(1, T, T, dtype=torch.bool, device="cuda").tril()
 
         def f():
-            return t.forward_paged(tok, pool, PagedMeta.build(pt, cl, pos, mask, 64, t.attn_impl, True), (0,))
+            meta = PagedMeta.build(pt, cl, pos, mask, 64, t.attn_impl, "dense")
+            return t.forward_paged(tok, pool, meta, (0,))
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -521,24 +521,38 @@ class MoE(nn.Module):
 
 # ----------------------------------------------------------------------------- latent KV cache
 @dataclass
-class PagedMeta:
-    """Attention metadata of one forward over a shared page pool (kdtree.engine): B requests, T block rows
-    each. Every field is a device tensor or a host constant of the shapes (never a value read from the
-    device), so a forward built from it can be captured in a CUDA graph and replayed for other lengths and
-    pages."""
-    page_table: torch.Tensor          # int32 [B, P]: request b's pages (page 0: the pool's scratch page)
-    slots: torch.Tensor               # int64 [B, T]: pool row of each block row (cache row cache_len + t)
-    positions: torch.Tensor           # int64 [B, T]: rope position ids
-    seq_len: torch.Tensor             # int32 [B]: cached rows including the block (cache_len + T)
+class AttnMeta:
+    """Attention metadata of one forward, built once per forward and read by every layer: B requests, T block
+    rows each, and the attention and MoE implementation switches. Two layouts:
+      paged (start None; `build`, kdtree.engine): the block's latent rows go to rows `slots` of a shared page
+        pool; the keys are the request's pages, kv_cap rows masked by bias / mask_words;
+      cache (start an int; `for_cache`, Transformer.forward_grad): the block's rows go to rows start ...
+        start + T of each request's contiguous cache (KVCache.latent); the keys are its first kv_cap =
+        start + T rows.
+    Every tensor field is a device tensor and every other field a host constant of the shapes (never a value
+    read from the device), so a forward built from it can be captured in a CUDA graph and replayed with the
+    tensors rewritten in place (other lengths, pages, masks)."""
+    page_table: torch.Tensor | None   # int32 [B, P]: request b's pages (paged; the cache's for "kernel")
+    slots: torch.Tensor | None        # int64 [B, T]: pool row of each block row (paged)
+    positions: torch.Tensor           # int [B, T]: rope position ids
+    seq_len: torch.Tensor | None      # int32 [B]: cached rows including the block (paged, or "kernel")
     mask_words: torch.Tensor | None   # int32 [B, T, ceil(T/32)]: block visibility bits (attn_impl "kernel")
     bias: torch.Tensor | None         # float32 [B, T, kv_cap]: 0 visible, -inf not (torch attention paths)
-    kv_cap: int                       # P * page_size: keys a request can hold
+    kv_cap: int                       # keys attended per request: P * page_size (paged), start + T (cache)
     page_size: int
     moe: str = "loop"                 # MoE.forward's path for MLP experts: "loop" | "dense" | "grouped"
+    attn_impl: str = "absorb"         # MLA's path: "naive" | "absorb" | "kernel"
+    start: int | None = None          # cache layout: rows cached before the block; None: paged
+
+    def __post_init__(self):
+        if self.moe not in MOE_PATHS:
+            raise ValueError(f"moe={self.moe!r}: expected one of {MOE_PATHS}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={self.attn_impl!r}: expected one of {ATTN_IMPLS}")
 
     @classmethod
     def build(cls, page_table, cache_len, positions, mask, page_size: int, attn_impl: str, moe: str = "loop",
-              mask_words=None) -> "PagedMeta":
+              mask_words=None) -> "AttnMeta":
         """page_table int32 [B, P]; cache_len int [B] rows cached before the block; positions int [B, T];
         mask bool [B, T, T] (block row i sees block row j); mask_words: its packed bits when already known."""
         B, T = positions.shape
@@ -562,7 +576,29 @@ class PagedMeta:
             seen = mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, kv_cap))   # [B, T, S]
             vis = (rel < 0)[:, None] | (seen & (rel < T)[:, None])
             bias = torch.zeros(B, T, kv_cap, device=dev).masked_fill(~vis, float("-inf"))
-        return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, moe)
+        return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, moe,
+                   attn_impl)
+
+    @classmethod
+    def for_cache(cls, cache: "KVCache", start: int, positions, mask, attn_impl: str) -> "AttnMeta":
+        """The cache layout: T block rows after `start` cached ones in `cache` (a KVCache); positions int
+        [B, T]; mask bool [B, T, T] (block row i sees block row j; every cached row is seen)."""
+        B, T = positions.shape
+        S, dev = start + T, positions.device
+        page_table = seq_len = words = bias = None
+        if attn_impl == "kernel":
+            from .kernels import pack_mask
+            page_table = cache.page_table()
+            seq_len = torch.full((B,), S, dtype=torch.int32, device=dev)
+            words = pack_mask(mask)
+        else:
+            bias = torch.zeros(B, T, S, dtype=torch.float32, device=dev)
+            bias[:, :, start:] = torch.zeros(B, T, T, device=dev).masked_fill(~mask, float("-inf"))
+        return cls(page_table, None, positions, seq_len, words, bias, S, KVCache.PAGE_SIZE, "loop", attn_impl,
+                   start)
+
+
+PagedMeta = AttnMeta  # the paged layout's name in the engine and the benchmarks
 
 
 def free_bytes(device) -> int:
@@ -687,14 +723,14 @@ class MLA(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(H * args.v_head_dim, D, bias=False)
 
-    def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
-        """x [B, T, D]; cos/sin [B, T, P/2]; latent [B, S_pad, R + P] this layer's cache (the block is
-        written at start..start+T); bias [B, T, S] additive mask; kern: (page_table, seq_len, mask words)
-        for attn_impl "kernel". Returns [B, T, D]."""
+    def forward(self, x, cos, sin, latent, meta: AttnMeta):
+        """x [B, T, D]; cos/sin [B, T, P/2]; latent: this layer's cache [B, S_pad, R + P] (meta's cache
+        layout: the block is written at rows meta.start ...) or its page pool [rows, R + P] (paged).
+        Returns [B, T, D]."""
         a = self.args
         B, T, _ = x.shape
         H, Dn, R = a.num_attention_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        paged = isinstance(start, PagedMeta)
+        paged = meta.start is None
         qkv_a = getattr(self, "qkv_a", None) if paged else None   # Transformer.prepare_paged's fused weight
         if qkv_a is not None:   # q_a_proj and kv_a_proj_with_mqa as one GEMM
             q, kv_pe = F.linear(x, qkv_a).split([a.q_lora_rank, R + a.qk_rope_head_dim], dim=-1)
@@ -710,49 +746,46 @@ class MLA(nn.Module):
         kv = self.kv_a_layernorm(kv)  # [B, T, R]
         k_pe = apply_rope(k_pe, cos, sin, a.rope_interleave)  # [B, T, P]
         if paged:
-            return self._paged(x, q_nope, q_pe, kv, k_pe, latent, start, attn_impl)
+            return self._paged(x, q_nope, q_pe, kv, k_pe, latent, meta)
+        start = meta.start
         latent[:, start:start + T, :R] = kv.detach() if torch.is_grad_enabled() else kv
         latent[:, start:start + T, R:] = k_pe.detach() if torch.is_grad_enabled() else k_pe
         S = start + T
         kv_all, pe_all = latent[:, :S, :R], latent[:, :S, R:]  # [B, S, R], [B, S, P]
-        if torch.is_grad_enabled() and attn_impl != "kernel":  # training: the block's rows keep their graph
+        if torch.is_grad_enabled() and meta.attn_impl != "kernel":  # training: the block's rows keep grads
             kv_all = torch.cat([kv_all[:, :start], kv.to(kv_all.dtype)], dim=1)
             pe_all = torch.cat([pe_all[:, :start], k_pe.to(pe_all.dtype)], dim=1)
-        if attn_impl == "kernel":
-            kern = (latent.reshape(-1, latent.shape[-1]), *kern)
-        return self._attend(x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S)
+        rows = latent.reshape(-1, latent.shape[-1]) if meta.attn_impl == "kernel" else None
+        return self._attend(x, q_nope, q_pe, kv_all, pe_all, meta, rows)
 
-    def _paged(self, x, q_nope, q_pe, kv, k_pe, pool, meta: "PagedMeta", attn_impl):
+    def _paged(self, x, q_nope, q_pe, kv, k_pe, pool, meta: AttnMeta):
         """The block's latent rows go to pool rows meta.slots; attention over the request's pages (torch
         paths: gathered through the page table to [B, kv_cap, R + P], masked by meta.bias)."""
         R = self.args.kv_lora_rank
         B, T = meta.slots.shape
         pool.index_copy_(0, meta.slots.reshape(-1),
                          torch.cat([kv, k_pe], -1).reshape(B * T, -1).to(pool.dtype))
-        if attn_impl == "kernel":
-            kern = (pool, meta.page_table, meta.seq_len, meta.mask_words)
-            return self._attend(x, q_nope, q_pe, None, None, None, attn_impl, kern, meta.kv_cap)
+        if meta.attn_impl == "kernel":
+            return self._attend(x, q_nope, q_pe, None, None, meta, pool)
         ctx = pool.view(-1, meta.page_size, pool.shape[-1])[meta.page_table].view(B, meta.kv_cap, -1)
-        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta.bias, attn_impl, None,
-                            meta.kv_cap, ctx)
+        return self._attend(x, q_nope, q_pe, ctx[..., :R], ctx[..., R:], meta, None, ctx)
 
-    def _attend(self, x, q_nope, q_pe, kv_all, pe_all, bias, attn_impl, kern, S, ctx=None):
-        """Attention of the block's queries over S keys: kv_all [B, S, R], pe_all [B, S, P], bias [B, T, S];
-        for "kernel", kern = (this layer's paged cache [rows, R + P], page_table, seq_len, mask words)
-        instead. ctx: [B, S, R + P] whose slices kv_all and pe_all are (absorb then scores latent and rope in
-        one GEMM)."""
+    def _attend(self, x, q_nope, q_pe, kv_all, pe_all, meta: AttnMeta, rows=None, ctx=None):
+        """Attention of the block's queries over S = meta.kv_cap keys: kv_all [B, S, R], pe_all [B, S, P]
+        masked by meta.bias [B, T, S]; for attn_impl "kernel", rows = this layer's paged cache [rows, R + P]
+        read through meta.page_table / seq_len / mask_words instead. ctx: [B, S, R + P] whose slices kv_all
+        and pe_all are (absorb then scores latent and rope in one GEMM)."""
         a = self.args
         B, T, _ = x.shape
         H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
-        scale = a.softmax_scale
+        scale, S, bias, attn_impl = a.softmax_scale, meta.kv_cap, meta.bias, meta.attn_impl
         if attn_impl == "kernel":
             from . import kernels
             w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
             qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
-            rows, page_table, seq_len, words = kern
-            o_lat, _ = _launch(kernels.verify_attn, qk, rows, page_table, seq_len, words, scale,
-                               page_size=KVCache.PAGE_SIZE, check_values=False, max_seq_len=S)
+            o_lat, _ = _launch(kernels.verify_attn, qk, rows, meta.page_table, meta.seq_len, meta.mask_words,
+                               scale, page_size=meta.page_size, check_values=False, max_seq_len=S)
             o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
         elif attn_impl == "naive":
             kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)
@@ -787,12 +820,13 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, latent, start, bias, attn_impl, kern=None):
-        """start: the cached length (KVCache path) or a PagedMeta (latent is then the layer's page pool)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, latent, start, bias, attn_impl, kern)
+    def forward(self, x, cos, sin, latent, meta: AttnMeta):
+        """x [B, T, D] -> [B, T, D]; latent: this layer's cache or page pool (MLA.forward); meta: the
+        forward's AttnMeta (its attn_impl and moe switches choose the components' paths)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, latent, meta)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            return x + self.mlp(h, start.moe if isinstance(start, PagedMeta) else "loop")
+            return x + self.mlp(h, meta.moe)
         return x + self.mlp(h)
 
 
@@ -961,19 +995,12 @@ class Transformer(nn.Module):
             raise ValueError("attn_impl='kernel' needs the model on a CUDA device")
         S = start + T
         work = cache if cache is not None else self.new_cache(T, B)  # no cache: the block sees itself only
-        kern, bias = None, None
-        if self.attn_impl == "kernel":
-            from .kernels import pack_mask
-            kern = (work.page_table(), torch.full((B,), S, dtype=torch.int32, device=self.device),
-                    pack_mask(mask))
-        else:
-            bias = torch.zeros(B, T, S, dtype=torch.float32, device=self.device)
-            bias[:, :, start:] = torch.zeros(B, T, T, device=self.device).masked_fill(~mask, float("-inf"))
+        meta = AttnMeta.for_cache(work, start, position_ids, mask, self.attn_impl)
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(position_ids, h.dtype)
         hidden = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, work.latent[i], start, bias, self.attn_impl, kern)
+            h = layer(h, cos, sin, work.latent[i], meta)
             if i in hidden_layers:
                 hidden[i] = h
         h = self.model.norm(h)
@@ -1009,20 +1036,24 @@ class Transformer(nn.Module):
         return self
 
     @torch.no_grad()
-    def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: PagedMeta, hidden_layers=(),
+    def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: AttnMeta, hidden_layers=(),
                       logits_for=None) -> ForwardOutput:
         """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared
-        page pool (rows = pages * page_size), meta the block's PagedMeta. Writes the block's latent rows to
-        meta.slots of every layer; no value checks and no host reads (graph-capturable; logits_for, the rows
-        given logits: a slice or a device index tensor there, a list being copied from the host).
+        page pool (rows = pages * page_size), meta the block's AttnMeta (paged layout). Writes the block's
+        latent rows to meta.slots of every layer; no value checks and no host reads (graph-capturable;
+        logits_for, the rows given logits: a slice or a device index tensor there, a list being copied from
+        the host).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
+        if meta.attn_impl != self.attn_impl:
+            raise ValueError(f"meta: built for attn_impl={meta.attn_impl!r}, the model's is "
+                             f"{self.attn_impl!r}")
         if (self.device, self.dtype, meta.moe) not in getattr(self, "_paged_ready", ()):
             self.prepare_paged(meta.moe)
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(meta.positions, h.dtype)
         hidden = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, pool[i], meta, None, self.attn_impl)
+            h = layer(h, cos, sin, pool[i], meta)
             if i in hidden_layers:
                 hidden[i] = h
         h = self.model.norm(h)
