@@ -487,6 +487,7 @@ class Engine:
         self._timing: list = []   # budget="auto": rounds whose phase times wait for _auto_flush
         self.pend, self.pend_n = None, torch.zeros(B, dtype=torch.int64, device=dev)
         self._pending = 0   # budget="auto": AR plan rounds since the last catch-up (host count)
+        self._ahead = None  # budget="auto": the next round's decision, made while this round's GPU work runs
         if auto:
             L = drafter.block_size - 1
             plans = auto_budget.plans(L, cand)
@@ -1119,6 +1120,7 @@ class Engine:
         self._features = None
         if self.auto is not None and not self.active:
             self._auto_flush()   # idle: the last round's times into the cost table now
+            self._ahead = None
         if self.debug:
             self.check_state()
 
@@ -1206,14 +1208,25 @@ class Engine:
         v = int(t.item())
         return None if v < 0 else v
 
-    def _auto_round(self, b: int, n: int, sampling: bool, clock):
-        """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
-        _auto_take)."""
-        pol, ev = self.auto, 4 * (self.rounds % 2)   # this round's event slots
-        ctx = self.costs.ctx(sum(r.length for r in self.active) / n)
-        est = self._estimates()
+    def _decide(self, b: int, est: np.ndarray | None) -> tuple[int, int, bool]:
+        """The plan decided before drafting (kdtree.budget's `before`) for the active requests at batch
+        bucket b from their estimates est [n, P] (`_estimates`): (plan index, context bucket, whether that
+        round is a hold's probe)."""
+        pol = self.auto
+        ctx = self.costs.ctx(sum(r.length for r in self.active) / len(self.active))
+        probe = pol.probe
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
         i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx))
+        return i, ctx, probe
+
+    def _auto_round(self, b: int, n: int, sampling: bool, clock):
+        """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
+        _auto_take). The decision for the next round is made once this round is launched, from the same
+        estimates (the previous rounds'), so the host's scoring runs while the GPU works; after a hold's
+        probe round, or while no request has estimates yet, the next decision waits for this round's."""
+        pol, ev = self.auto, 4 * (self.rounds % 2)   # this round's event slots
+        ahead, self._ahead = self._ahead, None
+        i, ctx, probe = ahead if ahead is not None else self._decide(b, self._estimates())
         build = pol.builds[i]
         if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
             # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
@@ -1238,6 +1251,9 @@ class Engine:
         logits = self._phase(b, sampling, i, clock=clock)
         marks["b1"] = self._stamp(ev + 3)
         self._auto_flush()   # the previous round's times, while the GPU runs this one
+        est = None if probe else self._estimates()
+        if est is not None:
+            self._ahead = self._decide(b, est)
         return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
     def _auto_take(self, n: int, i: int, info: dict, wall: float) -> None:

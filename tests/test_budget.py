@@ -256,3 +256,23 @@ def test_the_host_time_is_a_median_that_a_stray_round_does_not_move():
     for _ in range(kb.HOST_WINDOW):
         t.add_host(2e-4)
     assert t.host == pytest.approx(2e-4)              # only the last rounds count
+
+
+def test_the_next_plan_is_decided_while_the_round_runs(pair):
+    """budget="auto": the decision for round r + 1 is made inside round r once its phases are launched
+    (the host's scoring then overlaps the GPU's work), at most once a round (the hold counters advance once
+    a round); outputs equal the oracle's. Can fail: an engine that decides at each round's start logs no
+    decision after a phase of the same round."""
+    t, d = pair
+    prompts = random_prompts(t.args, 3, seed=21, min_len=8, max_len=30)
+    refs = [oracle_ar(t, p, 30).tokens for p in prompts]
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 16), max_batch=4, max_len=128)
+    log = []
+    before, phase = e.auto.before, e._phase
+    e.auto.before = lambda *a: (log.append(("decide", e.rounds)), before(*a))[1]
+    e._phase = lambda *a, **k: (log.append(("phase", e.rounds)), phase(*a, **k))[1]
+    assert [r.tokens for r in e.generate(prompts, 30)] == refs
+    decisions = [i for i, ev in enumerate(log) if ev[0] == "decide"]
+    ahead = [i for i in decisions if ("phase", log[i][1]) in log[:i]]
+    assert len(decisions) <= e.rounds
+    assert len(ahead) >= e.rounds // 2, log
