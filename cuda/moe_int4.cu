@@ -409,7 +409,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
 }
 
 // ------------------------------------------------------------------------------------ fused small-batch path
-// moe_fused_t8_{i32,i64}   grid: a persistent grid of MOE_FUSED_MINB blocks per SM (ops.moe_int4.FUSED_BLOCKS_PER_SM),
+// moe_fused_t8_{i32,i64}   grid: a persistent grid of MOE_FUSED_MINB blocks per SM
+//                          (ops.moe_int4.FUSED_BLOCKS_PER_SM),
 //   block 256, static smem 9.5 KB
 //   The whole routed-expert call for at most FUSED_MAX_PAIRS pairs (decode, short chains) in ONE launch: each
 //   block groups the pairs itself in shared memory (ids outside [0, E) dropped), then takes work items from a

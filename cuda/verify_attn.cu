@@ -3,7 +3,8 @@
 // Golden twin: kdtree/ops/verify_attn_golden.py  mla_tree_attention (float64).
 // Wrappers: kdtree/ops/verify_attn.py.
 //
-// verify_attn_partial   grid (n_splits, ceil(N*H / 64), batch), block 256 (8 warps), dynamic smem Q + 2 KV tiles + P tile + 1 KB (ops.verify_attn.VERIFY_SMEM)
+// verify_attn_partial   grid (n_splits, ceil(N*H / 64), batch), block 256 (8 warps), dynamic smem
+//                       Q + 2 KV tiles + P tile + 1 KB (ops.verify_attn.VERIFY_SMEM)
 //   q          bf16 [batch, N, H, 576]   (512 latent dims = q_nope @ W_uk, then 64 rotated rope dims)
 //   cache      bf16 [rows, 576]          one layer's latent cache, paged: page_size rows per page
 //   page_table int32 [batch, max_pages]  row r of request b is at page_table[b, r / page_size] * page_size + r % page_size
@@ -25,9 +26,9 @@
 #include <cuda_bf16.h>
 #include "common.cuh"
 
-// Ablations, for timing only (the outputs are wrong by design): each switch removes one part of a tile's work,
-// set by -D options (kdtree.ops.loader.compile_defines; bench.VERIFY_ABLATIONS); unset, the kernels are built
-// as they are.
+// Ablations, for timing only (the outputs are wrong by design): each switch removes one part of a
+// tile's work, set by -D options (kdtree.ops.loader.compile_defines; bench.VERIFY_ABLATIONS); unset, the
+// kernels are built as they are.
 //   KDTREE_ABLATE_S_STEPS=k   S = Q K^T of the wgmma kernels over k of its 36 k-steps (0 <= k <= 36)
 //   KDTREE_ABLATE_NO_PV=1     no O += P V steps in the wgmma kernels
 //   KDTREE_ABLATE_NO_EXP=1    P = s - m instead of 2^(s - m)
@@ -601,8 +602,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_wg(
 // ------------------------------------------------------------------------ warp-specialized wgmma path (sm_90a)
 // verify_attn_ws: verify_attn_partial's contract on warpgroup MMA with the two warpgroups in different roles and a
 // 4-stage ring of 32-key K/V tiles, so that the tensor cores run S(t + 1) and P V(t) while the softmax of t runs.
-//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM (ops.verify_attn.VERIFY_WS_SMEM), split over
-//   tiles of 32 keys.
+//   grid (n_splits, ceil(N*H / 64), batch), block 256, dynamic smem WS_SMEM
+//   (ops.verify_attn.VERIFY_WS_SMEM), split over tiles of 32 keys.
 //   Shared memory: Q [64 x 576] (nine 128-byte-swizzled K-major atoms [64 rows x 64 dims], as verify_attn_wg), four
 //   stages of K/V [32 keys x 576] (nine atoms [32 rows x 64 dims] each), P [64 x 32] bf16 in one [64 x 64] atom,
 //   alpha [64] (the rows' rescale factors of the last tile), mbarriers.
