@@ -1223,7 +1223,8 @@ class Engine:
         """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
         _auto_take). The decision for the next round is made once this round is launched, from the same
         estimates (the previous rounds'), so the host's scoring runs while the GPU works; after a hold's
-        probe round, or while no request has estimates yet, the next decision waits for this round's."""
+        probe round, while no request has estimates yet, and under tensor parallelism the next round decides
+        at its start."""
         pol, ev = self.auto, 4 * (self.rounds % 2)   # this round's event slots
         ahead, self._ahead = self._ahead, None
         i, ctx, probe = ahead if ahead is not None else self._decide(b, self._estimates())
@@ -1251,7 +1252,9 @@ class Engine:
         logits = self._phase(b, sampling, i, clock=clock)
         marks["b1"] = self._stamp(ev + 3)
         self._auto_flush()   # the previous round's times, while the GPU runs this one
-        est = None if probe else self._estimates()
+        # under TP each rank's policy state is its own (rank 0's choice is broadcast), so whether to decide
+        # ahead could differ between ranks and their broadcasts would not pair up: TP decides at round start
+        est = None if probe or getattr(self.model, "tp", None) is not None else self._estimates()
         if est is not None:
             self._ahead = self._decide(b, est)
         return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
