@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench
         from .lab import output_dir
         if a.bridge:
-            from . import bench_bridge
+            from .bench import bridge as bench_bridge
             rec = bench_bridge.run(a.out or output_dir("cuda"))
             print(bench_bridge.summary(rec))
             return 0

@@ -202,7 +202,7 @@ def main(argv=None) -> None:
     import argparse
 
     from . import weights
-    from .bench_engine import heldout_prompts
+    from .bench.engine import heldout_prompts
     ap = argparse.ArgumentParser(description="measure a drafter's calibration and store it beside the "
                                  "drafter")
     ap.add_argument("--ckpt", default="data/trained", help="folder holding target/ and drafter/")

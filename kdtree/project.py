@@ -223,7 +223,7 @@ def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5)
 
 def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 61, routing: bool = True,
                  **kw) -> list[dict]:
-    """The projection against measured engine rounds at a partial depth (bench_k26's cells): for every cell
+    """The projection against measured engine rounds at a partial depth (bench.k26's cells): for every cell
     {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, moe_kernel_s (both
     optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured

@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .bench import goals
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "outputs"
 PAGE = ROOT / "docs" / "results.md"
@@ -22,8 +24,8 @@ GPU_RECORDS = {
     "golden_validation.json": "python -m kdtree lab 00",
     "bench_kernels.json": "python -m kdtree bench",
     "microbench_k26.json": "python -m kdtree lab 01",
-    "engine.json": "python -m kdtree.bench_engine --out outputs/<gpu>",
-    "engine_mid.json": "python -m kdtree.bench_engine --mid-only --out outputs/<gpu>",
+    "engine.json": "python -m kdtree.bench.engine --out outputs/<gpu>",
+    "engine_mid.json": "python -m kdtree.bench.engine --mid-only --out outputs/<gpu>",
     "e2e.json": "python -m kdtree lab 02 (stages pair, auto, k26)",
     "trained_pair.json": "python -m kdtree lab 03 -p stage measure",
     "bridge.json": "python -m kdtree bench --bridge",
@@ -57,14 +59,28 @@ def _table(head: list[str], rows: list[list]) -> list[str]:
     return out + [""]
 
 
-def _targets(targets: list[dict], where: str) -> list[list]:
-    """Table rows of {name, measured, goal, met} (bridge.json's {what, batch, budget, value, goal, met})."""
+def _targets(targets: list[dict], where: str, seen: set | None = None) -> list[list]:
+    """Table rows of a record's targets ({name, measured, goal, met}; bridge.json's older {what, batch,
+    budget, value, goal, met}), judged against kdtree/bench/goals.json where the target's goal is known there
+    (the record's own goal and met otherwise); the keys found are added to `seen`."""
     rows = []
     for t in targets:
-        name = t.get("name") or " ".join(
-            [t.get("what", "?")] + [f"{k} {t[k]}" for k in ("batch", "budget") if t.get(k) is not None])
-        status = "info" if "(info)" in name else "met" if t.get("met") else "**missed**"
-        rows.append([where, name, _num(t.get("measured", t.get("value"))), _num(t.get("goal")), status])
+        key = goals.key_of(t)
+        g = goals.goals().get(key) if key else None
+        name = t.get("name") or t.get("what", "?")
+        if "batch" in (g or {}) or "what" in t:
+            name += "".join(f", {k} {t[k]}" for k in ("batch", "budget") if t.get(k) is not None)
+        measured = t.get("measured", t.get("value"))
+        if g is not None:
+            if seen is not None:
+                seen.add(key)
+            info = g.get("info", False) or "(info)" in name
+            met = goals.met(key, measured)
+            goal = g["goal"]
+        else:
+            info, met, goal = "(info)" in name, t.get("met"), t.get("goal")
+        status = "info" if info else "met" if met else "**missed**"
+        rows.append([where, name, _num(measured), _num(goal), status])
     return rows
 
 
@@ -237,7 +253,7 @@ RENDER = {"golden_validation.json": _golden, "trained_pair.json": _trained, "ben
 
 
 def _folder(folder: Path, expected) -> list[str]:
-    lines, goals = [], []
+    lines, rows, seen = [], [], set()
     have = {p.name: p for p in sorted(folder.glob("*.json"))}
     for name in expected:
         if name not in have:
@@ -248,17 +264,22 @@ def _folder(folder: Path, expected) -> list[str]:
         lines += [f"### {name}", ""]
         if name in RENDER:
             lines += RENDER[name](rec)
-        goals += _targets(all_targets(name, rec), name)
+        rows += _targets(all_targets(name, rec), name, seen)
     others = [n for n in have if n not in expected]
     if others:
         names = ", ".join(f"`{n}`" for n in others)
         lines += [f"Other records here (probes and earlier runs): {names}.", ""]
     head = []
-    if goals:
-        met = sum(r[-1] == "met" for r in goals)
-        n = sum(r[-1] != "info" for r in goals)
-        head = [f"Goals: {met} of {n} met (rows marked info are context, not goals).", "",
-                *_table(["record", "what", "measured", "goal", "status"], goals)]
+    if rows:
+        met = sum(r[-1] == "met" for r in rows)
+        n = sum(r[-1] != "info" for r in rows)
+        head = [f"Goals ({goals.PATH.parent.name}/{goals.PATH.name}): {met} of {n} met (rows marked info are "
+                "context, not goals).", "", *_table(["record", "what", "measured", "goal", "status"], rows)]
+    unmeasured = [k for k, g in goals.goals().items()
+                  if k not in seen and not g.get("info") and not g.get("failure_only")]
+    if unmeasured:
+        head += ["Goals no record here measures yet: " + "; ".join(
+            f"{goals.goal(k)['name']} ({goals.goal(k)['record']})" for k in unmeasured) + ".", ""]
     return head + lines
 
 

@@ -26,7 +26,6 @@ import dataclasses
 import os
 import socket
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -258,7 +257,8 @@ def dryrun(world: int = 8, backend: str = "gloo", new_tokens: int = 12, budget: 
 # ----------------------------------------------------------------------------- all-reduce cost
 def _allreduce_rank(rank: int, world: int, backend: str, port: int, out: str, sizes, repeats: int) -> None:
     import json
-    import time
+
+    from .bench.timer import measure
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = backend == "nccl"
     if cuda:
@@ -269,23 +269,8 @@ def _allreduce_rank(rank: int, world: int, backend: str, port: int, out: str, si
         rows = []
         for n in sizes:  # bf16 elements
             x = torch.ones(max(1, n // 2), dtype=torch.bfloat16, device=dev)
-            for _ in range(5):
-                dist.all_reduce(x)
-            ts = []
-            for _ in range(repeats):
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    dist.all_reduce(x)
-                    b.record()
-                    b.synchronize()
-                    ts.append(a.elapsed_time(b) * 1e-3)
-                else:
-                    t0 = time.perf_counter()
-                    dist.all_reduce(x)
-                    ts.append(time.perf_counter() - t0)
-            rows.append({"bytes": int(x.numel() * 2), "median_s": float(np.median(ts)),
-                         "min_s": float(min(ts))})
+            t = measure(lambda: dist.all_reduce(x), repeats, "events" if cuda else "wall", warmup=5)
+            rows.append({"bytes": int(x.numel() * 2), "median_s": t.median, "min_s": t.min})
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(rows, f)

@@ -1,7 +1,7 @@
-"""kdtree.bench_engine's CPU parts: the decode weight-bytes floor."""
+"""kdtree.bench.engine's CPU parts: the decode weight-bytes floor."""
 import pytest
 
-from kdtree.bench_engine import decode_weight_bytes
+from kdtree.bench.engine import decode_weight_bytes
 from kdtree.config import TINY_A, TINY_B, load_config
 
 
@@ -33,7 +33,7 @@ def test_the_benchmark_says_it_needs_a_gpu(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from kdtree import bench_engine
+    from kdtree.bench import engine as bench_engine
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench_engine.run(tmp_path)
     assert not any(tmp_path.iterdir())

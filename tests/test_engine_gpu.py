@@ -49,7 +49,7 @@ def test_graphed_engine_equals_the_oracle_on_the_trained_pair(pair, mode, budget
 def test_same_length_prompts_share_the_prefill_forwards(pair, mode, budget):
     """Eight held-out prompts of one length admitted together: one prefill forward per chunk for all of them
     (kernel attention over eight page tables), every output equal to the oracle's."""
-    from kdtree.bench_engine import heldout_prompts
+    from kdtree.bench.engine import heldout_prompts
     t, d = pair
     prompts = heldout_prompts(8, 64, seed=3)
     ref = [oracle_ar(t, p, 24).tokens for p in prompts]

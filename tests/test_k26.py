@@ -116,7 +116,7 @@ def test_build_drafter_at_small_dimensions_drafts():
 def test_bench_k26_smoke_on_a_cpu():
     """The K2.6 sweep's code path at small dimensions: every mode of a cell ran, rows labelled simulated,
     targets formed per profile; the simulated tau rises with the budget."""
-    from kdtree import bench_k26
+    from kdtree.bench import k26 as bench_k26
     small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=48, intermediate_size=128)
     rec = bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4, 16), repeats=1, progress=False,
@@ -136,7 +136,7 @@ def test_staged_sweeps_merge_into_one_record():
     """A later sweep's profile rows replace that profile's rows of the cell, other profiles and cells stay,
     each profile's ratios use the AR row of its own run, and targets are formed again from the rows; mixing
     routings or layer counts is refused."""
-    from kdtree.bench_k26 import merge
+    from kdtree.bench.k26 import merge
 
     def rows(C, b, tau, run, scale, layers=12):
         base = dict(context=C, batch=b, layers=layers, run=run, tau_chain=tau, block=8)

@@ -1,4 +1,4 @@
-"""End-to-end engine benchmark: `python -m kdtree.bench_engine --out DIR` writes DIR/engine.json.
+"""End-to-end engine benchmark: `python -m kdtree.bench.engine --out DIR` writes DIR/engine.json.
 
 Same run, same checkpoint (the lab's trained pair), same held-out prompts:
   * AR at batch 1 through the engine (CUDA graphs) in float32 and bf16, against transformers' `generate` on
@@ -24,8 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, weights
-from .engine import STAGES, Engine
+from .. import data, weights
+from ..engine import STAGES, Engine
+from .baselines import hf_generate
+from .ceilings import copy_bandwidth
+from .goals import target as _goal
+from .timer import measure
 
 
 def heldout_prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
@@ -157,35 +161,12 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     return out
 
 
-def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
-    """transformers' DeepseekV3ForCausalLM.generate (greedy, exactly max_new tokens) on the same
-    checkpoint."""
-    from transformers import AutoModelForCausalLM  # a baseline only
-    m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).cuda().eval()
-    outs, wall = [], 0.0
-    for i, p in enumerate([prompts[0]] + list(prompts)):
-        x = torch.tensor([p], device="cuda")
-        _sync()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            y = m.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                           attention_mask=torch.ones_like(x), pad_token_id=0)
-        _sync()
-        if i:  # the first call is a warm-up
-            wall += time.perf_counter() - t0
-            outs.append(y[0, len(p):].tolist())
-    toks = sum(len(o) for o in outs)
-    del m
-    torch.cuda.empty_cache()
-    return {"tok_per_s": toks / wall, "tokens": toks, "wall_s": wall, "outputs": outs}
-
-
 def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129),
                 repeats: int = 30) -> list[dict]:
     """The target's verify forward alone (float32, batch 1, 100 cached rows, CUDA-graph replays, median of
     `repeats` after warm-up) against the block's rows: where the per-round cost jumps with the matmul
     shapes."""
-    from .model import PagedMeta
+    from ..model import PagedMeta
     t = weights.load(Path(ckpt_dir) / "target", device="cuda").eval()
     a = t.args
     pool = torch.zeros(a.num_hidden_layers, 9 * 64, a.kv_lora_rank + a.qk_rope_head_dim, device="cuda")
@@ -200,26 +181,8 @@ def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129
         def f():
             meta = PagedMeta.build(pt, cl, pos, mask, 64, t.attn_impl, "dense")
             return t.forward_paged(tok, pool, meta, (0,))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            f()
-            f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        for _ in range(5):
-            g.replay()
-        ts = []
-        for _ in range(repeats):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e-3)
-        out.append({"rows": T, "median_s": statistics.median(ts), "min_s": min(ts)})
+        t_ = measure(f, repeats, "graph")
+        out.append({"rows": T, "median_s": t_.median, "min_s": t_.min})
     return out
 
 
@@ -243,25 +206,6 @@ def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = N
     return n * itemsize
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> dict:
-    """Device-to-device copy bandwidth: a buffer of nbytes copied `repeats` times after a warm-up, timed with
-    CUDA events; bytes moved = read + written. {"bytes_per_s" (median), "max_bytes_per_s"}."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes_per_s": 2 * nbytes / statistics.median(times), "max_bytes_per_s": 2 * nbytes / min(times)}
-
-
 def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: int = 64, max_new: int = 64,
               hf: bool = True, compile: bool = True, paths=("grouped", "dense"), log=print) -> dict:
     """AR at batch 1 on the mid-size config (random bf16 weights, seed 0; the kernel attention path) through
@@ -270,9 +214,9 @@ def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: in
     written to a temporary folder)."""
     import tempfile
 
-    from .config import load_config
-    from .model import build_model
-    from .validate import random_prompts
+    from ..config import load_config
+    from ..model import build_model
+    from ..validate import random_prompts
     args = load_config(config)
     t0 = time.perf_counter()
     model = build_model(args, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -319,11 +263,6 @@ def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: in
     return rec
 
 
-def _target(name, measured, goal, higher=True, **kw):
-    met = measured is not None and (measured >= goal if higher else measured <= goal)
-    return {"name": name, "measured": measured, "goal": goal, "met": bool(met), **kw}
-
-
 def write_record(path: Path, rec: dict) -> None:
     """The record as JSON at `path`, then its targets and the path printed, a line each."""
     path.write_text(json.dumps(rec, indent=1) + "\n")
@@ -338,7 +277,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile:
     the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile);
     mid: the mid-size model's section (mid_model) last."""
-    from .oracle import oracle_ar
+    from ..oracle import oracle_ar
     if not torch.cuda.is_available():
         raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the "
                            "GPU)")
@@ -411,13 +350,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             row["hf"].pop("outputs")
         rec["ar"][name] = row
         (out / "engine.json").write_text(json.dumps(rec, indent=1))  # partial records survive a timeout
-        targets.append(_target(f"AR batch 1 ({name}): ms per token (round wall: replay + host work)",
-                               row["ms_per_token"], 0.45, higher=False, engine=row["best"]))
+        targets.append(_goal("ar_ms_per_token", row["ms_per_token"], dtype=name, engine=row["best"]))
         if "x_hf" in row:
-            targets.append(_target(f"AR batch 1 ({name}): x HF generate, same checkpoint and dtype, "
-                                   "whole requests", row["x_hf"], 30, engine=row["best"]))
-        targets.append(_target(f"AR batch 1 ({name}): round wall / GPU span", row["round_wall_over_gpu_span"],
-                               1.15, higher=False))
+            targets.append(_goal("ar_x_hf", row["x_hf"], dtype=name, engine=row["best"]))
+        targets.append(_goal("ar_wall_over_span", row["round_wall_over_gpu_span"], dtype=name))
         del target, e, eg
         torch.cuda.empty_cache()
     # speculative, batch 1, float32 (lossless against the oracle loop), then batches
@@ -445,14 +381,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     df1 = next(r for r in sp if r["mode"] == "dflash")
     best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
     targets += [
-        _target("DDTree best budget, batch 1, T=0: x the engine's AR", best["tok_per_s"] / ar1["tok_per_s"],
-                1.8, budget=best["budget"]),
-        _target("DDTree best budget, batch 1, T=0: x the engine's DFlash",
-                best["tok_per_s"] / df1["tok_per_s"], 1.3, budget=best["budget"]),
-        _target("DDTree batch 1: round wall / GPU span", best["round_wall_over_gpu_span"], 1.15, higher=False,
-                budget=best["budget"]),
-        _target("batch 1: every DFlash and DDTree output equals the oracle AR",
-                float(all(r["lossless"] for r in sp)), 1.0)]
+        _goal("ddtree_x_ar", best["tok_per_s"] / ar1["tok_per_s"], budget=best["budget"]),
+        _goal("ddtree_x_dflash", best["tok_per_s"] / df1["tok_per_s"], budget=best["budget"]),
+        _goal("ddtree_wall_over_span", best["round_wall_over_gpu_span"], budget=best["budget"]),
+        _goal("engine_lossless", float(all(r["lossless"] for r in sp)))]
     # deterministic=True pads every round to max_batch: its price for a lone request, same run
     det = {}
     for flag in (False, True):
@@ -494,11 +426,9 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
 
 def mid_targets(m: dict) -> list[dict]:
     best = m["best"]
-    out = [_target("Mid-size AR batch 1 (bf16): fraction of the weight-bytes floor", best["floor_fraction"],
-                   0.5, moe=best["moe"], compiled=best["compiled"])]
+    out = [_goal("mid_floor_fraction", best["floor_fraction"], moe=best["moe"], compiled=best["compiled"])]
     if "hf" in m:
-        out.append(_target("Mid-size AR batch 1 (bf16): x HF generate on the same weights (info)",
-                           best["tok_per_s"] / m["hf"]["tok_per_s"], 1.0))
+        out.append(_goal("mid_x_hf", best["tok_per_s"] / m["hf"]["tok_per_s"]))
     return out
 
 
@@ -556,7 +486,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mid-only", action="store_true", help="only the mid-size model (DIR/engine_mid.json)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("python -m kdtree.bench_engine needs a CUDA GPU: none is visible on this machine")
+        raise SystemExit("python -m kdtree.bench.engine needs a CUDA GPU: none is visible on this machine")
     if a.rows_probe:
         rows = verify_rows(a.ckpt)
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
-"""kdtree.bench's reading of the GPU's clock state (nvidia-smi) and the wait for a power or thermal cap to lift."""
+"""kdtree.bench.clocks: the reading of the GPU's clock state (nvidia-smi) and the wait for a power or
+thermal cap to lift."""
 import shutil
 
 import pytest
 import torch
 
-from kdtree import bench
+from kdtree.bench import clocks as bench
 
 
 def test_parse_gpu_state_reads_clocks_and_names_the_reasons():
@@ -38,7 +39,9 @@ def test_no_gpu_state_on_a_cpu_device_and_no_wait():
 def test_settle_waits_while_a_cap_holds_the_clock_down(monkeypatch):
     capped = bench.parse_gpu_state("1530, 1980, 3201, 52, 600, 0x0000000000000004")
     free = bench.parse_gpu_state("1980, 1980, 3201, 45, 300, 0x0000000000000000")
-    at_max = bench.parse_gpu_state("1980, 1980, 3201, 38, 128, 0x0000000000000004")  # flag set, clock not lowered
+    at_max = bench.parse_gpu_state(
+        "1980, 1980, 3201, 38, 128, 0x0000000000000004"
+    )  # flag set, clock not lowered
     calls = []
 
     def fake_from(states):
@@ -49,7 +52,9 @@ def test_settle_waits_while_a_cap_holds_the_clock_down(monkeypatch):
             if len(calls) > 1000:
                 raise AssertionError("settle_gpu kept polling past its bound")
             return next(it)
+
         return fake
+
     monkeypatch.setattr(bench, "gpu_state", fake_from([free]))
     assert bench.settle_gpu("cuda") == 0.0 and len(calls) == 1
     calls.clear()
@@ -73,6 +78,7 @@ def _fake_smi(monkeypatch, answers, uuid="0f1e2d3c-aaaa-bbbb-cccc-111122223333")
     """gpu_state against a scripted nvidia-smi: answers[i] = (returncode, stdout) of the i-th call."""
     import shutil
     import subprocess
+
     calls = []
     it = iter(answers)
 
@@ -80,6 +86,7 @@ def _fake_smi(monkeypatch, answers, uuid="0f1e2d3c-aaaa-bbbb-cccc-111122223333")
         calls.append(cmd)
         rc, out = next(it)
         return subprocess.CompletedProcess(cmd, rc, stdout=out, stderr="")
+
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr(subprocess, "run", run)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -98,12 +105,19 @@ def test_gpu_state_asks_nvidia_smi_for_this_gpu_by_uuid(monkeypatch):
 
 
 def test_gpu_state_falls_back_to_the_older_field_and_keeps_it(monkeypatch):
-    calls = _fake_smi(monkeypatch, [(2, "Field \"clocks_event_reasons.active\" is not a valid field\n"),
-                                    (0, "1410, 1410, 1593, 33, 60, 0x0000000000000001\n"),
-                                    (0, "1410, 1410, 1593, 33, 61, 0x0000000000000001\n")])
+    calls = _fake_smi(
+        monkeypatch,
+        [
+            (2, 'Field "clocks_event_reasons.active" is not a valid field\n'),
+            (0, "1410, 1410, 1593, 33, 60, 0x0000000000000001\n"),
+            (0, "1410, 1410, 1593, 33, 61, 0x0000000000000001\n"),
+        ],
+    )
     assert bench.gpu_state("cuda")["reasons"] == ["idle"]
     assert calls[1][-1].endswith("clocks_throttle_reasons.active")
-    assert bench.gpu_state("cuda")["power_w"] == 61 and len(calls) == 3  # one call: the answering field is kept
+    assert (
+        bench.gpu_state("cuda")["power_w"] == 61 and len(calls) == 3
+    )  # one call: the answering field is kept
 
 
 def test_gpu_state_is_none_when_nvidia_smi_answers_nothing_usable(monkeypatch):

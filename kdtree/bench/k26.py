@@ -1,5 +1,5 @@
 """K2.6 shape end to end on one GPU through the engine, with SIMULATED acceptance (labelled so in every row):
-`python -m kdtree.bench_k26 --out DIR [--cells 4096:1 4096:8 ...] [--profiles 5:8 ...]` merges its rows into
+`python -m kdtree.bench.k26 --out DIR [--cells 4096:1 4096:8 ...] [--profiles 5:8 ...]` merges its rows into
 DIR/e2e_k26.json per cell and profile (`merge`: a long sweep runs as several commands, a cell's profiles
 too; every row names its run, and each ratio pairs rows of one run).
 
@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from . import k26
-from .bench_e2e import _cell
-from .bench_engine import _target, stage_kernels, write_record
-from .engine import Engine
-from .simulate import Profile
+from .. import k26
+from ..engine import Engine
+from ..simulate import Profile
+from .e2e import _cell
+from .engine import stage_kernels, write_record
+from .goals import target as _goal
 
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
 BUDGETS = (4, 8, 16, 32, 64, 128)
@@ -100,7 +101,7 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     "moe_kernel_s": the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's
     kernel times}. The engine must be idle; the requests are served to the end (a few rounds each)."""
     from torch.profiler import ProfilerActivity, profile
-    from .model import MoE
+    from ..model import MoE
     moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
     seen = []
     hooks = [m.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel())) for m in moe]
@@ -235,19 +236,18 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
         fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
         auto = next((c for c in mine if c["budget"] == "auto"), None)
         dfl = next((c for c in mine if c["mode"] == "dflash"), None)
-        where = f"K2.6 sim tau_c {tau:g}, {n} MoE layers, batch {batch}, context {context}"
+        where = {"tau": f"{tau:g}", "layers": n, "batch": batch, "context": context}
         if auto and fixed:
             best = max(fixed, key=lambda c: c["tok_per_s"])
-            out.append(_target(f"{where}: auto / best fixed budget (B={best['budget']})",
-                               auto["tok_per_s"] / best["tok_per_s"], 0.95))
+            out.append(_goal("k26_auto_over_best_fixed", auto["tok_per_s"] / best["tok_per_s"],
+                             budget=best["budget"], **where))
         if auto and ar and dfl:
-            out.append(_target(f"{where}: auto / the better of AR and DFlash",
-                               auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), 0.97))
+            out.append(_goal("k26_auto_over_ar_dflash",
+                             auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), **where))
         if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
-            out.append(_target(f"{where}: DDTree (auto) / AR", auto["tok_per_s"] / ar["tok_per_s"], 1.6))
+            out.append(_goal("k26_auto_over_ar", auto["tok_per_s"] / ar["tok_per_s"], **where))
     if len(ok) < len(cells):
-        out.append(_target(f"K2.6 batch {batch}, context {context}: every engine ran", len(ok) / len(cells),
-                           1.0))
+        out.append(_goal("k26_cells_ran", len(ok) / len(cells), batch=batch, context=context))
     return out
 
 

@@ -1,4 +1,4 @@
-"""End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench_e2e --out DIR` writes
+"""End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench.e2e --out DIR` writes
 DIR/e2e_auto.json.
 
 Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 ones), one run:
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import weights
-from .bench_engine import _target, heldout_prompts, run_engine, write_record
-from .engine import Engine
+from .. import weights
+from ..engine import Engine
+from .engine import heldout_prompts, run_engine, write_record
+from .goals import target as _goal
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
@@ -81,7 +82,7 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
            "calibration": drafter.calibration is not None, "cells": [], "targets": []}
     max_len = prompt_len + max_new + max(budgets) + 72
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
-        from .calibration import measure, truncations
+        from ..calibration import measure, truncations
         rounds: list = []
         measure(target, drafter, heldout_prompts(check[0], prompt_len, seed=2), check[1], budget=max(budgets),
                 rounds=rounds)
@@ -137,7 +138,7 @@ def _name(mode, budget, decide, compiled) -> str:
 def _targets(cells, b: int, compile: bool) -> list:
     bad = [c["name"] for c in cells if c.get("error")]
     if bad:
-        return [_target(f"trained pair, batch {b}: every cell ran (failed: {', '.join(bad)})", 0.0, 1.0)]
+        return [_goal("e2e_cells_ran", 0.0, batch=b, failed=", ".join(bad))]
     same = [c for c in cells if c["compiled"] == compile]
     ar = next(c for c in same if c["mode"] == "ar")["tok_per_s"]
     dfl = next(c for c in same if c["mode"] == "dflash")["tok_per_s"]
@@ -145,28 +146,36 @@ def _targets(cells, b: int, compile: bool) -> list:
     best = max(fixed, key=lambda c: c["tok_per_s"])
     out = []
     for c in (c for c in same if c["budget"] == "auto"):
-        out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget (B={best['budget']})",
-                           c["tok_per_s"] / best["tok_per_s"], 0.95))
-        out.append(_target(f"trained pair, batch {b}: {c['name']} / the better of AR and DFlash",
-                           c["tok_per_s"] / max(ar, dfl), 0.97))
+        out.append(_goal("e2e_auto_over_best_fixed", c["tok_per_s"] / best["tok_per_s"], batch=b,
+                         cell=c["name"], budget=best["budget"]))
+        out.append(_goal("e2e_auto_over_ar_dflash", c["tok_per_s"] / max(ar, dfl), batch=b, cell=c["name"]))
         dec = [x for x in fixed if x.get("decode_tok_per_s")]
         if c.get("decode_tok_per_s") and dec:  # prefill left out: the rounds' choice alone (info)
             bd = max(dec, key=lambda x: x["decode_tok_per_s"])
-            out.append(_target(f"trained pair, batch {b}: {c['name']} / best fixed budget "
-                               f"(B={bd['budget']}), decode tok/s (info)",
-                               c["decode_tok_per_s"] / bd["decode_tok_per_s"], 0.95))
+            out.append(
+                _goal(
+                    "e2e_auto_decode_over_best_fixed",
+                    c["decode_tok_per_s"] / bd["decode_tok_per_s"],
+                    batch=b,
+                    cell=c["name"],
+                    budget=bd["budget"],
+                )
+            )
         comp = next((x for x in cells if x["mode"] == "ar" and x["compiled"]), None)
         if comp is not None and not compile:
-            out.append(_target(f"trained pair, batch {b}: {c['name']} / AR compiled (info)",
-                               c["tok_per_s"] / comp["tok_per_s"], 1.0))
-    out.append(_target(f"trained pair, batch {b}: every output equals the same run's AR",
-                       float(all(c["equals_ar"] for c in cells)), 1.0))
+            out.append(
+                _goal(
+                    "e2e_auto_over_ar_compiled", c["tok_per_s"] / comp["tok_per_s"], batch=b, cell=c["name"]
+                )
+            )
+    out.append(_goal("e2e_lossless", float(all(c["equals_ar"] for c in cells)), batch=b))
     return out
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="end-to-end DDTree with the cost-aware budget "
-                                             "(DIR/e2e_auto.json)")
+    ap = argparse.ArgumentParser(
+        description="end-to-end DDTree with the cost-aware budget (DIR/e2e_auto.json)"
+    )
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--ckpt", default="data/trained")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -179,10 +188,14 @@ def main(argv=None) -> None:
         raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "python": platform.python_version()}
-    rec["trained"] = trained_pair(a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new,
-                                  repeats=a.repeats, compile=a.compile)
+    rec = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    rec["trained"] = trained_pair(
+        a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new, repeats=a.repeats, compile=a.compile
+    )
     rec["targets"] = rec["trained"].pop("targets")
     write_record(out / "e2e_auto.json", rec)
 

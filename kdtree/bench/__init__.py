@@ -1,0 +1,28 @@
+"""Benchmarks as a package: one timer, the GPU's clock state, the baselines and the goals apart, one module
+per kernel family, the engine-level benchmarks beside them.
+
+  timer      measure(fn, repeats, mode): graph / events / wall / host timing, input sets rotated past L2
+  clocks     gpu_state, settle_gpu: SM clock, power and clock caps from nvidia-smi
+  ceilings   copy bandwidth and bf16 matmul rate, measured in the run that divides by them
+  baselines  the reference paths every ratio is to (the public tree path, naive attention, bf16 MoE, HF)
+  goals      goals.json: every goal of the lab, read by the benchmarks' targets and by the report
+  tree, verify, moe, layer   the kernel families' benchmarks (notebook 01); suite: `python -m kdtree bench`
+  engine     `python -m kdtree.bench.engine`: the engine against transformers, AR / DFlash / DDTree
+  e2e, k26   notebook 02's trained-pair and K2.6-shape sections; bridge: `python -m kdtree bench --bridge`
+"""
+from . import goals
+from .baselines import dequant_bf16, moe_bf16_baseline, naive_verify, reference_tree_round, topk_only
+from .ceilings import copy_bandwidth, matmul_rate, measure_ceilings
+from .clocks import CAP_REASONS, gpu_state, parse_gpu_state, settle_gpu
+from .layer import bench_layer, layer_model
+from .moe import MOE_WARM_S, bench_moe
+from .suite import run, summary
+from .timer import L2_BYTES, Times, input_sets, measure
+from .tree import bench_tree, bench_tree_reference, bench_walk
+from .verify import VERIFY_ABLATIONS, bench_attn, bench_verify_ablation, verify_smem_model
+
+__all__ = ["CAP_REASONS", "L2_BYTES", "MOE_WARM_S", "VERIFY_ABLATIONS", "Times", "bench_attn", "bench_layer",
+           "bench_moe", "bench_tree", "bench_tree_reference", "bench_verify_ablation", "bench_walk",
+           "copy_bandwidth", "dequant_bf16", "goals", "gpu_state", "input_sets", "layer_model", "matmul_rate",
+           "measure", "measure_ceilings", "moe_bf16_baseline", "naive_verify", "parse_gpu_state",
+           "reference_tree_round", "run", "settle_gpu", "summary", "topk_only", "verify_smem_model"]

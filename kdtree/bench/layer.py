@@ -1,0 +1,118 @@
+"""One decoder layer's verify cost against the tree's size at a config's real dimensions: a two-layer model
+(dense layer 0, MoE layer 1 with random INT4 experts) built by the model's own code, its layers timed on N
+tree nodes after a context of cached latent rows."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from .. import golden
+from ..config import load_config
+from ..model import AttnMeta, Int4Experts, MoE, Transformer
+from .timer import measure, mode_for
+
+
+def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
+    """A two-layer model at the config's dimensions with random weights (layer 0 dense, layer 1 MoE with
+    random INT4 experts), a small vocabulary; built on the meta device first so that no bf16 expert is ever
+    materialised. attn_impl 'kernel' on a GPU, 'absorb' on a CPU; bf16 on a GPU, float32 on a CPU."""
+    args = dataclasses.replace(
+        load_config(config), num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1024
+    )
+    gpu = str(device).startswith("cuda")
+    E, D, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+    with torch.device("meta"):
+        m = Transformer(args, attn_impl="kernel" if gpu else "absorb")
+        m.model.layers[1].mlp.experts = Int4Experts(
+            torch.empty(E, 2 * I, D // 8, dtype=torch.int32),
+            torch.empty(E, 2 * I, D // 32, dtype=torch.bfloat16),
+            torch.empty(E, D, I // 8, dtype=torch.int32),
+            torch.empty(E, D, I // 32, dtype=torch.bfloat16),
+        )
+    m = m.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]), generator=g)
+        layer = m.model.layers[1].mlp
+        assert isinstance(layer, MoE)
+        layer.gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+        rnd = Int4Experts.random(E, D, I, device=device, seed=seed)
+        for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+            getattr(layer.experts, n).copy_(getattr(rnd, n))
+        del rnd
+    m = m.to(torch.bfloat16 if gpu else torch.float32)
+    return m.eval()
+
+
+def bench_layer(
+    model,
+    contexts=(4096, 32768),
+    nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    batches=(1, 8),
+    repeats: int = 10,
+    progress: bool = True,
+    seed: int = 0,
+) -> list[dict]:
+    """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
+    context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
+    timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails."""
+    dev = model.device
+    args = model.args
+    mode = mode_for(dev)
+    rng = np.random.default_rng(seed)
+    rows = []
+    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="layer verify")
+    for C, B, N in it:
+        cache = model.new_cache(C + N, B)
+        with torch.no_grad():
+            cache.latent.normal_(0, 0.5)
+        cache.length = C
+        tree = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1) if N > 1 else None
+        m = torch.from_numpy(
+            golden.compile_tree(tree, 0, C).mask if tree is not None else np.ones((1, 1), bool)
+        )
+        mask = m.to(dev)[None].expand(B, N, N).contiguous()
+        depth = mask.sum(-1) - 1  # [B, N]
+        pos = (C + depth).to(torch.int64)
+        x = (torch.randn(B, N, args.hidden_size, device=dev) * 0.5).to(model.lm_head.weight.dtype)
+        meta = AttnMeta.for_cache(cache, C, pos, mask, model.attn_impl)  # the model's own metadata
+        cos, sin = model.rope(pos, x.dtype)
+        for i, layer in enumerate(model.model.layers):
+
+            def step(layer=layer, lat=cache.latent[i]):
+                layer(x, cos, sin, lat, meta)
+
+            how = "wall" if mode == "wall" else "graph"
+            with torch.no_grad():
+                if how == "graph":  # GPU time without the host's launch overhead; eager if capture fails
+                    try:
+                        t = measure(step, repeats, "graph").median
+                    except RuntimeError:
+                        how, t = "events", measure(step, repeats).median
+                else:
+                    t = measure(step, repeats, "wall").median
+            rows.append(
+                {
+                    "layer": i,
+                    "kind": "moe" if isinstance(layer.mlp, MoE) else "dense",
+                    "context": C,
+                    "batch": B,
+                    "nodes": N,
+                    "time_s": t,
+                    "timing": how,
+                    "device": str(dev),
+                }
+            )
+        del cache
+    return rows

@@ -1,0 +1,104 @@
+"""The routed INT4 experts at a config's shape: the moe_int4 kernel against the dequantize-then-grouped-matmul
+baseline and against experts held in bf16 (bench.baselines.moe_bf16_baseline), with the bytes floor."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import load_config
+from ..model import Gate, Int4Experts
+from .baselines import dequant_bf16, moe_bf16_baseline
+from .clocks import gpu_state, settle_gpu
+from .timer import measure, mode_for
+
+# Seconds of untimed replays before each kernel timing: the first timing right after the process freed
+# memory, or right after a burst of back-to-back replays capped the clock, reads high.
+MOE_WARM_S = 0.5
+
+
+def bench_moe(
+    config: str = "kimi-k2.6",
+    tokens=(1, 8, 16, 64, 128, 256, 512, 1024),
+    device: str = "cuda",
+    repeats: int = 20,
+    bandwidth: float | None = None,
+    progress: bool = True,
+    seed: int = 0,
+) -> list[dict]:
+    """Routed INT4 experts at the config's shape (hidden, moe_intermediate, experts, top-k), routing from a
+    random router (the model's Gate): the moe_int4 kernel on a GPU, pair grouping included, timed as
+    CUDA-graph replays (the dequantizing reference path on a CPU) vs moe_bf16_baseline (eager: it syncs) both
+    as the lab's goal defines it (dequantize, then grouped matmul) and with the experts already held in bf16,
+    and the floor (bytes of the distinct experts touched over `bandwidth`). On a GPU each kernel timing
+    follows MOE_WARM_S of untimed replays, and it and both baselines start once any power or thermal cap has
+    lifted (settle_gpu; the row keeps the seconds waited, settle_s, and gpu_state read right after the
+    kernel's timing)."""
+    args = load_config(config)
+    D, I, E = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+    dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    n_sets = 2 if str(device).startswith("cuda") else 1  # rotate past L2 (a set is E * 3 * I * D / 2 bytes)
+    sets = [Int4Experts.random(E, D, I, device=device, seed=seed + i) for i in range(n_sets)]
+    with torch.no_grad():  # the stronger baseline: the same experts held as bf16 (2 bytes a weight, not 0.5)
+        bf16 = (
+            dequant_bf16(sets[0].w13_packed, sets[0].w13_scale),
+            dequant_bf16(sets[0].w2_packed, sets[0].w2_scale),
+        )
+    gate = Gate(args).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.normal_(0, 1 / math.sqrt(D), generator=g)
+        gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+    mode = mode_for(device)
+    expert_bytes = 3 * I * D // 2 + 3 * I * D // 32 * 2  # packed words + bf16 scales of one expert
+    rows = []
+    it = tokens
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(tokens, desc="moe_int4")
+    for T in it:
+        x = torch.randn(T, D, device=device, generator=g).to(dt)
+        with torch.no_grad():
+            w, ids = gate(x.float())
+        ids = ids.to(torch.int32)
+        touched = int(torch.unique(ids).numel())
+        kern = [lambda s=s: s(x, w, ids) for s in sets]
+        base = [lambda s=s: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, s) for s in sets]
+        state, settled = None, 0.0
+        with torch.no_grad():
+            if mode == "events":  # GPU time of the whole call: graph replays
+                waits = []
+                t_k = measure(
+                    kern, repeats, "graph", warm_s=MOE_WARM_S, before=lambda: waits.append(settle_gpu(device))
+                ).median
+                settled = waits[0]
+                state = gpu_state(device)  # read right after the timing (the clock, any cap then active)
+            else:
+                t_k = measure(kern, repeats, mode).median
+            settled += settle_gpu(device)  # the baselines start from the same state (no-op on a CPU)
+            t_b = measure(base, max(3, repeats // 4), mode).median  # torch.unique syncs: eager
+            settled += settle_gpu(device)
+            t_bf = measure(
+                lambda: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[0], bf16),
+                max(3, repeats // 4),
+                mode,
+            ).median
+        row = {
+            "tokens": T,
+            "experts_touched": touched,
+            "kernel_s": t_k,
+            "baseline_s": t_b,
+            "speedup_vs_baseline": t_b / t_k,
+            "bf16_experts_s": t_bf,
+            "speedup_vs_bf16_experts": t_bf / t_k,
+            "bytes": touched * expert_bytes,
+            "device": str(device),
+            "gpu_state": state,
+            "settle_s": settled,
+        }
+        if bandwidth:
+            row["floor_s"] = row["bytes"] / bandwidth
+            row["frac_bandwidth"] = row["floor_s"] / t_k
+        rows.append(row)
+    return rows
