@@ -61,3 +61,4 @@ def test_graph_replays_rotate_their_captures_and_time_the_gpu():
     assert 0.7 < gr.median / ev.median < 1.3               # the same GPU work, either way
     host = measure(lambda: torch.cuda._sleep(cycles), 5, "host", calls=20)
     assert host.median < 0.2 * ev.median                   # launches only: the GPU never held the host
+

@@ -15,13 +15,18 @@ from ..model import AttnMeta, Int4Experts, MoE, Transformer
 from .timer import measure, mode_for
 
 
+def layer_args(config: str = "kimi-k2.6"):
+    """The config's dimensions with two layers (dense, then MoE) and a 1,024-token vocabulary (no special
+    token ids: the real ones lie past it)."""
+    return dataclasses.replace(load_config(config), num_hidden_layers=2, first_k_dense_replace=1,
+                               vocab_size=1024, eos_token_id=None)
+
+
 def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
     """A two-layer model at the config's dimensions with random weights (layer 0 dense, layer 1 MoE with
     random INT4 experts), a small vocabulary; built on the meta device first so that no bf16 expert is ever
     materialised. attn_impl 'kernel' on a GPU, 'absorb' on a CPU; bf16 on a GPU, float32 on a CPU."""
-    args = dataclasses.replace(
-        load_config(config), num_hidden_layers=2, first_k_dense_replace=1, vocab_size=1024
-    )
+    args = layer_args(config)
     gpu = str(device).startswith("cuda")
     E, D, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
     with torch.device("meta"):
