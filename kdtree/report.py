@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from .bench import goals
@@ -279,7 +280,8 @@ def _folder(folder: Path, expected) -> list[str]:
                   if k not in seen and not g.get("info") and not g.get("failure_only")]
     if unmeasured:
         head += ["Goals no record here measures yet: " + "; ".join(
-            f"{goals.goal(k)['name']} ({goals.goal(k)['record']})" for k in unmeasured) + ".", ""]
+            re.sub(r"{(\w+)}", r"<\1>", goals.goal(k)["name"]) + f" ({goals.goal(k)['record']})"
+            for k in unmeasured) + ".", ""]
     return head + lines
 
 

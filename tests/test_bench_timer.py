@@ -14,6 +14,9 @@ def test_wall_times_each_repeat_and_rotates_the_input_sets():
     assert t.mode == "wall" and len(t.times) == 7
     assert calls == [0, 1, 2, 0, 1, 2, 0, 1, 2]          # 2 warm-up calls, then 7 timed ones in turn
     assert t.min >= 0.002 and t.median >= t.min
+    order = []
+    measure(lambda: order.append("call"), 2, "wall", warmup=3, before=lambda: order.append("before"))
+    assert order == ["call"] * 3 + ["before"] + ["call"] * 2   # before() right before the timed repeats
     fast = measure(lambda: None, 5, "wall")
     assert fast.median < 0.002                           # the same check fails for a call that does not sleep
 
@@ -31,6 +34,11 @@ def test_bad_arguments_are_named_before_anything_runs():
         measure([], 3, "wall")
     with pytest.raises(ValueError, match="fn: expected a callable"):
         measure(3, 3, "wall")
+    with pytest.raises(ValueError, match="queue_cycles=-1"):
+        measure(f, 3, "wall", queue_cycles=-1)
+    for kw in ({"calls": 4}, {"queued": True}, {"warm_s": 1.0}):   # options of the other modes
+        with pytest.raises(ValueError, match="calls is for mode 'host'"):
+            measure(f, 3, "wall", **kw)
     if not torch.cuda.is_available():
         for mode in ("graph", "events", "host"):
             with pytest.raises(RuntimeError, match=f"mode='{mode}'.*needs a CUDA device"):
@@ -61,4 +69,6 @@ def test_graph_replays_rotate_their_captures_and_time_the_gpu():
     assert 0.7 < gr.median / ev.median < 1.3               # the same GPU work, either way
     host = measure(lambda: torch.cuda._sleep(cycles), 5, "host", calls=20)
     assert host.median < 0.2 * ev.median                   # launches only: the GPU never held the host
+    with pytest.raises(RuntimeError, match="the GPU finished before 3 calls"):   # work outlasting the spin
+        measure(lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize()), 1, "host", calls=3)
 

@@ -181,7 +181,7 @@ def verify_rows(ckpt_dir="data/trained", rows=(1, 8, 15, 16, 17, 24, 32, 64, 129
         def f():
             meta = PagedMeta.build(pt, cl, pos, mask, 64, t.attn_impl, "dense")
             return t.forward_paged(tok, pool, meta, (0,))
-        t_ = measure(f, repeats, "graph")
+        t_ = measure(f, repeats, "graph", warmup=5, queued=False)
         out.append({"rows": T, "median_s": t_.median, "min_s": t_.min})
     return out
 

@@ -62,7 +62,7 @@ def _pattern(key: str) -> re.Pattern:
     for text, field, _, _ in string.Formatter().parse(goal(key)["name"]):
         parts.append(re.escape(text))
         if field:
-            parts.append(r"[^()]+?")
+            parts.append(r"(?:[^()]|\([^()]*\))+?")   # a field may hold one level of parentheses
     return re.compile("".join(parts) + r"\Z")
 
 

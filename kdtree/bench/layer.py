@@ -119,5 +119,5 @@ def bench_layer(
                     "device": str(dev),
                 }
             )
-        del cache
+        del step, cache   # the closure holds a view of the cache
     return rows

@@ -8,13 +8,13 @@ Modes:
   graph   each callable captured in a CUDA graph (one warm-up call per set on a side stream first); a
           repeat is one replay timed by CUDA events, queued behind a GPU spin: the GPU's time alone, launch
           latency hidden as in a graph-launched decode loop. warm_s: replay that long first; before: called
-          right before the timed replays (e.g. bench.gpu_state.settle_gpu).
+          right before the timed replays (e.g. bench.clocks.settle_gpu); queued=False drops the spin.
   events  CUDA events around one eager call; queued=True puts a spin of queue_cycles before the first event
           so that the host's launch cost is hidden behind it.
   wall    host clock around one call, the device synchronized before and after (a host-side path, or a
           call that synchronizes itself).
   host    host seconds per call over `calls` back-to-back calls enqueued behind a long GPU spin, so the GPU
-          never holds the host back (the host cost of a launch path).
+          never holds the host back (the host cost of a launch path; an error if the spin ran out first).
 `mode_for(device)`: "events" on a CUDA device, "wall" elsewhere.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 L2_BYTES = 60 * 2**20          # the H200's L2 is 50 MiB: 60 MiB rotates past it
 QUEUE_CYCLES = 200_000         # GPU spin before a timed graph replay (~0.1 ms on an H200)
+HOST_SPIN_CYCLES = 50_000_000  # GPU spin that host-mode calls are launched behind (~25 ms on an H200)
 MODES = ("graph", "events", "wall", "host")
 
 
@@ -73,28 +74,35 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def measure(fn, repeats: int, mode: str = "events", *, warmup: int | None = None, queued: bool = False,
+def measure(fn, repeats: int, mode: str = "events", *, warmup: int | None = None, queued: bool | None = None,
             queue_cycles: int = QUEUE_CYCLES, warm_s: float = 0.0, before=None, calls: int = 1) -> Times:
     """Times of `repeats` repeats of fn (module docstring) after `warmup` untimed calls (default: 3 for
-    events, one per input set for graph, 1 for wall and host)."""
+    events, one replay per input set for graph, 1 for wall and host); before() runs after the warm-up,
+    right before the timed repeats. queued (events and graph; default: graph only) puts a spin of
+    queue_cycles before each timed repeat; calls (host mode only): calls per repeat."""
     fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if not fns or not all(callable(f) for f in fns):
         raise ValueError("fn: expected a callable or a non-empty list of callables")
-    if repeats < 1 or calls < 1 or (warmup is not None and warmup < 0) or warm_s < 0:
-        raise ValueError(f"repeats={repeats!r}, calls={calls!r}, warmup={warmup!r}, warm_s={warm_s!r}: "
-                         "expected repeats >= 1, calls >= 1, warmup >= 0, warm_s >= 0")
+    if repeats < 1 or calls < 1 or (warmup is not None and warmup < 0) or warm_s < 0 or queue_cycles < 0:
+        raise ValueError(f"repeats={repeats!r}, calls={calls!r}, warmup={warmup!r}, warm_s={warm_s!r}, "
+                         f"queue_cycles={queue_cycles!r}: expected repeats >= 1, calls >= 1, warmup >= 0, "
+                         "warm_s >= 0, queue_cycles >= 0")
+    misplaced = calls != 1 and mode != "host" or queued and mode not in ("events", "graph")
+    if misplaced or warm_s and mode != "graph":
+        raise ValueError(f"mode={mode!r}: calls is for mode 'host', queued for 'events' and 'graph', warm_s "
+                         "for 'graph'")
     if mode in ("graph", "events", "host") and not torch.cuda.is_available():
         raise RuntimeError(f"measure(mode={mode!r}) needs a CUDA device; use mode='wall' on a CPU")
     if mode == "graph":
-        return _graph(fns, repeats, warm_s, before, queue_cycles)
+        return _graph(fns, repeats, warmup, queued is not False, queue_cycles, warm_s, before)
     call = _cycle(fns)
-    if before is not None:
-        before()
     for _ in range(({"events": 3}.get(mode, 1) if warmup is None else warmup)):
         call()
     _sync()
+    if before is not None:
+        before()
     times = []
     for _ in range(repeats):
         if mode == "events":
@@ -112,17 +120,23 @@ def measure(fn, repeats: int, mode: str = "events", *, warmup: int | None = None
             call()
             _sync()
             times.append(time.perf_counter() - t)
-        else:  # host: the spin outlasts the calls' launches
-            torch.cuda._sleep(50_000_000)
+        else:  # host: the spin must outlast the calls' launches, or the GPU held the host back
+            torch.cuda._sleep(HOST_SPIN_CYCLES)
             t = time.perf_counter()
             for _ in range(calls):
                 call()
             times.append((time.perf_counter() - t) / calls)
+            done = torch.cuda.Event()
+            done.record()
+            if done.query():
+                raise RuntimeError(f"measure(mode='host'): the GPU finished before {calls} calls were "
+                                   "launched (their GPU work outlasts the spin): time fewer calls")
             torch.cuda.synchronize()
     return Times(times, mode)
 
 
-def _graph(fns, repeats: int, warm_s: float, before, queue_cycles: int) -> Times:
+def _graph(fns, repeats: int, warmup: int | None, queued: bool, queue_cycles: int, warm_s: float,
+           before) -> Times:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -141,8 +155,7 @@ def _graph(fns, repeats: int, warm_s: float, before, queue_cycles: int) -> Times
         for _ in range(8):
             replay()
         torch.cuda.synchronize()
-    if before is not None:
-        before()
-    t = measure(replay, repeats, "events", warmup=len(graphs), queued=True, queue_cycles=queue_cycles)
+    t = measure(replay, repeats, "events", warmup=len(graphs) if warmup is None else warmup, queued=queued,
+                queue_cycles=queue_cycles, before=before)
     del graphs
     return Times(t.times, "graph")
