@@ -173,9 +173,8 @@ def _targets(cells, b: int, compile: bool) -> list:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(
-        description="end-to-end DDTree with the cost-aware budget (DIR/e2e_auto.json)"
-    )
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.e2e",
+                                 description="end-to-end DDTree, the cost-aware budget (DIR/e2e_auto.json)")
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--ckpt", default="data/trained")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

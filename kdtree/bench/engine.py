@@ -473,7 +473,7 @@ def summary(rec: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--ckpt", default="data/trained")
     ap.add_argument("--quick", action="store_true")

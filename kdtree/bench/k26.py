@@ -281,7 +281,8 @@ def merge(old: dict | None, new: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.k26",
+                                 description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--cells", nargs="+", default=[f"{c}:{b}" for c, b in CELLS], help="CONTEXT:BATCH")
     ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
