@@ -85,6 +85,29 @@ def _targets(targets: list[dict], where: str, seen: set | None = None) -> list[l
     return rows
 
 
+def _phase_kernels(cells) -> list[str]:
+    """Auto's round (its most chosen tree plan) stage by stage beside the fixed round of that tree, from the
+    cells' `stage_kernels` (eager profiles: kernels launched and their GPU time per stage), where recorded."""
+    stages = ("draft", "build", "verify", "walk", "commit")
+    rows = []
+    for c in cells:
+        sk = c.get("stage_kernels") or {}
+        if c.get("budget") != "auto" or "plan" not in sk:
+            continue
+        fixed = next((f.get("stage_kernels") for f in cells if f.get("batch") == c.get("batch")
+                      and f.get("name") == sk["plan"]), None) or {}
+        for who, k in ((c["name"], sk), (sk["plan"], fixed)):
+            if "total" in k:
+                rows.append([c["batch"], who, *(f"{k[st]['kernels']:.0f} / {1e6 * k[st]['gpu_s']:.0f}"
+                                                for st in (*stages, "total"))])
+    if not rows:
+        return []
+    return ["Auto's round beside the fixed round of the tree it chose most, kernels / GPU µs per stage "
+            "(eager profile; auto's build stage holds the plans' expected tokens and the block's copies):",
+            "",
+            *_table(["batch", "round", *stages, "total"], rows)]
+
+
 def all_targets(rec_name: str, rec) -> list[dict]:
     """Every {name, measured, goal, met} of a record: its top-level `targets`, else its sections' (a record
     whose top level repeats its sections' targets is counted once)."""
@@ -194,6 +217,7 @@ def _e2e(rec) -> list[str]:
         lines += [f"`budget=\"auto\"` against every fixed budget ({auto.get('dtype', '')}, "
                   f"{auto.get('prompt_len')}-token prompts x {auto.get('max_new_tokens')} new tokens, "
                   f"median of {auto.get('repeats')}):", "", *_cells(auto["cells"])]
+        lines += _phase_kernels(auto["cells"])
     k26 = rec.get("k26")
     if isinstance(k26, dict) and k26.get("cells"):
         lines += [f"K2.6 shape ({k26.get('label', '')}):", "",

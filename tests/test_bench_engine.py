@@ -1,4 +1,4 @@
-"""kdtree.bench.engine's CPU parts: the decode weight-bytes floor."""
+"""kdtree.bench.engine's CPU parts: the decode weight-bytes floor, the stage profile of an auto round."""
 import pytest
 
 from kdtree.bench.engine import decode_weight_bytes
@@ -37,3 +37,30 @@ def test_the_benchmark_says_it_needs_a_gpu(tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         bench_engine.run(tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
+    """bench.engine.stage_kernels on a budget='auto' engine (CPU: the stage ranges and the plan, kernels are
+    CUDA's): both phases' five stages, the plan asked for, the engine left as it was; a bad plan is refused
+    before anything runs."""
+    from kdtree import weights
+    from kdtree.bench.engine import STAGES, heldout_prompts, stage_kernels
+    from kdtree.engine import Engine
+    from kdtree.oracle import oracle_ar
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=1, max_len=256)
+    p = heldout_prompts(1, 24)[0]
+    with pytest.raises(ValueError, match=r"plan='B=32': expected one of the engine's tree plans"):
+        stage_kernels(e, p, plan="B=32")
+    assert not e.active and not e.waiting and e.rounds == 0
+    out = stage_kernels(e, p, rounds=2, plan="B=8")
+    assert (out["plan"], out["build_nodes"]) == ("B=8", 16)
+    assert all(out[st]["ops"] > 0 for st in STAGES), out   # each stage's range ran, in the round's order
+    assert not e.active and e.free_pages == e.pages.capacity
+    rid = e.add_request(p, 20)
+    assert e.run()[rid].tokens == oracle_ar(t, p, 20).tokens
+    fixed = Engine(t, d, mode="ddtree", budget=8, max_batch=1, max_len=256)
+    with pytest.raises(ValueError, match="only a budget='auto' engine takes a plan"):
+        stage_kernels(fixed, p, plan="B=8")

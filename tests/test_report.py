@@ -63,3 +63,20 @@ def test_lab_rewrites_the_page_only_after_a_gpu_folder_run(tmp_path, monkeypatch
     assert lab.refresh_results(tmp_path / "elsewhere") is None and not page.exists()
     assert lab.refresh_results(rec_dir / "h200") == page
     assert page.read_text() == report.report(rec_dir)
+
+
+def test_auto_phase_kernels_sit_beside_the_fixed_round(tmp_path):
+    """An auto cell's stage profile is tabulated beside the fixed cell of the plan it chose most; without
+    profiles (the committed records) no such table appears."""
+    def prof(us, **kw):
+        st = {s: {"kernels": 10, "gpu_s": us * 1e-6, "ops": 5} for s in ("draft", "build", "verify", "walk",
+                                                                            "commit")}
+        return {**st, "total": {"kernels": 50, "gpu_s": 5 * us * 1e-6}, **kw}
+    cells = [{"batch": 8, "budget": 16, "name": "B=16", "stage_kernels": prof(100)},
+             {"batch": 8, "budget": "auto", "name": "auto (previous)",
+              "stage_kernels": prof(120, plan="B=16", build_nodes=32)}]
+    lines = report._phase_kernels(cells)
+    assert lines and "| 8 | auto (previous) | 10 / 120 |" in "\n".join(lines)
+    assert "| 8 | B=16 | 10 / 100 |" in "\n".join(lines) and "50 / 600" in "\n".join(lines)
+    assert report._phase_kernels([{**c, "stage_kernels": {}} for c in cells]) == []
+    assert "Auto's round beside" not in report.report()

@@ -25,7 +25,7 @@ import torch
 
 from .. import weights
 from ..engine import Engine
-from .engine import heldout_prompts, run_engine, write_record
+from .engine import heldout_prompts, run_engine, stage_kernels, write_record
 from .goals import target as _goal
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
@@ -106,9 +106,10 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
             if budget == "auto":
                 kw.update(budgets=tuple(budgets), decide=decide)
             t0 = time.perf_counter()
+            prof = _profile(prompts[0]) if mode == "ddtree" and gpu else None
             try:
                 cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), prompts,
-                             max_new, repeats)
+                             max_new, repeats, after=prof)
             except Exception as e:  # recorded, and the run goes on (e.g. a capture the GPU refused)
                 cell = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None,
                         "outputs": None}
@@ -127,6 +128,21 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
         rec["cells"] += cells
         rec["targets"] += _targets(cells, b, compile)
     return rec
+
+
+def _profile(prompt):
+    """_cell's `after` for a DDTree cell: the stage kernels of its round (an auto engine: of the tree plan it
+    chose most often), so that auto's phases can be set beside the fixed round of the same tree."""
+    def after(e) -> dict:
+        plan = None
+        if e.auto is not None:
+            trees = [h[2] for h in e.auto.history if h[2].startswith("B=")]
+            plan = Counter(trees).most_common(1)[0][0] if trees else None
+        try:
+            return {"stage_kernels": stage_kernels(e, prompt, plan=plan)}
+        except Exception as ex:  # recorded, not fatal: the cell's timings stand
+            return {"stage_kernels": {"error": f"{type(ex).__name__}: {ex}"[:400]}}
+    return after
 
 
 def _name(mode, budget, decide, compiled) -> str:

@@ -101,12 +101,28 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
             "top": sorted(top.items(), key=lambda kv: -kv[1])[:15]}
 
 
-def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25) -> dict:
+def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25, plan: str | None = None
+                  ) -> dict:
     """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
-    "gpu_s"}} plus the totals and "top_kernels" (the costliest kernels by name: stage, launches and GPU
-    seconds a round); the engine must be idle (one request is served and finished here)."""
+    "gpu_s", "ops" (torch ops called from the stage's code)}} plus the totals and "top_kernels" (the
+    costliest kernels by name: stage, launches and GPU seconds a round); the engine must be idle (one
+    request is served and finished here). budget="auto": the round of tree plan `plan` (a plan name such
+    as "B=16"; default the largest tree), its front phase (draft; build = the tree of the plan's build
+    size, the plans' expected tokens and the block's copies) then its back phase (verify, walk, commit);
+    "plan" and "build_nodes" say which."""
     from torch.profiler import ProfilerActivity, profile, record_function
+    phases = None
+    if engine.auto is not None:
+        names = [p.name for p in engine.plans]
+        trees = [p.name for p in engine.plans if p.kind == "tree"]
+        name = trees[-1] if plan is None else plan
+        if name not in trees:
+            raise ValueError(f"plan={plan!r}: expected one of the engine's tree plans {trees}")
+        i = names.index(name)
+        phases = (engine.auto.builds[i], engine.plans[i])
+    elif plan is not None:
+        raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
     room = engine.max_len - len(prompt) - engine.lookahead
     engine.add_request(prompt, min(3 * engine.max_accept + 2, room))
     engine.step()
@@ -131,7 +147,12 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         for _ in range(rounds):  # the same round repeated from the same state
             engine.lens.copy_(snapshot[0])
             engine.root.copy_(snapshot[1])
-            engine._round(b, False, Marks())
+            if phases is None:
+                engine._round(b, False, Marks())
+            else:   # one Marks over both phases: draft, build in the front; verify, walk, commit after
+                marks = Marks()
+                engine._front(b, phases[0], marks)
+                engine._round(b, False, marks, plan=phases[1])
         _sync()
     engine.lens.copy_(snapshot[0])
     engine.root.copy_(snapshot[1])
@@ -141,13 +162,14 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         for c in ev.cpu_children:
             ks += kernels(c)
         return ks
-    out = {s: {"kernels": 0, "gpu_s": 0.0} for s in order}
+    out = {s: {"kernels": 0, "gpu_s": 0.0, "ops": 0} for s in order}
     by_name: dict = {}
     for ev in prof.events():
         if ev.name.startswith("stage:") and ev.device_type == torch.autograd.DeviceType.CPU:
             ks = [k for k in kernels(ev) if not k[1].startswith(("Memcpy", "Memset"))]
             row = out[ev.name[6:]]
             row["kernels"] += len(ks) / rounds
+            row["ops"] += len(ev.cpu_children) / rounds   # torch ops the host called in the stage
             row["gpu_s"] += sum(k[0] for k in ks) * 1e-6 / rounds
             for dur, name in ks:
                 c = by_name.setdefault((ev.name[6:], name[:80]), [0.0, 0.0])
@@ -157,6 +179,8 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     out["top_kernels"] = [{"stage": st, "kernel": n, "per_round": c, "gpu_s": t} for (st, n), (c, t) in top]
     stages = [out[st] for st in order]
     out["total"] = {"kernels": sum(r["kernels"] for r in stages), "gpu_s": sum(r["gpu_s"] for r in stages)}
+    if phases is not None:
+        out.update(plan=phases[1].name, build_nodes=phases[0])
     engine.run()
     return out
 
