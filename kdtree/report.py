@@ -68,9 +68,7 @@ def _targets(targets: list[dict], where: str, seen: set | None = None) -> list[l
     for t in targets:
         key = goals.key_of(t)
         g = goals.goals().get(key) if key else None
-        name = t.get("name") or t.get("what", "?")
-        if "batch" in (g or {}) or "what" in t:
-            name += "".join(f", {k} {t[k]}" for k in ("batch", "budget") if t.get(k) is not None)
+        name = goals.shown_name(t)
         measured = t.get("measured", t.get("value"))
         if g is not None:
             if seen is not None:

@@ -73,3 +73,13 @@ def test_the_report_judges_by_the_file_and_names_goals_without_a_record(tmp_path
     assert "| bench_kernels.json | tree round, batch 1, B=64, V=163840, L=15 (us) | 20 | 25 | met |" in page
     assert "Goals no record here measures yet:" in page and "AR batch 1 (<dtype>)" in page
     assert "every cell ran" not in page.split("Goals no record here")[1].split("\n")[0]
+
+
+def test_a_target_prints_as_one_line_also_without_a_measurement():
+    assert goals.line(goals.target("ar_x_hf", None, dtype="float32")) \
+        == "[MISSED] AR batch 1 (float32): x HF generate, same checkpoint and dtype, whole requests: - " \
+           "(goal 30.0)"
+    old = {"what": "native_graph / reference", "batch": 1, "budget": 64, "value": 18.1, "goal": 10.0,
+           "met": True}
+    assert goals.line(old) == "[met] native_graph / reference, batch 1, budget 64: 18.1 (goal 10.0)"
+    assert goals.line(goals.target("bridge_native_b1", 18.1)) == goals.line(old)

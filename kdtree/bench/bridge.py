@@ -188,10 +188,5 @@ def summary(rec: dict) -> str:
                 else ""
             )
         )
-    for t in rec["targets"]:   # older records: {what, value}
-        v = t.get("measured", t.get("value"))
-        got = "-" if v is None else f"{v:.2f}"
-        where = f" b {t['batch']} B {t['budget']}" if "batch" in t else ""
-        lines.append(f"target {t.get('name') or t.get('what')}{where}: goal {t['goal']}, got {got}  "
-                     f"{'met' if t['met'] else 'MISSED'}")
+    lines += [goals.line(t) for t in rec["targets"]]
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from .. import data, weights
 from ..engine import STAGES, Engine
 from .baselines import hf_generate
 from .ceilings import copy_bandwidth
+from . import goals
 from .goals import target as _goal
 from .timer import measure
 
@@ -291,7 +292,7 @@ def write_record(path: Path, rec: dict) -> None:
     """The record as JSON at `path`, then its targets and the path printed, a line each."""
     path.write_text(json.dumps(rec, indent=1) + "\n")
     for t in rec.get("targets", []):
-        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
+        print(goals.line(t))
     print(path)
 
 
@@ -492,7 +493,7 @@ def summary(rec: dict) -> str:
                      f"{r['tok_per_s']:.0f} tok/s round {1e3 * wall:.3f} ms / GPU {1e3 * span:.3f}"
                      + (f" lossless={r['lossless']}" if "lossless" in r else ""))
     for t in rec["targets"]:
-        lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")
+        lines.append(goals.line(t))
     return "\n".join(lines)
 
 
@@ -525,7 +526,7 @@ def main(argv=None) -> None:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "engine_mid.json").write_text(json.dumps(m, indent=1))
         for t in m["targets"]:
-            print(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {t['measured']} (goal {t['goal']})")
+            print(goals.line(t))
         return
     rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets),
               batches=tuple(a.batches), batched_compile=False if a.batched_eager else None, mid=not a.no_mid)

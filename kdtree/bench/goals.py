@@ -48,6 +48,25 @@ def target(key: str, measured, **fields) -> dict:
     return {**out, **{k: v for k, v in fields.items() if k not in out}}
 
 
+def shown_name(t: dict) -> str:
+    """A target's name as tables and logs show it: a goal fixed to a batch and budget (the bridges'; older
+    bridge records' {what, batch, budget}) names them after its name."""
+    name = t.get("name") or t.get("what", "?")
+    key = key_of(t)
+    if "what" in t or (key is not None and "batch" in goals()[key]):
+        name += "".join(f", {k} {t[k]}" for k in ("batch", "budget") if t.get(k) is not None)
+    return name
+
+
+def line(t: dict) -> str:
+    """One target as a line of text, "[met] name: measured (goal g)" (older bridge records' {what, batch,
+    budget, value} too; a missing measurement as "-")."""
+    v = t.get("measured", t.get("value"))
+    name = shown_name(t)
+    status = "info" if t.get("info") else "met" if t.get("met") else "MISSED"
+    return f"[{status}] {name}: {'-' if v is None else f'{v:.3g}'} (goal {t.get('goal')})"
+
+
 def met(key: str, measured) -> bool:
     """measured reaches goal `key` (>= when higher, else <=); False for None."""
     g = goal(key)

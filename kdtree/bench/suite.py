@@ -11,6 +11,7 @@ import torch
 
 from .. import kernels
 from .ceilings import measure_ceilings
+from . import goals
 from .goals import target
 from .clocks import gpu_state
 from .tree import bench_tree
@@ -126,8 +127,5 @@ def summary(rec: dict) -> str:
             f"({m['smem_clocks_at_128B']:.0f} clocks at 128 B/clock) vs {m['tensor_clocks_at_2048_mac']:.0f} "
             f"clocks of tensor work at 2048 MAC/clock"
         )
-    for t in rec["targets"]:
-        lines.append(
-            f"target {'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3g} (goal {t['goal']})"
-        )
+    lines += [goals.line(t) for t in rec["targets"]]
     return "\n".join(lines)
