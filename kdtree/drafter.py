@@ -164,12 +164,15 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
-    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int):
+    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int, impl: str = "math"):
         """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block
         states; kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T)
         this pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
         (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
-        and v come from one GEMM."""
+        and v come from one GEMM. impl: "math" (scores as one batched GEMM over every column, masked softmax,
+        a second GEMM: parallel over the columns, so a few query rows over a long context keep the GPU busy)
+        or "sdpa" (torch's fused attention: its grid is B x Hk x row tiles, a handful of blocks at batch 1,
+        each streaming the whole context; kept as the measured alternative)."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -186,8 +189,15 @@ class DraftAttention(nn.Module):
         seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
         # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
         G = H // Hk
-        o = F.scaled_dot_product_attention(q.reshape(B, Hk, G * T, hd), kbuf, vbuf,
-                                           attn_mask=seen[:, None, None, :])     # [B, Hk, G * T, hd]
+        q = q.reshape(B, Hk, G * T, hd)
+        if impl == "math":
+            s = (q @ kbuf.transpose(-1, -2)).float() * hd ** -0.5                        # [B, Hk, G*T, C+T]
+            p = s.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
+            o = p.to(vbuf.dtype) @ vbuf                                                 # [B, Hk, G*T, hd]
+        elif impl == "sdpa":
+            o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=seen[:, None, None, :])
+        else:
+            raise ValueError(f"impl={impl!r}: expected one of {DRAFT_ATTN_IMPLS}")
         return self.o_proj(o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -204,8 +214,16 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+DRAFT_ATTN_IMPLS = ("math", "sdpa")
+
+
 class DFlashDrafter(nn.Module):
-    """Block-diffusion drafter; `embed` and `lm_head` are the target's (shared, not in state_dict)."""
+    """Block-diffusion drafter; `embed` and `lm_head` are the target's (shared, not in state_dict).
+    attn_impl: the engine's drafting attention over its preallocated context
+    (DraftAttention.forward_buffered), one of DRAFT_ATTN_IMPLS; set it before an engine captures its
+    graphs."""
+
+    attn_impl = "math"
 
     def __init__(self, args: DrafterArgs, target=None):
         super().__init__()
@@ -334,6 +352,9 @@ class DFlashDrafter(nn.Module):
     def draft(self, ctx: "DraftContext", root: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, L, V] float32 below roots [B] at positions ctx_len [B] (the context holds
         positions [0, ctx_len)); B <= ctx.batch (slots 0..B-1). No host reads."""
+        if self.attn_impl not in DRAFT_ATTN_IMPLS:
+            raise ValueError(f"DFlashDrafter.attn_impl={self.attn_impl!r}: expected one of "
+                             f"{DRAFT_ATTN_IMPLS}")
         a = self.args
         B, bs = root.shape[0], a.block_size
         block = torch.full((B, bs), a.mask_token_id, dtype=torch.long, device=root.device)
@@ -344,7 +365,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + layer.self_attn.forward_buffered(h, cos, sin, ctx.k[i][:B], ctx.v[i][:B], ctx_len,
-                                                     ctx.max_len)
+                                                     ctx.max_len, self.attn_impl)
             x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype)).float()
 

@@ -295,6 +295,22 @@ class _Front:
     chain: torch.Tensor
 
 
+@dataclass
+class _Flight:
+    """A launched round whose bookkeeping waits (`Engine._land`): the requests in its slot order at launch,
+    its bucket, logits, plan, the host buffers its one copy lands in (`buf`), the event closing it."""
+    reqs: list
+    b: int
+    logits: torch.Tensor
+    graph: bool
+    clock: object
+    t0: float
+    buf: int
+    done: object
+    i: int | None = None
+    info: dict | None = None
+
+
 # ----------------------------------------------------------------------------- the engine
 class Engine:
     """Continuous-batching decode engine over one shared paged latent cache (module docstring).
@@ -326,6 +342,14 @@ class Engine:
     table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates).
 
+    overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
+    copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
+    the previous round's accepted lengths: it grows each request's pages for both rounds' rows, and lands the
+    previous round first when a request is that near its reservation or when requests wait to be admitted.
+    A request that finished in the previous round is carried
+    by the launched one on rows nobody reads; its output is dropped. Off (each round lands before the next
+    launches) under debug, a host drafter or tensor parallelism; step() always lands its own round.
+
     simulate: a `kdtree.simulate.Profile`: simulated acceptance (random-weight shapes; module simulate): the
     round runs every kernel at its real shape, the tree is built from the profile's drafter and the target's
     choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile)."""
@@ -336,7 +360,7 @@ class Engine:
                  prefill_chunk: int = 512, debug: bool = False, buckets=None, graph_sampling: bool = True,
                  compile: bool = False, deterministic: bool = False, moe: str | None = None,
                  max_budget: int | None = None, budgets=None, decide: str = "previous", calibration=None,
-                 simulate=None):
+                 simulate=None, overlap: bool = True):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
@@ -401,6 +425,8 @@ class Engine:
                                  "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
             buckets = (max_batch,)
         self.deterministic = deterministic
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap={overlap!r}: expected True or False")
         moe = _moe_path(model, moe, deterministic)
         self.buckets = _buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         self.model, self.drafter, self.mode, self.backend = model, drafter, mode, backend
@@ -458,7 +484,8 @@ class Engine:
         self.live = torch.zeros(B, dtype=torch.int64, device=dev)
         # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
         self.out = torch.zeros(B, 2 + self.max_accept, dtype=torch.int64, device=dev)
-        self.out_host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # two host buffers: a launched round copies into one while the previous round's is read
+        self.out_host = torch.zeros(2, *self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.graph_sampling = graph_sampling
         self.waiting: list[Request] = []
         self.active: list[Request] = []
@@ -481,6 +508,11 @@ class Engine:
                                                             drafter.block_size - 1, max_batch, dev)
         self.simulated = None if simulate is None else simulate.name
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
+        self.overlap = (overlap and not debug and (mode == "ar" or self.batched_drafter)
+                        and getattr(model, "tp", None) is None)
+        self._flight: _Flight | None = None   # the launched round whose bookkeeping waits (overlap)
+        self._launched = 0                    # rounds launched (their event slots and host buffers)
+        self._landed_at: float | None = None  # host time the last round landed while the next was in flight
         self.warmup_s = 0.0
         self.capture_retries: list[str] = []
         self.auto = None
@@ -500,7 +532,8 @@ class Engine:
             self.plans, self.costs, self.calibration = plans, costs, cal
             self.acceptance = auto_budget.Acceptance(cal, L, dev)
             self.est = torch.zeros(B, len(plans), dtype=torch.float32, device=dev)
-            self.est_host = torch.zeros(self.est.shape, dtype=torch.float32, pin_memory=dev.type == "cuda")
+            self.est_host = torch.zeros(2, *self.est.shape, dtype=torch.float32,
+                                        pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
@@ -575,27 +608,41 @@ class Engine:
                                     GenerationResult([], self.mode), reserve, synthetic=synthetic))
         return rid
 
-    def step(self) -> dict[int, list[int]]:
+    def step(self, overlap: bool = False) -> dict[int, list[int]]:
         """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}.
         A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
-        then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on."""
+        then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on.
+        overlap=True (run()'s schedule; honoured when the engine's `overlap` is on): launch this round, then
+        land the round launched by the previous call while the GPU runs it, so the tokens returned are that
+        round's; a round in flight lands first when a request can join. A plain step() lands any round in
+        flight, then its own."""
         emitted: dict[int, list[int]] = {}
+        overlap = overlap and self.overlap
+        if self._flight is not None and (not overlap or self._admissible() or not self._can_overlap()):
+            self._drain(emitted)
         self._admit(emitted)
         if self.active:
-            self._run_round(emitted)
+            prev, self._flight = self._flight, self._launch()
+            if prev is not None:
+                self._land(prev, emitted)
+            if not overlap:
+                self._drain(emitted)
+        else:
+            self._drain(emitted)
         self._raise_errors()
         return emitted
 
     def run(self, progress: bool = False) -> dict[int, GenerationResult]:
-        """Step until every request has finished; returns {request id: result} of every request finished since
-        the last run() (also those that finished in step() calls before it), each handed out once."""
+        """Step until every request has finished (overlapped rounds when `overlap` is on); returns {request
+        id: result} of every request finished since the last run() (also those that finished in step() calls
+        before it), each handed out once."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(self.waiting) + len(self.active), desc=f"engine {self.mode}")
-        while self.waiting or self.active:
+        while self.waiting or self.active or self._flight is not None:
             n = len(self.finished)
-            self.step()
+            self.step(overlap=True)
             if bar is not None:
                 bar.update(len(self.finished) - n)
         if bar is not None:
@@ -614,6 +661,30 @@ class Engine:
     @property
     def free_pages(self) -> int:
         return len(self.pages.free)
+
+    @property
+    def in_flight(self) -> bool:
+        """A round launched by step(overlap=True) waits to land (the next step, or run(), lands it)."""
+        return self._flight is not None
+
+    def _drain(self, emitted) -> None:
+        f, self._flight = self._flight, None
+        if f is not None:
+            self._land(f, emitted)
+        self._landed_at = None
+
+    def _admissible(self) -> bool:
+        return bool(self.waiting and len(self.active) < self.max_batch
+                    and self.pages.can_reserve(self.waiting[0].reserve))
+
+    def _can_overlap(self) -> bool:
+        """Whether the next round may launch before the one in flight lands: every active request's rows of
+        both rounds (the flight's accepted rows, unknown on the host, and the next block's) fit its
+        reservation, and not every request ends with the flight (each emits at least one token a round), as
+        then the launched round would be wasted."""
+        room = self.max_accept + self.rows
+        return (all(r.length + room <= r.reserve * self.page_size for r in self.active)
+                and not all(len(r.result.tokens) + 1 >= r.max_new for r in self.active))
 
     # ------------------------------------------------------------- admission and prefill
     def _admit(self, emitted) -> None:
@@ -1063,18 +1134,21 @@ class Engine:
         torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
 
-    def _run_round(self, emitted) -> None:
+    def _launch(self) -> _Flight:
+        """Grow the active requests' pages, launch their round (a graph replay when captured) and its copy
+        to the host; nothing read back. With a round in flight, pages cover both rounds' rows."""
         n = len(self.active)
+        ahead = self._flight is not None
         for r in self.active:
-            self._grow(r, r.length + self.rows)
+            self._grow(r, r.length + self.rows + (self.max_accept if ahead else 0))
         b = self._bucket(n)
         sampling = any(r.temperature > 0 for r in self.active)
         t0 = time.perf_counter()
         clock = _Clock(self.device)
-        plan, info = None, None
+        i, info = None, None
         if self.auto is not None:
             logits, i, info = self._auto_round(b, n, sampling, clock)
-            plan, graph = self.plans[i], (b, sampling, i) in self.graphs
+            graph = (b, sampling, i) in self.graphs
         else:
             g = self.graphs.get((b, sampling))
             graph = g is not None
@@ -1083,21 +1157,41 @@ class Engine:
                 logits = self._graph_logits[(b, sampling)]
             else:
                 logits = self._round(b, sampling, clock)
-        self.last_logits = logits[:n]
         clock("end")
-        self.out_host[:n].copy_(self.out[:n], non_blocking=True)
+        buf = self._launched % 2
+        self._launched += 1
+        self.out_host[buf, :n].copy_(self.out[:n], non_blocking=True)
         if info is not None and info["drafted"] and self.auto.decide == "previous":
-            self.est_host[:n].copy_(self.est[:n], non_blocking=True)
-        self._sync()
-        host = self.out_host[:n].tolist()
-        stages = clock.times()
-        stages["round"] = time.perf_counter() - t0
-        ids = [r.rid for r in self.active]  # the request in each row of last_logits
-        self.last_round = dict(stages, batch=n, bucket=b, graph=graph, ids=ids)
-        if info is not None:
-            self._auto_take(n, i, info, stages["round"])
+            self.est_host[buf, :n].copy_(self.est[:n], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return _Flight(list(self.active), b, logits, graph, clock, t0, buf, done, i, info)
+
+    def _land(self, f: _Flight, emitted) -> None:
+        """Wait for round f, then its bookkeeping: tokens to the requests still in it (one that left since
+        f launched is skipped), stop checks, releases, stage times."""
+        if f.done is not None:
+            f.done.synchronize()
+        n = len(f.reqs)
+        host = self.out_host[f.buf, :n].tolist()
+        stages = f.clock.times()
+        now = time.perf_counter()
+        # overlapped: the interval since the previous round landed (its launch was hidden behind it)
+        stages["round"] = now - (f.t0 if self._landed_at is None else max(f.t0, self._landed_at))
+        self._landed_at = now if self._flight is not None else None
+        self.last_logits = f.logits[:n]
+        ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
+        self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
+        plan = None
+        if f.info is not None:
+            plan = self.plans[f.i]
+            self._auto_take(n, f.i, f.info, stages["round"], f.buf)
         self.rounds += 1
-        for i, (r, row) in enumerate(zip(list(self.active), host)):
+        for i, (r, row) in enumerate(zip(f.reqs, host)):
+            if r.slot < 0:   # finished or failed in the round before f
+                continue
             k, ok, new = row[0], row[1], row[2:2 + row[0]]
             res = r.result
             res.target_forwards += 1
@@ -1118,7 +1212,7 @@ class Engine:
             if finish(res.tokens, new, r.max_new, r.stop):
                 self._release(r)
         self._features = None
-        if self.auto is not None and not self.active:
+        if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now
             self._ahead = None
         if self.debug:
@@ -1130,15 +1224,16 @@ class Engine:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _stamp(self, slot: int | None = None):
-        """A time mark on the stream: a CUDA event (slot: one of the engine's eight reused ones, two rounds'
-        worth: a round's marks are read after the next round recorded its own) or the host clock."""
+        """A time mark on the stream: a CUDA event (slot: one of the engine's twelve reused ones, three
+        rounds' worth: a round's marks are read after two more rounds may have recorded theirs, under
+        overlap) or the host clock."""
         if self.device.type != "cuda":
             return time.perf_counter()
         if slot is None:
             e = torch.cuda.Event(enable_timing=True)
         else:
             if not hasattr(self, "_events"):
-                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)]
+                self._events = [torch.cuda.Event(enable_timing=True) for _ in range(12)]
             e = self._events[slot]
         e.record()
         return e
@@ -1225,7 +1320,7 @@ class Engine:
         estimates (the previous rounds'), so the host's scoring runs while the GPU works; after a hold's
         probe round, while no request has estimates yet, and under tensor parallelism the next round decides
         at its start."""
-        pol, ev = self.auto, 4 * (self.rounds % 2)   # this round's event slots
+        pol, ev = self.auto, 4 * (self._launched % 3)   # this round's event slots
         ahead, self._ahead = self._ahead, None
         i, ctx, probe = ahead if ahead is not None else self._decide(b, self._estimates())
         build = pol.builds[i]
@@ -1243,9 +1338,9 @@ class Engine:
             self._phase(b, sampling, None, build, clock)
             marks["f1"] = self._stamp(ev + 1)
             if pol.decide == "sync":  # the fresh estimates to the host, then the block within the tree built
-                self.est_host[:n].copy_(self.est[:n], non_blocking=True)
+                self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
                 self._sync()
-                fresh = self.est_host[:n].numpy().copy()
+                fresh = self.est_host[0, :n].numpy().copy()
                 self._take_estimates(fresh)
                 i = self._agree(pol.after(b, fresh, ctx, build))
         marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(ev + 2)
@@ -1259,11 +1354,11 @@ class Engine:
             self._ahead = self._decide(b, est)
         return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
-    def _auto_take(self, n: int, i: int, info: dict, wall: float) -> None:
+    def _auto_take(self, n: int, i: int, info: dict, wall: float, buf: int) -> None:
         """After the round's sync: its estimates to the requests, its plan to the history; its phases' times
         wait in `_timing` for `_auto_flush` (run after the next round is launched, off the GPU's idle gap)."""
         if info["drafted"] and self.auto.decide == "previous":
-            self._take_estimates(self.est_host[:n].numpy())
+            self._take_estimates(self.est_host[buf, :n].numpy())
         self.auto.history.append((self.rounds, n, self.plans[i].name))
         self.last_round["plan"] = self.plans[i].name
         self._timing.append((i, info, wall))

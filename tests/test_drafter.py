@@ -77,11 +77,13 @@ def test_oracle_is_calibrated_and_refuses_foreign_prompts():
     assert 30 < hits < 88  # often right, not always: a tree has something to find
 
 
+@pytest.mark.parametrize("impl", ["math", "sdpa"])
 @pytest.mark.parametrize("heads,kv", [(4, 2), (8, 1), (4, 4)])
-def test_batched_draft_equals_the_session_draft(heads, kv):
+def test_batched_draft_equals_the_session_draft(heads, kv, impl, monkeypatch):
     """The engine's drafting pass (preallocated context, query heads folded onto their KV head, no K/V
-    repeated) against the session's reference pass (K/V repeated per query head), float32: relative error
-    <= 1e-4 for requests of different context lengths in one batch; a wrong head mapping fails it."""
+    repeated), in each attention impl, against the session's reference pass (K/V repeated per query head),
+    float32: relative error <= 1e-4 for requests of different context lengths in one batch; a wrong head
+    mapping fails it."""
     from kdtree.config import TINY_B
     from kdtree.drafter import build_drafter
     from kdtree.model import build_model
@@ -94,6 +96,7 @@ def test_batched_draft_equals_the_session_draft(heads, kv):
     feats = [torch.randn(n, F, generator=g) for n in lens]
     roots = [int(x) for x in torch.randint(0, TINY_B.vocab_size, (3,), generator=g)]
     ctx = d.new_context(3, 32)
+    monkeypatch.setattr(d, "attn_impl", impl)
     for i, f in enumerate(feats):
         d.extend(ctx, f[None], torch.tensor([0]), torch.tensor([len(f)]), slot=i)
     got = d.draft(ctx, torch.tensor(roots), torch.tensor(lens)).double()
@@ -108,3 +111,14 @@ def test_batched_draft_equals_the_session_draft(heads, kv):
             ctx.v[i][:] = ctx.v[i][:, [1, 0]].clone()
         bad = d.draft(ctx, torch.tensor(roots), torch.tensor(lens)).double()
         assert ((bad[2] - want).norm() / want.norm()) > 1e-3
+
+
+def test_draft_attention_impl_is_checked():
+    from kdtree.config import TINY_B
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    d = build_drafter(build_model(TINY_B, seed=2), seed=5)
+    ctx = d.new_context(1, 8)
+    d.attn_impl = "flash"
+    with pytest.raises(ValueError, match="attn_impl='flash'"):
+        d.draft(ctx, torch.tensor([3]), torch.tensor([0]))

@@ -51,15 +51,17 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
     seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside
-    prefill). add: more add_request keywords (e.g. synthetic_context)."""
+    prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
+    a round's wall time is then the interval between two rounds landing. add: more add_request keywords
+    (e.g. synthetic_context)."""
     rounds, spans = [], []
     ids = [engine.add_request(p, max_new, temperature, seed=i, **add) for i, p in enumerate(prompts)]
     _sync()
     p0, f0, r0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays
     t0 = time.perf_counter()
-    while engine.waiting or engine.active:
+    while engine.waiting or engine.active or engine.in_flight:
         before = engine.rounds
-        engine.step()
+        engine.step(overlap=True)
         if engine.rounds > before:
             lr = engine.last_round
             rounds.append(lr["round"])
@@ -79,7 +81,21 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
-            "tau": float(np.mean(acc)) if acc else None, "outputs": [r.tokens for r in outs]}
+            "tau": float(np.mean(acc)) if acc else None, "overlap": engine.overlap,
+            "outputs": [r.tokens for r in outs]}
+
+
+def serial(engine: Engine, prompts, max_new: int, outputs) -> dict:
+    """The same engine with each round landing before the next launches (overlap off), same run: the
+    baseline of the overlapped schedule. Its tok/s and round medians, and whether its outputs equal
+    `outputs`."""
+    was, engine.overlap = engine.overlap, False
+    try:
+        r = run_engine(engine, prompts, max_new)
+    finally:
+        engine.overlap = was
+    keep = ("tok_per_s", "decode_tok_per_s", "round_wall_median_s", "round_gpu_span_median_s")
+    return {**{k: r[k] for k in keep}, "equal_outputs": r["outputs"] == outputs}
 
 
 def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
@@ -348,6 +364,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             run_engine(ec, p1[:1], 8)
             row["engine_compiled"] = run_engine(ec, p1, max_new)
             row["engine_compiled"]["warmup_s"] = warm
+            row["engine_compiled"]["serial"] = serial(ec, p1, max_new, row["engine_compiled"]["outputs"])
             row["compiled_equals_engine"] = row["engine_compiled"].pop("outputs") == row["engine"]["outputs"]
             row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1,
                                                                  max_len=max_len, graphs=False, compile=True),
@@ -393,6 +410,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         warm = time.perf_counter() - t0
         run_engine(e, p1[:1], 8)
         r = run_engine(e, p1, max_new)
+        r["serial"] = serial(e, p1, max_new, r["outputs"])
         r["lossless"] = r.pop("outputs") == ref
         r["stage_kernels"] = stage_kernels(e, p1[0])
         r.update(mode=mode, budget=B, batch=1, warmup_s=warm,

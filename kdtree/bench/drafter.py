@@ -1,0 +1,88 @@
+"""The drafter's attention over the engine's preallocated context, per implementation
+(`DraftAttention.forward_buffered`'s impl: "math" | "sdpa"): one layer's drafting pass at a drafter shape,
+batch and context capacity C, graph replays; every column up to C is attended (masked past each request's
+length), as inside the engine's captured round.
+
+    python -m kdtree.bench.drafter --out outputs/h200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..drafter import DRAFT_ATTN_IMPLS, DraftAttention, DrafterArgs
+from .timer import input_sets, measure
+
+# (name, drafter dims, batches, context capacities)
+SHAPES = (
+    ("trained pair", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          block_size=16), (1, 8, 32), (256, 2048)),
+    ("Kimi-K2.5-DFlash", dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                              block_size=8), (1, 8), (4096, 32768)),
+)
+
+
+def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", repeats: int = 50,
+         seed: int = 0) -> dict:
+    """Seconds per pass (graph replay median and min) of one layer's forward_buffered in each impl, the
+    outputs' relative difference (math vs sdpa, float64 norms), at batch x block rows over C + block
+    columns; requests' lengths spread over [C / 2, C]."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    a = DrafterArgs(**dims)
+    at = DraftAttention(a).to(device=device, dtype=dtype)
+    T, Hk, hd = a.block_size, a.num_key_value_heads, a.head_dim
+    cols = C + T
+    kv_bytes = 2 * batch * Hk * cols * hd * torch.empty(0, dtype=dtype).element_size()
+    sets = []
+    for _ in range(input_sets(kv_bytes, hi=4)):
+        x = torch.randn(batch, T, a.hidden_size, generator=g).to(device, dtype)
+        k = torch.randn(batch, Hk, cols, hd, generator=g).to(device, dtype)
+        v = torch.randn(batch, Hk, cols, hd, generator=g).to(device, dtype)
+        n = torch.randint(C // 2, C + 1, (batch,), generator=g).to(device)
+        pos = n[:, None] + torch.arange(T, device=device)
+        ang = pos[..., None].float() * torch.rand(hd // 2, generator=g).to(device)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)                       # [batch, T, hd / 2]
+        sets.append((x, cos, sin, k, v, n))
+    out, res = {}, dict(batch=batch, context=C, rows=batch * T, dtype=str(dtype).removeprefix("torch."))
+    with torch.no_grad():
+        for impl in DRAFT_ATTN_IMPLS:
+            fns = [lambda s=s, impl=impl: at.forward_buffered(*s, C, impl) for s in sets]
+            t = measure(fns, repeats, "graph")
+            res[impl] = {"median_s": t.median, "min_s": t.min}
+            out[impl] = fns[0]().double()
+    res["rel_diff"] = float((out["math"] - out["sdpa"]).norm() / out["sdpa"].norm())
+    res["sdpa_over_math"] = res["sdpa"]["median_s"] / res["math"]["median_s"]
+    return res
+
+
+def run(out_dir=None, shapes=SHAPES, repeats: int = 50) -> dict:
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": []}
+    for name, dims, batches, ctxs in shapes:
+        for b in batches:
+            for C in ctxs:
+                r = dict(cell(dims, b, C, repeats=repeats), drafter=name, **dims)
+                rec["cells"].append(r)
+                print(f"{name:17s} b{b:<3d} C{C:<6d} math {1e6 * r['math']['median_s']:8.1f} us  "
+                      f"sdpa {1e6 * r['sdpa']['median_s']:8.1f} us  sdpa/math {r['sdpa_over_math']:.2f}  "
+                      f"rel diff {r['rel_diff']:.1e}", flush=True)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "bench_drafter.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.drafter", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for bench_drafter.json")
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m kdtree.bench.drafter: needs a CUDA device (graph replays)")
+    run(args.out, repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main()
