@@ -164,15 +164,16 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
-    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int, impl: str = "math"):
+    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int, impl: str = "auto"):
         """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block
         states; kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T)
         this pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
         (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
         and v come from one GEMM. impl: "math" (scores as one batched GEMM over every column, masked softmax,
         a second GEMM: parallel over the columns, so a few query rows over a long context keep the GPU busy)
-        or "sdpa" (torch's fused attention: its grid is B x Hk x row tiles, a handful of blocks at batch 1,
-        each streaming the whole context; kept as the measured alternative)."""
+        or "sdpa" (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at
+        batch 1, each streaming the whole context), or "auto": math while sdpa's grid would be under
+        SDPA_MIN_BLOCKS blocks (python -m kdtree.bench.drafter measures both)."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -190,6 +191,8 @@ class DraftAttention(nn.Module):
         # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
         G = H // Hk
         q = q.reshape(B, Hk, G * T, hd)
+        if impl == "auto":
+            impl = "math" if B * Hk * -(-G * T // 64) < SDPA_MIN_BLOCKS else "sdpa"
         if impl == "math":
             s = (q @ kbuf.transpose(-1, -2)).float() * hd ** -0.5                        # [B, Hk, G*T, C+T]
             p = s.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
@@ -214,7 +217,8 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-DRAFT_ATTN_IMPLS = ("math", "sdpa")
+DRAFT_ATTN_IMPLS = ("auto", "math", "sdpa")
+SDPA_MIN_BLOCKS = 16   # "auto": below this many blocks of torch's fused attention, the batched-GEMM form
 
 
 class DFlashDrafter(nn.Module):
@@ -223,7 +227,7 @@ class DFlashDrafter(nn.Module):
     (DraftAttention.forward_buffered), one of DRAFT_ATTN_IMPLS; set it before an engine captures its
     graphs."""
 
-    attn_impl = "math"
+    attn_impl = "auto"
 
     def __init__(self, args: DrafterArgs, target=None):
         super().__init__()

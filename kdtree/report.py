@@ -155,7 +155,8 @@ def _engine(rec) -> list[str]:
             if e.get("serial"):  # the same engine, each round landing before the next launches
                 se = e["serial"]
                 rows.append([f"engine AR, {label}, rounds not overlapped, {dt}", se["tok_per_s"],
-                             _ms(se.get("round_wall_median_s")), _ms(se.get("round_gpu_span_median_s")), kern])
+                             _ms(se.get("round_wall_median_s")), _ms(se.get("round_gpu_span_median_s")),
+                             kern])
     if rows:
         lines += ["AR at batch 1:", "", *_table(["path", "tok/s", "round wall ms", "round GPU ms",
                                                  "kernels a round"], rows)]

@@ -77,7 +77,7 @@ def test_oracle_is_calibrated_and_refuses_foreign_prompts():
     assert 30 < hits < 88  # often right, not always: a tree has something to find
 
 
-@pytest.mark.parametrize("impl", ["math", "sdpa"])
+@pytest.mark.parametrize("impl", ["auto", "math", "sdpa"])
 @pytest.mark.parametrize("heads,kv", [(4, 2), (8, 1), (4, 4)])
 def test_batched_draft_equals_the_session_draft(heads, kv, impl, monkeypatch):
     """The engine's drafting pass (preallocated context, query heads folded onto their KV head, no K/V

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
-from ..drafter import DRAFT_ATTN_IMPLS, DraftAttention, DrafterArgs
+from ..drafter import SDPA_MIN_BLOCKS, DraftAttention, DrafterArgs
 from .timer import input_sets, measure
 
-# (name, drafter dims, batches, context capacities)
+TRAINED = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=16)
+K25 = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=8, head_dim=128, block_size=8)
+# (name, drafter dims, dtype, batches, context capacities)
 SHAPES = (
-    ("trained pair", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          block_size=16), (1, 8, 32), (256, 2048)),
-    ("Kimi-K2.5-DFlash", dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                              block_size=8), (1, 8), (4096, 32768)),
+    ("trained pair", TRAINED, torch.float32, (1, 8, 32), (512, 2048)),
+    ("trained pair", TRAINED, torch.bfloat16, (1, 8, 32), (512, 2048)),
+    ("Kimi-K2.5-DFlash", K25, torch.bfloat16, (1, 8), (4096, 32768)),
 )
 
 
@@ -29,7 +30,7 @@ def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", re
          seed: int = 0) -> dict:
     """Seconds per pass (graph replay median and min) of one layer's forward_buffered in each impl, the
     outputs' relative difference (math vs sdpa, float64 norms), at batch x block rows over C + block
-    columns; requests' lengths spread over [C / 2, C]."""
+    columns; requests' lengths spread over [C / 2, C]; which impl "auto" takes there."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     a = DrafterArgs(**dims)
     at = DraftAttention(a).to(device=device, dtype=dtype)
@@ -46,9 +47,12 @@ def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", re
         ang = pos[..., None].float() * torch.rand(hd // 2, generator=g).to(device)
         cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)                       # [batch, T, hd / 2]
         sets.append((x, cos, sin, k, v, n))
-    out, res = {}, dict(batch=batch, context=C, rows=batch * T, dtype=str(dtype).removeprefix("torch."))
+    G = a.num_attention_heads // Hk
+    res = dict(batch=batch, context=C, rows=batch * T, dtype=str(dtype).removeprefix("torch."),
+               auto="math" if batch * Hk * -(-G * T // 64) < SDPA_MIN_BLOCKS else "sdpa")
+    out = {}
     with torch.no_grad():
-        for impl in DRAFT_ATTN_IMPLS:
+        for impl in ("math", "sdpa"):
             fns = [lambda s=s, impl=impl: at.forward_buffered(*s, C, impl) for s in sets]
             t = measure(fns, repeats, "graph")
             res[impl] = {"median_s": t.median, "min_s": t.min}
@@ -60,12 +64,13 @@ def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", re
 
 def run(out_dir=None, shapes=SHAPES, repeats: int = 50) -> dict:
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": []}
-    for name, dims, batches, ctxs in shapes:
+    for name, dims, dtype, batches, ctxs in shapes:
         for b in batches:
             for C in ctxs:
-                r = dict(cell(dims, b, C, repeats=repeats), drafter=name, **dims)
+                r = dict(cell(dims, b, C, dtype, repeats=repeats), drafter=name, **dims)
                 rec["cells"].append(r)
-                print(f"{name:17s} b{b:<3d} C{C:<6d} math {1e6 * r['math']['median_s']:8.1f} us  "
+                print(f"{name:17s} {r['dtype']:9s} b{b:<3d} C{C:<6d} auto -> {r['auto']:4s}  "
+                      f"math {1e6 * r['math']['median_s']:8.1f} us  "
                       f"sdpa {1e6 * r['sdpa']['median_s']:8.1f} us  sdpa/math {r['sdpa_over_math']:.2f}  "
                       f"rel diff {r['rel_diff']:.1e}", flush=True)
     if out_dir is not None:
