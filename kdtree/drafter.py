@@ -173,7 +173,8 @@ class DraftAttention(nn.Module):
         a second GEMM: parallel over the columns, so a few query rows over a long context keep the GPU busy)
         or "sdpa" (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at
         batch 1, each streaming the whole context), or "auto": math while sdpa's grid would be under
-        SDPA_MIN_BLOCKS blocks (python -m kdtree.bench.drafter measures both)."""
+        SDPA_MIN_BLOCKS blocks, and always in float32 (torch's fused float32 kernel runs without tensor
+        cores; python -m kdtree.bench.drafter measures both)."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -192,7 +193,7 @@ class DraftAttention(nn.Module):
         G = H // Hk
         q = q.reshape(B, Hk, G * T, hd)
         if impl == "auto":
-            impl = "math" if B * Hk * -(-G * T // 64) < SDPA_MIN_BLOCKS else "sdpa"
+            impl = "math" if draft_attn_math(B, Hk, G * T, kbuf.dtype) else "sdpa"
         if impl == "math":
             s = (q @ kbuf.transpose(-1, -2)).float() * hd ** -0.5                        # [B, Hk, G*T, C+T]
             p = s.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
@@ -219,6 +220,12 @@ class DraftLayer(nn.Module):
 
 DRAFT_ATTN_IMPLS = ("auto", "math", "sdpa")
 SDPA_MIN_BLOCKS = 16   # "auto": below this many blocks of torch's fused attention, the batched-GEMM form
+
+
+def draft_attn_math(batch: int, kv_heads: int, rows: int, dtype: torch.dtype) -> bool:
+    """impl "auto"'s choice: the batched-GEMM form ("math") for float32, or while torch's fused attention
+    would run fewer than SDPA_MIN_BLOCKS blocks (batch x KV heads x tiles of 64 query rows)."""
+    return dtype == torch.float32 or batch * kv_heads * -(-rows // 64) < SDPA_MIN_BLOCKS
 
 
 class DFlashDrafter(nn.Module):

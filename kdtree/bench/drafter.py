@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafter import SDPA_MIN_BLOCKS, DraftAttention, DrafterArgs
+from ..drafter import DraftAttention, DrafterArgs, draft_attn_math
 from .timer import input_sets, measure
 
 TRAINED = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=16)
@@ -49,7 +49,7 @@ def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", re
         sets.append((x, cos, sin, k, v, n))
     G = a.num_attention_heads // Hk
     res = dict(batch=batch, context=C, rows=batch * T, dtype=str(dtype).removeprefix("torch."),
-               auto="math" if batch * Hk * -(-G * T // 64) < SDPA_MIN_BLOCKS else "sdpa")
+               auto="math" if draft_attn_math(batch, Hk, G * T, dtype) else "sdpa")
     out = {}
     with torch.no_grad():
         for impl in ("math", "sdpa"):
