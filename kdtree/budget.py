@@ -2,14 +2,15 @@
 
 A round's candidates (`Plan`): plain AR (the root alone, no draft), the DFlash chain (argmax per depth) and
 the best-first tree truncated to B nodes for each B in the engine's `budgets` (every truncation of a
-best-first tree is the B-node tree). A plan's round builds the tree one size above its own (`builds`), so
-its estimates also cover the next size. For a batch bucket b and the requests i of the round, the policy
+best-first tree is the B-node tree). A plan's round builds its own tree (`builds`; the chain's round the
+smallest); the estimates of larger trees are extrapolated from the built one (`expected`), so the choice can
+grow a size a round and shrink at once. For a batch bucket b and the requests i of the round, the policy
 picks
 
     argmax over plans p of   sum_i E_i(p) / (front(b, build(p), context) + back(b, p, context) + host)
 
 E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibrated acceptance of the plan's
-nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: that tree's). front /
+nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: extrapolated). front /
 back: the GPU seconds of drafting + building and of verifying the plan's block, from `CostTable`, measured
 when the engine starts (graph replays per batch bucket and context bucket) and refreshed from every round's
 CUDA-event times; host: the round's host time outside them (the median of the last rounds'). Within one round
@@ -60,20 +61,11 @@ def plans(depth: int, budgets) -> tuple[Plan, ...]:
 
 
 def builds(plan_list) -> tuple:
-    """The tree each plan's round builds (None for AR): the next tree size above the plan's (the largest for
-    the largest), the smallest for the chain. A round's estimates then cover one size more than it verifies,
-    so the choice can grow by one size a round and shrink at once, and no round builds a tree larger than it
-    needs by more than one size."""
+    """The tree each plan's round builds (None for AR): the plan's own, the smallest for the chain (its
+    estimates of the trees). Larger trees' estimates are extrapolated (`expected`), so no round builds more
+    than it verifies (one size up measured slower on the H200: the tree stage's cost grows with its nodes)."""
     sizes = [p.nodes for p in plan_list if p.kind == "tree"]
-    out = []
-    for p in plan_list:
-        if p.kind == "ar":
-            out.append(None)
-        elif p.kind == "chain":
-            out.append(sizes[0])
-        else:
-            out.append(sizes[min(sizes.index(p.nodes) + 1, len(sizes) - 1)])
-    return tuple(out)
+    return tuple(None if p.kind == "ar" else sizes[0] if p.kind == "chain" else p.nodes for p in plan_list)
 
 
 def default_budgets(max_budget: int) -> tuple[int, ...]:
@@ -114,7 +106,12 @@ class Acceptance:
 def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
     """Expected emitted tokens per request and plan, float32 [b, len(plan_list)]: tree_scores / tree_depths
     [b, N] of a best-first verify block (row 0 the root), chain_lp [b, L] the chain's top-1 log-probabilities
-    per depth. plan_list as `plans` orders it (AR, the chain, then the trees)."""
+    per depth. plan_list as `plans` orders it (AR, the chain, then the trees).
+
+    A tree of m > n nodes (beyond the block's n): the block's gain over its first n/2 nodes, d, repeated for
+    each doubling past n with the ratio rho = d / (the gain of nodes n/4 .. n/2), clamped to [0, 1]:
+    E(m) = E(n) + d (rho + rho^2 + ... + rho^k), k = log2(m / n) (a best-first tree's later nodes are each
+    no likelier than the ones before, so its gains per doubling shrink); E(n) when n < 4."""
     b, L = chain_lp.shape
     n = tree_scores.shape[1] - 1
     assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
@@ -124,9 +121,18 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     cum = q[:, :n].cumsum(1)                                                           # [b, n]
     key = (tuple(p.nodes for p in plan_list[2:]), n)
     if key not in acc.columns:  # made once, outside any capture (the first call is a warm-up round)
-        acc.columns[key] = torch.tensor([min(m, n) - 1 for m in key[0]], device=q.device)
-    idx = acc.columns[key]
-    cols = [torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), cum[:, idx]]   # AR, chain, trees
+        k = [max(0.0, math.log2(m / n)) for m in key[0]]
+        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], device=q.device),
+                            torch.tensor(k, dtype=torch.float64, device=q.device), n >= 4 and max(k) > 0)
+    idx, k, extrapolate = acc.columns[key]
+    trees = cum[:, idx]                                                                # [b, T]
+    if extrapolate:
+        a, h, f = cum[:, n - 1], cum[:, n // 2 - 1], cum[:, n // 4 - 1]                # [b]
+        d = a - h
+        rho = torch.where(h - f > 0, d / (h - f), 0.0).clamp(0.0, 1.0)[:, None]        # [b, 1]
+        geo = torch.where(rho < 1.0, rho * (1.0 - rho ** k) / (1.0 - rho).clamp_min(1e-12), k)   # [b, T]
+        trees = trees + d[:, None] * geo                                               # geo = 0 where k = 0
+    cols = [torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), trees]         # AR, chain, trees
     return (1.0 + torch.cat(cols, 1)).float()
 
 

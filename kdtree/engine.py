@@ -987,8 +987,9 @@ class Engine:
 
     def _front(self, b: int, build: int, clock=None) -> None:
         """budget="auto", a drafting round's first phase over slots [0, b): draft, the tree of `build` nodes,
-        the chain, into the static buffers (`_front_view`), and every plan's expected tokens into `est` [b, P]
-        (plans beyond the tree: the whole tree's). No host reads (the golden backend's aside)."""
+        the chain, into the static buffers (`_front_view`), and every plan's expected tokens into `est`
+        [b, P] (plans beyond the tree: extrapolated, `budget.expected`). No host reads (the golden backend's
+        aside)."""
         mark = clock or (lambda stage: None)
         with _blas(self.device, b * self.max_accept):
             draft = self._draft(b)                                                        # [b, L, V]

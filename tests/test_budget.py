@@ -94,9 +94,32 @@ def _costs(front, back, host=0.0, builds=(4, 16)):
     return t
 
 
-def test_each_plan_builds_one_tree_size_above_its_own():
+def test_each_plan_builds_its_own_tree_and_the_chain_the_smallest():
     plans = kb.plans(7, (4, 16, 64))
-    assert kb.builds(plans) == (None, 4, 16, 64, 64)
+    assert kb.builds(plans) == (None, 4, 4, 16, 64)
+
+
+def test_larger_trees_are_extrapolated_from_the_built_one():
+    """Plans beyond the built tree: a tree whose gains per doubling halve (rho = 1/2) extrapolates to the
+    geometric sum; gains that do not shrink (rho clamped at 1) add d per doubling; the plans within the tree
+    are its own values; a tree under 4 nodes is not extrapolated. A wrong ratio fails the first check."""
+    plans = kb.plans(3, (4, 8, 16, 32, 64))
+    acc = kb.Acceptance(None, 3, "cpu")
+    lp = torch.full((1, 3), -1.0)
+    # per-node acceptance: nodes 1-4 give 0.8 in all (n/4 .. n/2: 0.4), nodes 5-8 give 0.2 (d = 0.2, rho 0.5)
+    q = torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.05, 0.05, 0.05, 0.05]], dtype=torch.float64)
+    scores, depths = torch.cat([torch.zeros(1, 1), q.log()], 1), torch.ones(1, 9, dtype=torch.int32)
+    est = kb.expected(acc, scores.float(), depths, lp, plans)[0, 2:].double()
+    e8 = 1 + q.sum().item()
+    want = torch.tensor([1 + 0.8, e8, e8 + 0.2 * 0.5, e8 + 0.2 * 0.75, e8 + 0.2 * 0.875], dtype=torch.float64)
+    assert torch.allclose(est, want, rtol=1e-5), (est, want)
+    assert not torch.allclose(est, torch.tensor([1.8, e8, e8 + 0.2, e8 + 0.4, e8 + 0.6]).double(), rtol=1e-3)
+    flat = torch.full((1, 8), 0.1, dtype=torch.float64)      # gains 0.4 per doubling from 2 to 4 and 4 to 8
+    est = kb.expected(acc, torch.cat([torch.zeros(1, 1), flat.log()], 1).float(), depths, lp, plans)[0, 2:]
+    assert torch.allclose(est.double(), torch.tensor([1.4, 1.8, 2.2, 2.6, 3.0]).double(), rtol=1e-5)
+    small = kb.expected(acc, torch.log(torch.tensor([[1.0, 0.5, 0.5]])), torch.ones(1, 3, dtype=torch.int32),
+                        lp, plans)[0, 2:]
+    assert torch.allclose(small, torch.full((5,), 2.0))
 
 
 def test_the_policy_maximizes_expected_tokens_per_second():

@@ -67,7 +67,8 @@ def test_lab_rewrites_the_page_only_after_a_gpu_folder_run(tmp_path, monkeypatch
 
 def test_auto_phase_kernels_sit_beside_the_fixed_round(tmp_path):
     """An auto cell's stage profile is tabulated beside the fixed cell of the plan it chose most; without
-    profiles (the committed records) no such table appears."""
+    profiles no such table appears; the results page has it exactly when the committed records profile an
+    auto cell."""
     def prof(us, **kw):
         st = {s: {"kernels": 10, "gpu_s": us * 1e-6, "ops": 5} for s in ("draft", "build", "verify", "walk",
                                                                             "commit")}
@@ -79,4 +80,7 @@ def test_auto_phase_kernels_sit_beside_the_fixed_round(tmp_path):
     assert lines and "| 8 | auto (previous) | 10 / 120 |" in "\n".join(lines)
     assert "| 8 | B=16 | 10 / 100 |" in "\n".join(lines) and "50 / 600" in "\n".join(lines)
     assert report._phase_kernels([{**c, "stage_kernels": {}} for c in cells]) == []
-    assert "Auto's round beside" not in report.report()
+    import json
+    rec = json.loads((report.ROOT / "outputs/h200/e2e.json").read_text())
+    profiled = any(c.get("budget") == "auto" and c.get("stage_kernels") for c in rec["auto"]["cells"])
+    assert ("Auto's round beside" in report.report()) == profiled
