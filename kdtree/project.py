@@ -221,22 +221,50 @@ def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5)
     return out
 
 
+def _rows(c: dict) -> int:
+    """Verify rows per request of an engine cell."""
+    return {"ar": 1, "dflash": c.get("block") or 16}.get(c["mode"], (c.get("budget") or 0) + 1)
+
+
+def fit_moe_kernel(cells, top_k: int = 8) -> tuple[float, float] | None:
+    """The routed experts' kernel seconds per MoE layer as alpha * experts touched + beta * (token, expert)
+    pairs, least squares on the relative error over the engine cells that measured it on their own routing
+    (moe_kernel_s and experts_touched; pairs = verify rows x batch x top_k): alpha the price of reading one
+    expert, beta of one pair's arithmetic. (alpha, beta), or None under two such cells or a fit that is not
+    positive."""
+    pts = [(c["experts_touched"], _rows(c) * c["batch"] * top_k, c["moe_kernel_s"]) for c in cells
+           if not c.get("error") and c.get("budget") != "auto" and c.get("moe_kernel_s")
+           and c.get("experts_touched")]
+    if len(pts) < 2:
+        return None
+    A = np.array([[t / k, p / k] for t, p, k in pts])
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones(len(pts)), rcond=None)
+    return (float(alpha), float(beta)) if alpha > 0 and beta > 0 else None
+
+
 def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 61, routing: bool = True,
-                 **kw) -> list[dict]:
+                 top_k: int = 8, **kw) -> list[dict]:
     """The projection against measured engine rounds at a partial depth (bench.k26's cells): for every cell
     {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, moe_kernel_s (both
     optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured
     routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s,
     measured_s, ratio, within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers
-    (PROJECTED), full_tok_per_s the cell's tau over it. Cells the record cannot project are left out. kw:
-    round_parts' vocab, hidden, drafter_layers."""
+    (PROJECTED), full_tok_per_s the cell's tau over it. A cell that counted its experts but has no kernel
+    time (routing True) takes the kernel time of `fit_moe_kernel` over the cells that have both
+    (moe_kernel_modelled True in its row): a real tree's nodes share experts (a 65-node tree at batch 1
+    reads ~60 of 384, random routing ~276), so the record's random-routing layer time over-projects it.
+    Cells the record cannot project are left out. kw: round_parts' vocab, hidden, drafter_layers."""
     out = []
+    fit = fit_moe_kernel(cells, top_k) if routing else None
     for c in cells:
         if c.get("error") or c.get("budget") == "auto" or not c.get("round_gpu_span_median_s"):
             continue
-        at = dict(block_size=c.get("block") or 16, n_dense=1, draft_s=c.get("draft_s"),
-                  moe_kernel_s=c.get("moe_kernel_s") if routing else None, **kw)
+        kern, modelled = (c.get("moe_kernel_s"), False) if routing else (None, False)
+        if routing and kern is None and fit is not None and c.get("experts_touched"):
+            kern, modelled = fit[0] * c["experts_touched"] + fit[1] * _rows(c) * c["batch"] * top_k, True
+        at = dict(block_size=c.get("block") or 16, n_dense=1, draft_s=c.get("draft_s"), moe_kernel_s=kern,
+                  **kw)
         parts = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"),
                             n_layers=1 + c["layers"], **at)
         full = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"), n_layers=full_layers,
@@ -247,8 +275,9 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
         t, m = sum(parts.values()), c["round_gpu_span_median_s"]
         fs = None if full is None else sum(v for k, v in full.items() if k != "extrapolated")
         out.append({k: c.get(k) for k in ("mode", "budget", "batch", "context", "layers", "tau_chain",
-                                          "experts_touched", "moe_kernel_s")} |
-                   {"projected_s": t, "measured_s": m, "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
+                                          "experts_touched")} |
+                   {"moe_kernel_s": kern, "moe_kernel_modelled": modelled, "projected_s": t, "measured_s": m,
+                    "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
                     "parts": parts, "extrapolated": ext, "full_layers": full_layers, "full_s": fs,
                     "full_tok_per_s": c["tau"] / fs if fs and c.get("tau") else None})
     return out

@@ -201,3 +201,36 @@ def test_project_multi_reduces_to_one_gpu_and_charges_all_reduces():
     assert slow[0]["allreduce_latency_s"] == 1e-5 and slow[0]["world"] == 8
     with pytest.raises(ValueError, match="allreduce_latency_s"):
         P.project_multi(rec, taus, 1, 4096, world=8, allreduce_latency_s=0, allreduce_Bps=1e9, **kw)
+
+
+def test_a_cell_without_its_kernel_time_takes_the_fitted_one():
+    """fit_moe_kernel recovers alpha (per expert read) and beta (per token-expert pair) from cells whose
+    kernel times follow them; a cell that counted its experts but lacks a kernel time is projected with
+    alpha * touched + beta * pairs (flagged modelled) and lands within, where the record's random-routing
+    layer time alone (no count, so no model) over-projects it."""
+    rec = _rec_moe()
+    alpha, beta = 2e-6, 3e-7
+    def cell(budget, touched, kern=None, **kw):
+        c = dict(mode="ddtree", budget=budget, batch=1, context=4096, layers=4, block=8, tau=3.0,
+                 experts_touched=touched, **kw)
+        if kern:
+            c["moe_kernel_s"] = alpha * touched + beta * (budget + 1) * 8
+        return c
+    fitted = [cell(3, 10, True), cell(7, 20, True), cell(15, 25, True)]
+    got = P.fit_moe_kernel(fitted)
+    assert got is not None and math.isclose(got[0], alpha, rel_tol=1e-6) and math.isclose(got[1], beta,
+                                                                                          rel_tol=1e-6)
+    assert P.fit_moe_kernel(fitted[:1]) is None
+    kw = dict(vocab=1000, hidden=64, drafter_layers=3)
+    want_k = alpha * 30 + beta * 16 * 8
+    parts = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1,
+                          moe_kernel_s=want_k, **kw)
+    t = sum(v for k, v in parts.items() if k != "extrapolated")
+    lone = cell(15, 30, round_gpu_span_median_s=t)
+    row = P.check_engine(rec, fitted + [lone], **kw)[-1]
+    assert row["moe_kernel_modelled"] and math.isclose(row["moe_kernel_s"], want_k, rel_tol=1e-6)
+    assert row["within"] and math.isclose(row["ratio"], 1.0, rel_tol=1e-6)
+    blind = P.check_engine(rec, fitted + [dict(lone, experts_touched=None)], **kw)[-1]
+    assert not blind["moe_kernel_modelled"] and not blind["within"]
+    timed = P.check_engine(rec, [dict(c, round_gpu_span_median_s=t) for c in fitted], **kw)
+    assert len(timed) == 3 and all(not r["moe_kernel_modelled"] for r in timed)
