@@ -25,6 +25,7 @@ GPU_RECORDS = {
     "golden_validation.json": "python -m kdtree lab 00",
     "bench_kernels.json": "python -m kdtree bench",
     "microbench_k26.json": "python -m kdtree lab 01",
+    "bench_drafter.json": "python -m kdtree.bench.drafter --out outputs/<gpu>",
     "engine.json": "python -m kdtree.bench.engine --out outputs/<gpu>",
     "engine_mid.json": "python -m kdtree.bench.engine --mid-only --out outputs/<gpu>",
     "e2e.json": "python -m kdtree lab 02 (stages pair, auto, k26)",
@@ -52,6 +53,10 @@ def _num(x, digits: int = 3) -> str:
 
 def _ms(s) -> str:
     return "-" if s is None else f"{1e3 * s:.3f}"
+
+
+def _us(s) -> str:
+    return "-" if s is None else f"{1e6 * s:.1f}"
 
 
 def _table(head: list[str], rows: list[list]) -> list[str]:
@@ -277,9 +282,26 @@ def _microbench(rec) -> list[str]:
     return lines
 
 
-RENDER = {"golden_validation.json": _golden, "trained_pair.json": _trained, "bench_kernels.json": _kernels,
-          "microbench_k26.json": _microbench, "engine.json": _engine, "engine_mid.json": _engine_mid,
-          "e2e.json": _e2e, "bridge.json": _bridge}
+def _drafter(rec) -> list[str]:
+    import torch
+    from .drafter import draft_attn_math
+
+    def auto(c):  # the current rule's choice (the record's own "auto" is the rule of its run)
+        G = c["num_attention_heads"] // c["num_key_value_heads"]
+        dt = getattr(torch, c["dtype"])
+        return "math" if draft_attn_math(c["batch"], c["num_key_value_heads"], G * c["block_size"], dt) \
+            else "sdpa"
+    rows = [[c["drafter"], c["dtype"], c["batch"], c["context"], auto(c), _us(c["math"]["median_s"]),
+             _us(c["sdpa"]["median_s"]), c.get("sdpa_over_math")] for c in rec.get("cells", [])]
+    return [f"{rec.get('device')}, torch {rec.get('torch')}: one drafter layer's drafting pass "
+            "(`DraftAttention.forward_buffered`) over its preallocated context, per attention impl, graph "
+            "replays (median), µs; `auto` as the code decides now:", "",
+            *_table(["drafter", "dtype", "batch", "context", "auto", "math", "sdpa", "sdpa / math"], rows)]
+
+
+RENDER = {"golden_validation.json": _golden, "bench_drafter.json": _drafter, "trained_pair.json": _trained,
+          "bench_kernels.json": _kernels, "microbench_k26.json": _microbench, "engine.json": _engine,
+          "engine_mid.json": _engine_mid, "e2e.json": _e2e, "bridge.json": _bridge}
 
 
 def _folder(folder: Path, expected) -> list[str]:

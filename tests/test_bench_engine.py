@@ -56,7 +56,7 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
         stage_kernels(e, p, plan="B=32")
     assert not e.active and not e.waiting and e.rounds == 0
     out = stage_kernels(e, p, rounds=2, plan="B=8")
-    assert (out["plan"], out["build_nodes"]) == ("B=8", 16)
+    assert (out["plan"], out["build_nodes"]) == ("B=8", 8)
     assert all(out[st]["ops"] > 0 for st in STAGES), out   # each stage's range ran, in the round's order
     assert not e.active and e.free_pages == e.pages.capacity
     rid = e.add_request(p, 20)
