@@ -345,8 +345,8 @@ class Engine:
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
     the previous round's accepted lengths: it grows each request's pages for both rounds' rows, and lands the
-    previous round first when a request is that near its reservation or when requests wait to be admitted.
-    A request that finished in the previous round is carried
+    previous round first when a request is that near its reservation, when a waiting request can be
+    admitted, or when every request ends with it. A request that finished in the previous round is carried
     by the launched one on rows nobody reads; its output is dropped. Off (each round lands before the next
     launches) under debug, a host drafter or tensor parallelism; step() always lands its own round.
 
