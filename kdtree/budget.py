@@ -89,18 +89,21 @@ class Acceptance:
         else:
             edges, ratio = calibration.edges, calibration.ratios()                      # [D + 1, bins]
         self.depths, self.bins = ratio.shape[0] - 1, ratio.shape[1]
-        self.edges = torch.tensor(edges, dtype=torch.float64, device=device)
-        self.table = torch.from_numpy(np.ascontiguousarray(ratio).ravel()).to(device, torch.float64)
+        # the bins' inner edges: bucketize gives the bin 0 .. bins - 1 directly (outside: the end bins)
+        self.inner = torch.tensor(edges[1:-1], dtype=torch.float32, device=device)
+        # row 0 zeros (depth 0: not a node), row d the ratios of depth d (the last row beyond the table)
+        table = np.zeros((ratio.shape[0] + 1, self.bins), np.float32)
+        table[1:] = ratio
+        self.table = torch.from_numpy(table).to(device)                                # [D + 2, bins]
         self.columns: dict = {}  # expected()'s plan columns, per (tree sizes, nodes)
 
     def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """scores float [..., n] (log prefix probabilities), depths int [..., n] (0: not a node) -> float64
-        [..., n] acceptance, 0 where depth is 0. Torch ops only (capturable)."""
-        p = scores.double().exp()
-        j = (torch.bucketize(p, self.edges, right=True) - 1).clamp_(0, self.bins - 1)
-        d = (depths.long() - 1).clamp_(0, self.depths)
-        q = (p * self.table[d * self.bins + j]).clamp_(max=1.0)
-        return torch.where(depths > 0, q, 0.0)
+        """scores float [..., n] (log prefix probabilities), depths int [..., n] (0: not a node) -> float32
+        [..., n] acceptance, 0 where depth is 0 (the table's zero row). Torch ops only (capturable)."""
+        p = scores.float().exp()
+        j = torch.bucketize(p, self.inner, right=True)
+        q = p * self.table[depths.long().clamp(max=self.depths + 1), j]
+        return q.clamp_(max=1.0)
 
 
 def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
@@ -115,25 +118,28 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     b, L = chain_lp.shape
     n = tree_scores.shape[1] - 1
     assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
-    depth = torch.arange(1, L + 1, device=chain_lp.device).expand(b, L)
-    q = acc(torch.cat([tree_scores[:, 1:].double(), chain_lp.double().cumsum(1)], 1),
-            torch.cat([tree_depths[:, 1:].long(), depth], 1))                         # [b, n + L]
-    cum = q[:, :n].cumsum(1)                                                           # [b, n]
-    key = (tuple(p.nodes for p in plan_list[2:]), n)
+    key = (tuple(p.nodes for p in plan_list[2:]), n, L)
     if key not in acc.columns:  # made once, outside any capture (the first call is a warm-up round)
         k = [max(0.0, math.log2(m / n)) for m in key[0]]
-        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], device=q.device),
-                            torch.tensor(k, dtype=torch.float64, device=q.device), n >= 4 and max(k) > 0)
-    idx, k, extrapolate = acc.columns[key]
-    trees = cum[:, idx]                                                                # [b, T]
+        dev = chain_lp.device
+        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], device=dev),
+                            torch.tensor(k, dtype=torch.float32, device=dev), n >= 4 and max(k) > 0,
+                            torch.arange(1, L + 1, dtype=torch.int32, device=dev))
+    idx, k, extrapolate, depth = acc.columns[key]
+    q = acc(torch.cat([tree_scores[:, 1:], chain_lp.float().cumsum(1)], 1),
+            torch.cat([tree_depths[:, 1:], depth.expand(b, L).to(tree_depths.dtype)], 1))   # [b, n + L]
+    cum = q[:, :n].cumsum(1)                                                           # [b, n]
+    trees = cum.index_select(1, idx)                                                   # [b, T]
     if extrapolate:
         a, h, f = cum[:, n - 1], cum[:, n // 2 - 1], cum[:, n // 4 - 1]                # [b]
         d = a - h
-        rho = torch.where(h - f > 0, d / (h - f), 0.0).clamp(0.0, 1.0)[:, None]        # [b, 1]
-        geo = torch.where(rho < 1.0, rho * (1.0 - rho ** k) / (1.0 - rho).clamp_min(1e-12), k)   # [b, T]
-        trees = trees + d[:, None] * geo                                               # geo = 0 where k = 0
-    cols = [torch.zeros_like(cum[:, :1]), q[:, n:].sum(1, keepdim=True), trees]         # AR, chain, trees
-    return (1.0 + torch.cat(cols, 1)).float()
+        # rho + ... + rho^k = rho (1 - rho^k) / (1 - rho), as expm1s of k log rho (no cancellation near
+        # rho = 1, where it tends to k); rho kept inside [1e-12, 1 - 1e-6] so that k = 0 gives 0
+        rho = (d / (h - f).clamp_min(1e-30)).clamp_(1e-12, 1.0 - 1e-6)[:, None]        # [b, 1]
+        lr = rho.log()
+        trees.add_(d[:, None] * rho * torch.expm1(k * lr) / torch.expm1(lr))
+    chain = q[:, n:].sum(1, keepdim=True)                                              # [b, 1]
+    return torch.cat([torch.zeros_like(chain), chain, trees], 1).add_(1.0)             # AR, chain, trees
 
 
 # ----------------------------------------------------------------------------- the cost table
