@@ -114,7 +114,9 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     A tree of m > n nodes (beyond the block's n): the block's gain over its first n/2 nodes, d, repeated for
     each doubling past n with the ratio rho = d / (the gain of nodes n/4 .. n/2), clamped to [0, 1]:
     E(m) = E(n) + d (rho + rho^2 + ... + rho^k), k = log2(m / n) (a best-first tree's later nodes are each
-    no likelier than the ones before, so its gains per doubling shrink); E(n) when n < 4."""
+    no likelier than the ones before, so its gains per doubling shrink). A block of n < 4 nodes has no two
+    doublings: its last gain (cum(n) - cum(n / 2), the single node's for n = 1) repeats, rho = 1, so a round
+    that built a tiny tree can still grow."""
     b, L = chain_lp.shape
     n = tree_scores.shape[1] - 1
     assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
@@ -123,7 +125,7 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
         k = [max(0.0, math.log2(m / n)) for m in key[0]]
         dev = chain_lp.device
         acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], device=dev),
-                            torch.tensor(k, dtype=torch.float32, device=dev), n >= 4 and max(k) > 0,
+                            torch.tensor(k, dtype=torch.float32, device=dev), max(k) > 0,
                             torch.arange(1, L + 1, dtype=torch.int32, device=dev))
     idx, k, extrapolate, depth = acc.columns[key]
     q = acc(torch.cat([tree_scores[:, 1:], chain_lp.float().cumsum(1)], 1),
@@ -131,11 +133,15 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     cum = q[:, :n].cumsum(1)                                                           # [b, n]
     trees = cum.index_select(1, idx)                                                   # [b, T]
     if extrapolate:
-        a, h, f = cum[:, n - 1], cum[:, n // 2 - 1], cum[:, n // 4 - 1]                # [b]
-        d = a - h
+        a = cum[:, n - 1]                                                              # [b]
+        d = a - cum[:, n // 2 - 1] if n >= 2 else a
         # rho + ... + rho^k = rho (1 - rho^k) / (1 - rho), as expm1s of k log rho (no cancellation near
         # rho = 1, where it tends to k); rho kept inside [1e-12, 1 - 1e-6] so that k = 0 gives 0
-        rho = (d / (h - f).clamp_min(1e-30)).clamp_(1e-12, 1.0 - 1e-6)[:, None]        # [b, 1]
+        if n >= 4:
+            rho = d / (cum[:, n // 2 - 1] - cum[:, n // 4 - 1]).clamp_min(1e-30)
+        else:
+            rho = torch.ones_like(d)
+        rho = rho.clamp_(1e-12, 1.0 - 1e-6)[:, None]                                   # [b, 1]
         lr = rho.log()
         trees.add_(d[:, None] * rho * torch.expm1(k * lr) / torch.expm1(lr))
     chain = q[:, n:].sum(1, keepdim=True)                                              # [b, 1]

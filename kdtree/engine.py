@@ -503,7 +503,9 @@ class Engine:
         self.last_round: dict = {}
         self.graphs: dict = {}
         self._graph_logits: dict = {}
-        self.last_logits: torch.Tensor | None = None  # last round's verify logits [n, N, V], until the next
+        # last round's verify logits [n, N, V], until the next (None when a graphed round landed behind
+        # another in flight: its static output is being rewritten)
+        self.last_logits: torch.Tensor | None = None
         self.sim = None if simulate is None else Simulation(simulate, model.args.vocab_size,
                                                             drafter.block_size - 1, max_batch, dev)
         self.simulated = None if simulate is None else simulate.name
@@ -1182,13 +1184,14 @@ class Engine:
         # overlapped: the interval since the previous round landed (its launch was hidden behind it)
         stages["round"] = now - (f.t0 if self._landed_at is None else max(f.t0, self._landed_at))
         self._landed_at = now if self._flight is not None else None
-        self.last_logits = f.logits[:n]
+        # a graph's logits are its static output, which the round in flight (if any) is rewriting
+        self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
         plan = None
         if f.info is not None:
             plan = self.plans[f.i]
-            self._auto_take(n, f.i, f.info, stages["round"], f.buf)
+            self._auto_take(f, stages["round"])
         self.rounds += 1
         for i, (r, row) in enumerate(zip(f.reqs, host)):
             if r.slot < 0:   # finished or failed in the round before f
@@ -1209,8 +1212,10 @@ class Engine:
             r.committed += new
             res.accept_lengths.append(k)
             res.tree_sizes.append(self.rows if plan is None else plan.rows)
-            emitted[r.rid] = new[:max(0, r.max_new - len(res.tokens))]
-            if finish(res.tokens, new, r.max_new, r.stop):
+            before = len(res.tokens)
+            done = finish(res.tokens, new, r.max_new, r.stop)
+            emitted.setdefault(r.rid, []).extend(res.tokens[before:])   # up to max_new and a stop token
+            if done:
                 self._release(r)
         self._features = None
         if self.auto is not None and not self.active and self._flight is None:
@@ -1287,9 +1292,12 @@ class Engine:
         rows = [self._prior if r.est is None else r.est for r in self.active]
         return None if any(x is None for x in rows) else np.stack(rows)
 
-    def _take_estimates(self, rows: np.ndarray) -> None:
-        for r, row in zip(self.active, rows):
-            r.est = row.copy()
+    def _take_estimates(self, reqs: list, rows: np.ndarray) -> None:
+        """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch); a request
+        that left since is skipped."""
+        for r, row in zip(reqs, rows):
+            if r.slot >= 0:
+                r.est = row.copy()
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
 
@@ -1342,7 +1350,7 @@ class Engine:
                 self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
                 self._sync()
                 fresh = self.est_host[0, :n].numpy().copy()
-                self._take_estimates(fresh)
+                self._take_estimates(self.active, fresh)
                 i = self._agree(pol.after(b, fresh, ctx, build))
         marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(ev + 2)
         logits = self._phase(b, sampling, i, clock=clock)
@@ -1355,11 +1363,13 @@ class Engine:
             self._ahead = self._decide(b, est)
         return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
-    def _auto_take(self, n: int, i: int, info: dict, wall: float, buf: int) -> None:
-        """After the round's sync: its estimates to the requests, its plan to the history; its phases' times
-        wait in `_timing` for `_auto_flush` (run after the next round is launched, off the GPU's idle gap)."""
+    def _auto_take(self, f: _Flight, wall: float) -> None:
+        """After round f's sync: its estimates to its requests (rows in its launch order), its plan to the
+        history; its phases' times wait in `_timing` for `_auto_flush` (run after the next round is launched,
+        off the GPU's idle gap)."""
+        n, i, info = len(f.reqs), f.i, f.info
         if info["drafted"] and self.auto.decide == "previous":
-            self._take_estimates(self.est_host[buf, :n].numpy())
+            self._take_estimates(f.reqs, self.est_host[f.buf, :n].numpy())
         self.auto.history.append((self.rounds, n, self.plans[i].name))
         self.last_round["plan"] = self.plans[i].name
         self._timing.append((i, info, wall))

@@ -102,7 +102,7 @@ def test_each_plan_builds_its_own_tree_and_the_chain_the_smallest():
 def test_larger_trees_are_extrapolated_from_the_built_one():
     """Plans beyond the built tree: a tree whose gains per doubling halve (rho = 1/2) extrapolates to the
     geometric sum; gains that do not shrink (rho clamped at 1) add d per doubling; the plans within the tree
-    are its own values; a tree under 4 nodes is not extrapolated. A wrong ratio fails the first check."""
+    are its own values; a tree under 4 nodes repeats its last gain. A wrong ratio fails the first check."""
     plans = kb.plans(3, (4, 8, 16, 32, 64))
     acc = kb.Acceptance(None, 3, "cpu")
     lp = torch.full((1, 3), -1.0)
@@ -117,9 +117,13 @@ def test_larger_trees_are_extrapolated_from_the_built_one():
     flat = torch.full((1, 8), 0.1, dtype=torch.float64)      # gains 0.4 per doubling from 2 to 4 and 4 to 8
     est = kb.expected(acc, torch.cat([torch.zeros(1, 1), flat.log()], 1).float(), depths, lp, plans)[0, 2:]
     assert torch.allclose(est.double(), torch.tensor([1.4, 1.8, 2.2, 2.6, 3.0]).double(), rtol=1e-5)
-    small = kb.expected(acc, torch.log(torch.tensor([[1.0, 0.5, 0.5]])), torch.ones(1, 3, dtype=torch.int32),
+    # 2 nodes: their last gain (0.25, node 2's) repeats per doubling: the plans can still grow past them
+    small = kb.expected(acc, torch.log(torch.tensor([[1.0, 0.5, 0.25]])), torch.ones(1, 3, dtype=torch.int32),
                         lp, plans)[0, 2:]
-    assert torch.allclose(small, torch.full((5,), 2.0))
+    assert torch.allclose(small, torch.tensor([2.0, 2.25, 2.5, 2.75, 3.0]), rtol=1e-5), small
+    one = kb.expected(acc, torch.log(torch.tensor([[1.0, 0.5]])), torch.ones(1, 2, dtype=torch.int32),
+                      lp, plans)[0, 2:]
+    assert torch.allclose(one, torch.tensor([2.5, 3.0, 3.5, 4.0, 4.5]), rtol=1e-5), one   # k = 2 .. 6
 
 
 def test_the_policy_maximizes_expected_tokens_per_second():
@@ -302,3 +306,42 @@ def test_the_next_plan_is_decided_while_the_round_runs(pair):
     ahead = [i for i in decisions if ("phase", log[i][1]) in log[:i]]
     assert len(decisions) <= e.rounds
     assert len(ahead) >= e.rounds // 2, log
+
+
+def test_overlapped_rounds_give_each_request_its_own_estimates(pair):
+    """Under overlap a landing can release a request (here request 0 at its stop token) after the next round
+    launched, moving the last slot's request into its slot: every landed drafting round's estimate rows
+    still go to its requests in launch order (the moved one takes its own row; a check pairing rows with
+    the slots as they are now fails once a request moved), and the tokens each step returns add up to every
+    result."""
+    t, d = pair
+    prompts = random_prompts(t.args, 3, seed=5, min_len=10, max_len=30)
+    refs = [oracle_ar(t, p, 40).tokens for p in prompts]
+    stop = next(x for j, x in enumerate(refs[0]) if j >= 6 and x not in refs[0][:j])
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=4, max_len=128)
+    for key in list(e.costs.back):   # B=8 by far the cheapest: every round drafts (and so estimates)
+        e.costs.back[key] = 1e-6 if key[1] == 3 else 1.0
+    for key in e.costs.front:
+        e.costs.front[key] = 0.0
+    e.costs.update = lambda *a: None
+    moved, land = [], e._land
+
+    def checking(f, emitted):
+        was = [r.slot >= 0 and r.slot != i for i, r in enumerate(f.reqs)]   # moved since f launched
+        land(f, emitted)
+        if f.info is not None and f.info["drafted"]:
+            rows = e.est_host[f.buf, :len(f.reqs)].numpy()
+            for i, r in enumerate(f.reqs):
+                if r.slot >= 0:
+                    assert np.array_equal(r.est, rows[i]), (r.rid, i, r.slot)
+                    moved.append(was[i])
+    e._land = checking
+    ids = [e.add_request(p, 40, stop_tokens=(stop,) if i == 0 else ()) for i, p in enumerate(prompts)]
+    got = {i: [] for i in ids}
+    while e.waiting or e.active or e.in_flight:
+        for rid, toks in e.step(overlap=True).items():
+            got[rid] += toks
+    res = e.run()
+    assert any(moved)
+    assert [res[i].tokens for i in ids] == [refs[0][:refs[0].index(stop) + 1]] + refs[1:]
+    assert all(got[i] == res[i].tokens for i in ids)
