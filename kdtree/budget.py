@@ -106,6 +106,21 @@ class Acceptance:
         return q.clamp_(max=1.0)
 
 
+def columns(acc: Acceptance, plan_list, n: int, L: int, device) -> tuple:
+    """The tree plans' columns for a block of n nodes and a chain of L, made once per (plans, n, L) and kept
+    on `acc` (outside any capture: the first call is a warm-up round): idx int32 [T] (min(m, n) - 1 per tree
+    plan of m nodes), k float32 [T] (log2(m / n) clamped at 0), extrapolate (any k > 0), the chain's depths
+    int32 [L] (1 .. L)."""
+    assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
+    key = (tuple(p.nodes for p in plan_list[2:]), n, L)
+    if key not in acc.columns:
+        k = [max(0.0, math.log2(m / n)) for m in key[0]]
+        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], dtype=torch.int32, device=device),
+                            torch.tensor(k, dtype=torch.float32, device=device), max(k) > 0,
+                            torch.arange(1, L + 1, dtype=torch.int32, device=device))
+    return acc.columns[key]
+
+
 def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
     """Expected emitted tokens per request and plan, float32 [b, len(plan_list)]: tree_scores / tree_depths
     [b, N] of a best-first verify block (row 0 the root), chain_lp [b, L] the chain's top-1 log-probabilities
@@ -119,15 +134,7 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
     that built a tiny tree can still grow."""
     b, L = chain_lp.shape
     n = tree_scores.shape[1] - 1
-    assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
-    key = (tuple(p.nodes for p in plan_list[2:]), n, L)
-    if key not in acc.columns:  # made once, outside any capture (the first call is a warm-up round)
-        k = [max(0.0, math.log2(m / n)) for m in key[0]]
-        dev = chain_lp.device
-        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], device=dev),
-                            torch.tensor(k, dtype=torch.float32, device=dev), max(k) > 0,
-                            torch.arange(1, L + 1, dtype=torch.int32, device=dev))
-    idx, k, extrapolate, depth = acc.columns[key]
+    idx, k, extrapolate, depth = columns(acc, plan_list, n, L, chain_lp.device)
     q = acc(torch.cat([tree_scores[:, 1:], chain_lp.float().cumsum(1)], 1),
             torch.cat([tree_depths[:, 1:], depth.expand(b, L).to(tree_depths.dtype)], 1))   # [b, n + L]
     cum = q[:, :n].cumsum(1)                                                           # [b, n]

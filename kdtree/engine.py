@@ -996,9 +996,9 @@ class Engine:
         with _blas(self.device, b * self.max_accept):
             draft = self._draft(b)                                                        # [b, L, V]
         mark("draft")
-        blk = self._tree_ops[build].build(draft, self.root[:b], self.lens[:b])
-        top_lp, chain = draft.float().log_softmax(-1).max(-1)                             # [b, L]
-        self.est[:b] = auto_budget.expected(self.acceptance, blk.scores, blk.depths, top_lp, self.plans)
+        ops = self._tree_ops[build]
+        blk = ops.build(draft, self.root[:b], self.lens[:b])
+        chain = ops.estimates(self.acceptance, blk, draft, self.plans, self.est[:b])      # [b, L]
         if self._fbuf is None:  # the first front phase runs eagerly (a warm-up round or an eager engine)
             def room(t, *shape):
                 return None if t is None else torch.zeros(self.max_batch, *shape, dtype=t.dtype,

@@ -7,12 +7,14 @@ function is the contract of a CUDA kernel in cuda/.
     verify_attn_golden  mla_tree_attention (verify_attn.cu)
     moe_int4_golden     unpack_int4, dequant_int4, group_pairs, moe_int4 (moe_int4.cu)
     sglang_golden       SGLang's EAGLE tree format and its greedy accept (sglang_tree.cu)
+    plan_estimates_golden  the auto budget's expected tokens per plan (plan_estimates.cu)
 
 Every public and private name kdtree.golden had is here, bound to the same object as in its home module.
 """
 from __future__ import annotations
 
 from .ops.moe_int4_golden import dequant_int4, group_pairs, moe_int4, unpack_int4
+from .ops.plan_estimates_golden import plan_estimates
 from .ops.sglang_golden import (SGLANG_BITPACK_MAX_N, SGLANG_MODES, SglangTree, sglang_mask_bytes,
                                 sglang_tree, sglang_verify_greedy)
 from .ops.tree_golden import (MAX_BUDGET, Tree, VerifyBlock, _as_logits, _check_budget, _check_parents, _ids,
@@ -35,4 +37,6 @@ __all__ = [
     "mla_tree_attention",
     # ops.moe_int4_golden
     "dequant_int4", "group_pairs", "moe_int4", "unpack_int4",
+    # ops.plan_estimates_golden
+    "plan_estimates",
 ]

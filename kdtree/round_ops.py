@@ -81,6 +81,8 @@ class VerifyBatch:
     mask_words: torch.Tensor | None = None  # int32 [b, N, ceil(N/32)] when the builder packs it
     depths: torch.Tensor | None = None      # int32 [b, N] of a tree block: 0 for the root and padding rows
     scores: torch.Tensor | None = None      # float32 [b, N] of a tree block: log prefix probabilities
+    chain: torch.Tensor | None = None       # int32 [b, L]: the top-1 token per depth, when the build has it
+    chain_lp: torch.Tensor | None = None    # float32 [b, L]: its log-probability
 
 
 def truncate(blk: VerifyBatch, N: int) -> VerifyBatch:
@@ -142,6 +144,15 @@ class TreeOps:
     def _tree(self, draft, root, start) -> VerifyBatch:
         raise NotImplementedError
 
+    def estimates(self, acc, blk: VerifyBatch, draft, plan_list, out) -> torch.Tensor:
+        """budget="auto": the chain's tokens int [b, L] (argmax per depth of draft [b, L, V]), and each
+        request's expected tokens per plan (`budget.expected`) written into out float32 [b, P]. Torch ops
+        (capturable)."""
+        from . import budget
+        top_lp, chain = draft.float().log_softmax(-1).max(-1)                         # [b, L]
+        out.copy_(budget.expected(acc, blk.scores, blk.depths, top_lp, plan_list))
+        return chain
+
 
 class GoldenOps(TreeOps):
     """The reference implementation: the DDTree build and every walk in numpy (golden.py), request by request
@@ -196,7 +207,18 @@ class KernelOps(TreeOps):
     def _tree(self, draft, root, start) -> VerifyBatch:
         from . import kernels
         tb = kernels.tree_build(draft.contiguous(), self.budget, root, start, check_values=False)
-        return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask, tb.depths, tb.scores)
+        return VerifyBatch(tb.tokens, tb.positions.long(), tb.parents, None, tb.mask, tb.depths, tb.scores,
+                           tb.top_tokens, tb.top_logprobs)
+
+    def estimates(self, acc, blk: VerifyBatch, draft, plan_list, out) -> torch.Tensor:
+        """As TreeOps.estimates in one launch (kernels.plan_estimates), the chain and its log-probabilities
+        taken from the tree build's top-K lists (no pass over the vocabulary)."""
+        from . import budget, kernels
+        idx, k, extrapolate, _ = budget.columns(acc, plan_list, blk.scores.shape[1] - 1,
+                                                blk.chain_lp.shape[1], out.device)
+        kernels.plan_estimates(blk.scores, blk.depths, blk.chain_lp, acc.inner, acc.table, idx, k,
+                               extrapolate, out=out, check_values=False)
+        return blk.chain
 
     def walk(self, tokens, parents, choice, max_accept: int):
         from . import kernels

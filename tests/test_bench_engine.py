@@ -64,3 +64,15 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     fixed = Engine(t, d, mode="ddtree", budget=8, max_batch=1, max_len=256)
     with pytest.raises(ValueError, match="only a budget='auto' engine takes a plan"):
         stage_kernels(fixed, p, plan="B=8")
+
+
+def test_ddtree_bound_arithmetic():
+    """The bound's ratio: tau x AR's round over DDTree's round less the verify's extra GPU seconds."""
+    from kdtree.bench.engine import ddtree_bound
+    st = {k: {"kernels": 1, "gpu_s": 1e-5} for k in ("draft", "build", "verify", "walk", "commit")}
+    ar = {"round_wall_median_s": 3e-4, "stage_kernels": {**st, "verify": {"kernels": 1, "gpu_s": 2e-4}}}
+    dd = {"budget": 64, "tau": 3.0, "round_wall_median_s": 9e-4,
+          "stage_kernels": {**st, "verify": {"kernels": 1, "gpu_s": 5e-4}}}
+    b = ddtree_bound(ar, {"tau": 1.8}, dd)
+    assert abs(b["x_ar_if_verify_cost_ar"] - 3.0 * 3e-4 / (9e-4 - 3e-4)) < 1e-12
+    assert abs(b["ar_rounds_per_round"] - 3.0) < 1e-12 and abs(b["round_s_for_goal"] - 5e-4) < 1e-12

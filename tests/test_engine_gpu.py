@@ -230,21 +230,23 @@ NEAR_TIE = 1e-3  # float32 logits: a request may part from the oracle only where
 
 
 def test_soak_ten_thousand_rounds_at_batch_32(pair):
-    """10,000 graphed rounds at batch 32, requests arriving and finishing: memory flat after warm-up, every
-    page back, outputs == the oracle except at near-ties (counted, each checked to be one)."""
+    """10,000 graphed rounds at batch 32 on run()'s overlapped schedule (each round launched before the last
+    one lands), requests arriving and finishing: memory flat after warm-up, every page back, outputs == the
+    oracle except at near-ties (counted, each checked to be one)."""
     t, d = pair
     prompts = random_prompts(t.args, 16, seed=33, min_len=8, max_len=60)
     longest = 240
     refs = [oracle_ar(t, p, longest).tokens for p in prompts]
     e = Engine(t, d, mode="ddtree", budget=16, max_batch=32, max_len=512)
-    ids, k, samples = {}, 0, []
+    ids, k, samples, overlapped = {}, 0, [], 0
     while e.rounds < 10_000:
         while len(e.waiting) + len(e.active) < 40:
             n = 8 + (37 * k) % (longest - 7)
             ids[e.add_request(prompts[k % 16], n)] = (k % 16, n)
             k += 1
         before = e.rounds
-        e.step()
+        e.step(overlap=True)
+        overlapped += e.in_flight
         if e.rounds > before and e.rounds % 500 == 0:
             torch.cuda.synchronize()
             samples.append(torch.cuda.memory_allocated())
@@ -255,6 +257,7 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
     assert max(samples + [torch.cuda.memory_allocated()]) - base < 4 << 20, (base, samples)
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0 and not e.active and not e.waiting
     assert len(done) == len(ids) > 2_000
+    assert overlapped > 5_000   # most steps left a round in flight
     parted = 0
     for rid, (j, n) in ids.items():
         got, want = done[rid].tokens, refs[j][:n]

@@ -206,3 +206,26 @@ def test_moe_int4_rejects_fused_beyond_its_limits():
                        match=r"fused=True: expected T \* k <= 64 token-expert pairs, got 9 x 8 = 72"):
         K.moe_int4(torch.zeros(T, 32, dtype=torch.bfloat16), torch.zeros(T, k, dtype=torch.int32),
                    torch.ones(T, k), mw, fused=True)
+
+
+def test_plan_estimates_rejects():
+    s, d = torch.zeros(2, 9), torch.zeros(2, 9, dtype=torch.int32)
+    lp, inner, table = torch.zeros(2, 4), torch.zeros(3), torch.zeros(5, 4)
+    idx, k = torch.zeros(3, dtype=torch.int32), torch.zeros(3)
+
+    def call(**kw):
+        a = dict(scores=s, depths=d, chain_lp=lp, inner=inner, table=table, idx=idx, kexp=k,
+                 extrapolate=False)
+        a.update(kw)
+        K.plan_estimates(**a)
+    bad = [(dict(scores=s.double()), "scores: expected dtype"), (dict(scores=torch.zeros(2, 1)), "scores"),
+           (dict(scores=torch.zeros(2, 1026)), "scores"), (dict(depths=d[:, :8]), "depths"),
+           (dict(depths=d.long()), "depths"), (dict(chain_lp=torch.zeros(3, 4)), "chain_lp"),
+           (dict(chain_lp=torch.zeros(2, 65)), "chain_lp"), (dict(table=torch.zeros(5, 3)), "table"),
+           (dict(table=torch.zeros(1, 4)), "table"), (dict(idx=idx.long()), "idx"),
+           (dict(idx=torch.zeros(0, dtype=torch.int32)), "idx"), (dict(kexp=k[:2]), "kexp"),
+           (dict(extrapolate=1), "extrapolate"), (dict(out=torch.zeros(2, 4)), "out"),
+           (dict(out=torch.zeros(5, 2).t()), "out"), (dict(), "expected a CUDA tensor")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call(**kw)

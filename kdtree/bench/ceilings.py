@@ -1,5 +1,7 @@
-"""The device's two ceilings, measured in the run that uses them: copy bandwidth (bytes read + written by a
-device-to-device copy) and the bf16 matmul rate. Floors are bytes over the one and FLOPs over the other."""
+"""The device's ceilings, measured in the run that uses them: copy bandwidth (bytes read + written by a
+device-to-device copy), the bf16 matmul rate, and the launch floor (seconds a kernel of a graph replay takes
+when it does next to nothing). Floors are bytes over the first, FLOPs over the second, kernels times the
+third."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +27,21 @@ def matmul_rate(m: int = 8192, repeats: int = 20) -> float:
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     return 2 * m**3 / measure(lambda: x @ y, repeats).median
+
+
+def launch_floor(kernels: int = 256, repeats: int = 30) -> dict:
+    """Seconds per kernel of a CUDA graph of `kernels` dependent one-element kernels (in-place adds on one
+    float), median of graph replays: what each launch of a replayed round costs however little it does.
+    {"s_per_kernel", "min_s_per_kernel", "kernels"}."""
+    if kernels < 1 or repeats < 1:
+        raise ValueError(f"kernels={kernels!r}, repeats={repeats!r}: expected both >= 1")
+    x = torch.zeros(1, device="cuda")
+
+    def chain():
+        for _ in range(kernels):
+            x.add_(1.0)
+    t = measure(chain, repeats, "graph", warm_s=0.05)
+    return {"s_per_kernel": t.median / kernels, "min_s_per_kernel": t.min / kernels, "kernels": kernels}
 
 
 def measure_ceilings() -> dict:

@@ -27,7 +27,7 @@ import torch
 from .. import data, weights
 from ..engine import STAGES, Engine
 from .baselines import hf_generate
-from .ceilings import copy_bandwidth
+from .ceilings import copy_bandwidth, launch_floor
 from . import goals
 from .goals import target as _goal
 from .timer import measure
@@ -301,7 +301,37 @@ def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: in
         rec["hf_equals_engine"] = rec["hf"].pop("outputs") == first
     best = min(rec["engine"], key=lambda r: r["round_wall_median_s"])
     rec["best"] = {k: best[k] for k in ("moe", "compiled", "ms_per_token", "floor_fraction", "tok_per_s")}
+    rec["launch_bound"] = launch_bound(rec, next(r for r in rec["engine"] if "stage_kernels" in r))
     return rec
+
+
+def ddtree_bound(ar: dict, dflash: dict, best: dict) -> dict:
+    """What bounds DDTree over AR at batch 1, from the same run's rows: tau (tokens a round) times AR's round
+    over DDTree's, and the ratio DDTree would reach if its verify of budget + 1 rows cost what AR's one-row
+    verify costs (the stage profiles' verify GPU seconds; every other part of the round as measured)."""
+    st, sa = best["stage_kernels"], ar["stage_kernels"]
+    extra = st["verify"]["gpu_s"] - sa["verify"]["gpu_s"]
+    wall = best["round_wall_median_s"]
+    return {"budget": best["budget"], "tau": best["tau"], "round_s": wall,
+            "ar_round_s": ar["round_wall_median_s"],
+            "ar_rounds_per_round": wall / ar["round_wall_median_s"],
+            "stage_gpu_s": {k: st[k]["gpu_s"] for k in STAGES}, "ar_verify_gpu_s": sa["verify"]["gpu_s"],
+            "x_ar_if_verify_cost_ar": best["tau"] * ar["round_wall_median_s"] / max(wall - extra, 1e-9),
+            "round_s_for_goal": best["tau"] * ar["round_wall_median_s"] / 1.8,
+            "dflash_tau": dflash["tau"]}
+
+
+def launch_bound(rec: dict, row: dict) -> dict:
+    """What the kernel count allows: the profiled round's kernels times the launch floor measured now
+    (ceilings.launch_floor) is a time no replay of them beats; the weight-bytes floor over it is the largest
+    floor fraction reachable without fewer kernels."""
+    lf = launch_floor()
+    k = row["stage_kernels"]["total"]["kernels"]
+    t = k * lf["s_per_kernel"]
+    return {"kernels": k, "s_per_kernel": lf["s_per_kernel"], "launch_floor_s": t,
+            "max_floor_fraction": rec["floor_s"] / max(t, rec["floor_s"]),
+            "gpu_kernel_s": row["stage_kernels"]["total"]["gpu_s"], "moe": row["moe"],
+            "compiled": row["compiled"]}
 
 
 def write_record(path: Path, rec: dict) -> None:
@@ -423,6 +453,7 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     ar1 = next(r for r in sp if r["mode"] == "ar")
     df1 = next(r for r in sp if r["mode"] == "dflash")
     best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
+    rec["ddtree_bound"] = ddtree_bound(ar1, df1, best)
     targets += [
         _goal("ddtree_x_ar", best["tok_per_s"] / ar1["tok_per_s"], budget=best["budget"]),
         _goal("ddtree_x_dflash", best["tok_per_s"] / df1["tok_per_s"], budget=best["budget"]),
@@ -510,6 +541,17 @@ def summary(rec: dict) -> str:
         lines.append(f"b={r['batch']:3d} {r['mode']:7s} B={r['budget']} tau {r['tau'] or 0:.2f} "
                      f"{r['tok_per_s']:.0f} tok/s round {1e3 * wall:.3f} ms / GPU {1e3 * span:.3f}"
                      + (f" lossless={r['lossless']}" if "lossless" in r else ""))
+    db = rec.get("ddtree_bound")
+    if db:
+        lines.append(f"DDTree bound (B={db['budget']}): tau {db['tau']:.2f}, round "
+                     f"{1e3 * db['round_s']:.3f} ms = {db['ar_rounds_per_round']:.2f} AR rounds; 1.8x needs "
+                     f"<= {1e3 * db['round_s_for_goal']:.3f} ms; with a verify at AR's cost "
+                     f"{db['x_ar_if_verify_cost_ar']:.2f}x")
+    lb = (rec.get("mid") or {}).get("launch_bound")
+    if lb:
+        lines.append(f"mid launch bound: {lb['kernels']:.0f} kernels x {1e6 * lb['s_per_kernel']:.2f} us = "
+                     f"{1e3 * lb['launch_floor_s']:.3f} ms -> at most {100 * lb['max_floor_fraction']:.0f} % "
+                     "of the weight-bytes floor")
     for t in rec["targets"]:
         lines.append(goals.line(t))
     return "\n".join(lines)

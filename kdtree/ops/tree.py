@@ -7,7 +7,8 @@ Contract:
     (chunk, row) blocks, topk_merge* per row.
   * tree_build(logits, budget, root_tokens, start_pos): logits bf16/fp32 [b, L, V] with L <= MAX_DEPTH,
     1 <= budget <= MAX_BUDGET, root_tokens / start_pos int32/int64 [b] -> TreeBatch of N = budget + 1 rows
-    per request (root first): tree_golden.ddtree + compile_tree + pack_mask_bits, request by request. One
+    per request (root first): tree_golden.ddtree + compile_tree + pack_mask_bits, request by request, and
+    the top-1 token / log-probability per depth [b, L] (top_tokens / top_logprobs: the chain). One
     launch of tree_kernel(budget) per batch after the top-K; the per-depth log-probabilities are staged in
     shared memory while tree_smem_bytes(B, L, K) <= TREE_SMEM_LIMIT.
   * check_values=True rejects NaN, +inf and all -inf rows (reads the device: pass False under graph capture).
@@ -119,6 +120,9 @@ class TreeBatch:
     scores: torch.Tensor     # float32 [b, N]
     mask: torch.Tensor       # uint32 bits as int32 [b, N, ceil(N / 32)]
     n_nodes: torch.Tensor    # int32 [b]
+    # the top-1 token and its log-probability per depth (the DFlash chain), views of the top-K lists
+    top_tokens: torch.Tensor | None = None     # int32 [b, L]
+    top_logprobs: torch.Tensor | None = None   # float32 [b, L]
 
     def dense_mask(self) -> torch.Tensor:
         """bool [b, N, N] from the bits."""
@@ -172,7 +176,8 @@ def tree_build(logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, sta
     out = TreeBatch(*(_empty(b, N, dtype=dt, device=dev) for dt in
                       (torch.int32, torch.int32, torch.int32, torch.int32, torch.float32)),
                     mask=_empty(b, N, W, dtype=torch.int32, device=dev),
-                    n_nodes=_empty(b, dtype=torch.int32, device=dev))
+                    n_nodes=_empty(b, dtype=torch.int32, device=dev),
+                    top_tokens=tok.view(b, L, K)[:, :, 0], top_logprobs=lp.view(b, L, K)[:, :, 0])
     root = root_tokens.to(torch.int32).contiguous()
     start = start_pos.to(torch.int32).contiguous()
     stage = tree_smem_bytes(budget, L, K) <= TREE_SMEM_LIMIT
