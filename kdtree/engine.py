@@ -1261,10 +1261,15 @@ class Engine:
 
     def _measure_costs(self) -> None:
         """The cost table's start-up entries: every phase on padding slots (their lengths set to each context
-        bucket: they read and write only the scratch page), per batch bucket; the median of COST_REPS graph
-        replays (eager rounds: one after a warm-up)."""
+        bucket, their page tables spread over the free pool for the measurement and zeroed after it), per
+        batch bucket; the median of COST_REPS graph replays (eager rounds: one after a warm-up)."""
         t0 = time.perf_counter()
         reps, warm = (COST_REPS, 0) if self.graphs else (1, 1)
+        # the padding slots read distinct pool pages, as requests' contexts do, not the one scratch page that
+        # every read would then hit (no request holds a page yet); fewer pages than slots x pages wrap around
+        P = self.pages_per_req
+        spread = torch.arange(self.max_batch * P, dtype=torch.int32, device=self.device)
+        self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(self.max_batch, P))
         for b in self.buckets:
             for c, ctx in enumerate(self.costs.ctx_buckets):
                 self.lens[:b] = ctx
@@ -1281,7 +1286,7 @@ class Engine:
                         self.costs.front[(b, B, c)] = sec
                     else:
                         self.costs.back[(b, i, c)] = sec
-        for t in (self.lens, self.root, self.out, self.est, self.pend_n):
+        for t in (self.lens, self.root, self.out, self.est, self.pend_n, self.page_table):
             t.zero_()
         self._sync()
         self.warmup_s += time.perf_counter() - t0

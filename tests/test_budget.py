@@ -191,6 +191,34 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     assert {e.last_round["plan"]} <= set(rows)
 
 
+def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
+    """The start-up measurement's padding slots read distinct pool pages (not all the one scratch page), the
+    page table is zero again once the engine is built, and a request served after it equals the oracle.
+    Can fail: the measurement without the spread sees page 0 alone."""
+    t, d = pair
+    seen = []
+    real = Engine._phase
+
+    def spy(self, b, sampling, i, build=None, clock=None):
+        pt = self.page_table[:b]
+        seen.append((int(pt.min()), int(pt.unique().numel())))
+        return real(self, b, sampling, i, build, clock)
+
+    monkeypatch.setattr(Engine, "_phase", spy)
+    e = Engine(t, d, mode="ddtree", budget="auto", max_budget=8, max_batch=2, max_len=256)
+    monkeypatch.setattr(Engine, "_phase", real)
+    want = min(e.pages.n_pages - 1, e.pages_per_req * min(e.buckets))
+
+    def spread(marks):   # every phase saw no scratch page and the distinct pages the pool allows
+        return bool(marks) and all(lo >= 1 and n >= want for lo, n in marks)
+
+    assert spread(seen)
+    assert not spread([(0, 1)] * len(seen))   # the check can fail: what the scratch page alone gives
+    assert int(e.page_table.abs().sum()) == 0
+    p = random_prompts(t.args, 1, seed=31, min_len=8, max_len=20)[0]
+    assert e.generate([p], 16)[0].tokens == oracle_ar(t, p, 16).tokens
+
+
 def test_forced_plans_serve_their_blocks(pair):
     """A cost table that makes one plan the cheapest by far: the engine verifies that plan's rows every round
     after the first (the first two under overlap: the second is launched before the first's estimates

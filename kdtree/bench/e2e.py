@@ -31,18 +31,22 @@ from .goals import target as _goal
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
 
-def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, after=None) -> dict:
-    """One engine: built (timed: compile + capture + cost table), one warm-up run, `repeats` timed runs.
-    add: more add_request keywords; after(engine) -> dict: more fields, measured on the idle engine last."""
+def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, after=None,
+          warm_new: int | None = None, reseed: bool = False) -> dict:
+    """One engine: built (timed: compile + capture + cost table), one warm-up run (of warm_new tokens a
+    request, default max_new), `repeats` timed runs. reseed: repeat r's requests take seeds 1000 (r + 1) + i
+    (the same in every cell: simulated acceptance draws from them, so repeats are independent draws and
+    cells share theirs). add: more add_request keywords; after(engine) -> dict: more fields, measured on the
+    idle engine last."""
     add = add or {}
     t0 = time.perf_counter()
     e = make()
     build_s = time.perf_counter() - t0
-    run_engine(e, prompts, max_new, **add)
+    run_engine(e, prompts, max_new if warm_new is None else warm_new, **add)
     runs = []
-    for _ in range(repeats):
+    for k in range(repeats):
         h0 = len(e.auto.history) if e.auto is not None else 0
-        r = run_engine(e, prompts, max_new, **add)
+        r = run_engine(e, prompts, max_new, seed0=1000 * (k + 1) if reseed else 0, **add)
         if e.auto is not None:
             r["plans"] = [h[2] for h in e.auto.history[h0:]]
         runs.append(r)
@@ -53,10 +57,13 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
            "decode_tok_per_s": statistics.median(dec) if dec else None,
            "prefill_s": statistics.median(r["prefill_s"] for r in runs),
            "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
+           "tau_repeats": [r["tau"] for r in runs],
            "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],
            "round_gpu_span_median_s": mid["round_gpu_span_median_s"], "build_s": build_s,
            "warmup_s": e.warmup_s, "graphs": len(e.graphs), "capture_retries": e.capture_retries,
            "outputs": mid["outputs"]}
+    if "round_wall_by_plan" in mid:
+        out["round_wall_by_plan"] = mid["round_wall_by_plan"]
     if e.auto is not None:
         out["plans"] = mid["plans"]
         out["plan_counts"] = dict(Counter(mid["plans"]))

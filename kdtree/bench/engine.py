@@ -46,16 +46,18 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, **add) -> dict:
+def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, seed0: int = 0,
+               **add) -> dict:
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole
     run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
     seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside
     prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
-    a round's wall time is then the interval between two rounds landing. add: more add_request keywords
-    (e.g. synthetic_context)."""
-    rounds, spans = [], []
-    ids = [engine.add_request(p, max_new, temperature, seed=i, **add) for i, p in enumerate(prompts)]
+    a round's wall time is then the interval between two rounds landing; budget="auto": `round_wall_by_plan`
+    {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
+    synthetic_context)."""
+    rounds, spans, by_plan = [], [], {}
+    ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
     _sync()
     p0, f0, r0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays
     t0 = time.perf_counter()
@@ -65,6 +67,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
         if engine.rounds > before:
             lr = engine.last_round
             rounds.append(lr["round"])
+            if "plan" in lr:
+                by_plan.setdefault(lr["plan"], []).append(lr["round"])
             if "gpu_span" in lr:
                 spans.append(lr["gpu_span"])
     _sync()
@@ -82,6 +86,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
             "tau": float(np.mean(acc)) if acc else None, "overlap": engine.overlap,
+            **({"round_wall_by_plan": {k: [statistics.median(v), len(v)] for k, v in by_plan.items()}}
+               if by_plan else {}),
             "outputs": [r.tokens for r in outs]}
 
 

@@ -10,9 +10,11 @@ Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance
 (chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16; `--trained FILE`: the trained pair's
 realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at its real shape on real
 data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and budget="auto" ("previous"),
-each `repeats` times after a warm-up run: median per-round latency and GPU span, per-user and aggregate tok/s
-(whole requests of `max_new(batch)` tokens after their prefill of a short prompt; the long context is
-synthetic, `Engine.add_request(synthetic_context=)`), tau. A top-level `targets` list.
+each `repeats` times after a short warm-up run, each repeat with its own request seeds (the profile's draws:
+independent across repeats, shared by the cells): median per-round latency and GPU span, per-user and
+aggregate tok/s (whole requests of `max_new(batch)` tokens after their prefill of a short prompt; the long
+context is synthetic, `Engine.add_request(synthetic_context=)`), tau (of the median repeat; `tau_repeats`
+all). A top-level `targets` list.
 """
 from __future__ import annotations
 
@@ -199,7 +201,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                     out["stages"] = stage_kernels(e, prompts[0])
                 return out
             try:
-                c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after)
+                c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after,
+                          warm_new=max_new(batch) // 4, reseed=True)
             except Exception as e:  # recorded; the sweep goes on
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
