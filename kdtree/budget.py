@@ -3,8 +3,10 @@
 A round's candidates (`Plan`): plain AR (the root alone, no draft), the DFlash chain (argmax per depth) and
 the best-first tree truncated to B nodes for each B in the engine's `budgets` (every truncation of a
 best-first tree is the B-node tree). A plan's round builds its own tree (`builds`; the chain's round the
-smallest); the estimates of larger trees are extrapolated from the built one (`expected`), so the choice can
-grow a size a round and shrink at once. For a batch bucket b and the requests i of the round, the policy
+smallest), or a larger one where the measured front phase costs at most FRONT_SLACK more (`wider_builds`:
+at K2.6's vocabulary the drafter dominates the front and a 128-node build costs ~2 % over a 4-node one);
+the estimates of trees beyond the built one are extrapolated (`expected`), so the choice can grow a size a
+round and shrink at once. For a batch bucket b and the requests i of the round, the policy
 picks
 
     argmax over plans p of   sum_i E_i(p) / (front(b, build(p), context) + back(b, p, context) + host)
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 DECIDE = ("previous", "sync")
+FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its front costs at most this more
 MAX_HOLD = 32          # the longest run of AR rounds before the engine drafts again to re-estimate
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
@@ -62,10 +65,39 @@ def plans(depth: int, budgets) -> tuple[Plan, ...]:
 
 def builds(plan_list) -> tuple:
     """The tree each plan's round builds (None for AR): the plan's own, the smallest for the chain (its
-    estimates of the trees). Larger trees' estimates are extrapolated (`expected`), so no round builds more
-    than it verifies (one size up measured slower on the H200: the tree stage's cost grows with its nodes)."""
+    estimates of the trees), before any cost is measured. Larger trees' estimates are extrapolated
+    (`expected`); a round builds more than it verifies only where the measured front says it costs little
+    (`wider_builds`: the trained pair's tree stage grows with its nodes, one size up measured slower)."""
     sizes = [p.nodes for p in plan_list if p.kind == "tree"]
     return tuple(None if p.kind == "ar" else sizes[0] if p.kind == "chain" else p.nodes for p in plan_list)
+
+
+def wider_builds(plan_list, costs: "CostTable", b: int, slack: float = None) -> tuple:
+    """The tree each plan's round builds at batch bucket b once the start-up costs are measured: the largest
+    tree size whose front phase (draft + build + estimates) costs at most (1 + slack) x that of the plan's
+    own build (`builds`) in every measured context bucket; `builds` itself where no larger one is that cheap
+    or a front cost is missing. A wider build gives measured estimates of the trees up to it where `builds`
+    extrapolates them, for a front cost within `slack` (default FRONT_SLACK)."""
+    slack = FRONT_SLACK if slack is None else slack
+    own = builds(plan_list)
+    sizes = sorted(p.nodes for p in plan_list if p.kind == "tree")
+    ctxs = sorted({c for (bb, _, c) in costs.front if bb == b})
+    if not ctxs:
+        return own
+
+    def front(B):
+        got = [costs.front.get((b, B, c)) for c in ctxs]
+        return None if any(x is None for x in got) else got
+    out = []
+    for B in own:
+        base = None if B is None else front(B)
+        if base is None:
+            out.append(B)
+            continue
+        ok = [S for S in sizes if S >= B and front(S) is not None
+              and all(f <= (1 + slack) * f0 for f, f0 in zip(front(S), base))]
+        out.append(max(ok))
+    return tuple(out)
 
 
 def default_budgets(max_budget: int) -> tuple[int, ...]:
@@ -213,11 +245,20 @@ class Policy:
 
     def __init__(self, plan_list, costs: CostTable, decide: str = "previous"):
         self.plans, self.costs, self.decide = tuple(plan_list), costs, decide
-        self.builds = builds(self.plans)
+        self.builds = builds(self.plans)   # per plan: the tree its round builds (`widen` per batch bucket)
+        self._builds: dict = {}
         self.hold = 0        # AR rounds left before the next draft round
         self.backoff = 1     # the next AR hold's length
         self.probe = False   # the next round drafts whatever the estimates say
         self.history: list = []
+
+    def widen(self, buckets) -> None:
+        """After the start-up cost table: each batch bucket's builds (`wider_builds`)."""
+        self._builds = {b: wider_builds(self.plans, self.costs, b) for b in buckets}
+
+    def build(self, b: int, i: int):
+        """The tree plan i's round builds at batch bucket b (None: AR, no draft)."""
+        return self._builds.get(b, self.builds)[i]
 
     def score(self, b: int, est: np.ndarray, ctx: int, allow, built: int | None = None) -> np.ndarray:
         """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]; built:
@@ -226,13 +267,13 @@ class Policy:
         cost = self.costs.cost
         out = []
         for i, p in enumerate(self.plans):   # a few plans: plain Python beats numpy's per-call overhead
-            c = cost(b, i, self.builds[i] if built is None else built, ctx)
+            c = cost(b, i, self.build(b, i) if built is None else built, ctx)
             out.append(tot[i] / c if allow(p) and 0 < c < math.inf else -math.inf)
         return np.array(out)
 
     def before(self, b: int, est: np.ndarray, ctx: int) -> int:
         """The plan decided before drafting, from the previous rounds' estimates est [n, P]: 0 (AR) or the
-        plan whose tree (`builds`) the round builds; "previous" verifies that plan, "sync" picks the block
+        plan whose tree (`build`) the round builds; "previous" verifies that plan, "sync" picks the block
         again from the fresh estimates (`after`). AR rounds come in holds; a hold's end forces one draft round
         (the probe) whose estimates the next decision reads."""
         if self.hold == 0 and not self.probe:

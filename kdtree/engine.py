@@ -549,6 +549,7 @@ class Engine:
             self._prefill_buffers()
         if auto:
             self._measure_costs()
+            self.auto.widen(self.buckets)
 
     def _check_auto(self, backend, max_budget, budgets, decide, calibration) -> tuple[int, ...]:
         """budget="auto"'s arguments, checked; returns the candidate tree sizes (ascending)."""
@@ -1337,7 +1338,7 @@ class Engine:
         pol, ev = self.auto, 4 * (self._launched % 3)   # this round's event slots
         ahead, self._ahead = self._ahead, None
         i, ctx, probe = ahead if ahead is not None else self._decide(b, self._estimates())
-        build = pol.builds[i]
+        build = pol.build(b, i)
         if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
             # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
             # time falls to the host share, a median that a rare catch-up round does not move

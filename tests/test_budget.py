@@ -99,6 +99,34 @@ def test_each_plan_builds_its_own_tree_and_the_chain_the_smallest():
     assert kb.builds(plans) == (None, 4, 4, 16, 64)
 
 
+def test_rounds_build_wider_trees_only_where_the_front_costs_little():
+    """wider_builds: flat front costs (the drafter dominates) -> every drafting plan builds the largest tree;
+    fronts growing 10 % a size -> each its own (`builds`); flat up to 16 then a step -> 16; a cell without
+    a front cost keeps the own build. Can fail: a slack of 0 under 1 % growth widens nothing."""
+    plans = kb.plans(7, (4, 8, 16, 64))               # AR, chain, 4, 8, 16, 64
+    own = kb.builds(plans)
+    assert own == (None, 4, 4, 8, 16, 64)
+
+    def table(fronts):
+        t = kb.CostTable((0, 4096))
+        for c in (0, 1):
+            for B, f in fronts.items():
+                t.front[(1, B, c)] = f * (1 + 0.001 * c)
+        return t
+    flat = table({4: 1.0, 8: 1.004, 16: 1.008, 64: 1.02})
+    assert kb.wider_builds(plans, flat, 1) == (None, 64, 64, 64, 64, 64)
+    assert kb.wider_builds(plans, flat, 1, slack=0.0) == own      # the check can fail
+    assert kb.wider_builds(plans, table({4: 1.0, 8: 1.1, 16: 1.21, 64: 1.33}), 1) == own
+    step = table({4: 1.0, 8: 1.01, 16: 1.02, 64: 1.5})
+    assert kb.wider_builds(plans, step, 1) == (None, 16, 16, 16, 16, 64)
+    assert kb.wider_builds(plans, flat, 8) == own                 # no front measured at batch bucket 8
+    pol = kb.Policy(plans, flat)
+    assert [pol.build(1, i) for i in range(len(plans))] == list(own)
+    pol.widen((1, 8))
+    assert [pol.build(1, i) for i in range(len(plans))] == [None, 64, 64, 64, 64, 64]
+    assert [pol.build(8, i) for i in range(len(plans))] == list(own)
+
+
 def test_larger_trees_are_extrapolated_from_the_built_one():
     """Plans beyond the built tree: a tree whose gains per doubling halve (rho = 1/2) extrapolates to the
     geometric sum; gains that do not shrink (rho clamped at 1) add d per doubling; the plans within the tree

@@ -143,7 +143,7 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         if name not in trees:
             raise ValueError(f"plan={plan!r}: expected one of the engine's tree plans {trees}")
         i = names.index(name)
-        phases = (engine.auto.builds[i], engine.plans[i])
+        phases = (engine.auto.build(engine._bucket(1), i), engine.plans[i])
     elif plan is not None:
         raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
     room = engine.max_len - len(prompt) - engine.lookahead
