@@ -63,6 +63,7 @@ STAGES = ("draft", "build", "verify", "walk", "commit")
 # batched GEMM fails inside a capture that succeeds on the next try); each retry is listed in
 # Engine.capture_retries.
 CAPTURE_TRIES = 3
+WHOLE_GRAPH_BYTES = 1 << 30   # budget="auto": the most logits memory its whole-round graphs may hold
 # Prefill chunks: a CUDA graph per exact (requests, rows) shape, captured the first time the shape is seen
 # (that chunk runs eagerly) and replayed after it; the same kernels at the same shapes, so the tokens are
 # the eager prefill's bit for bit. At most PREFILL_GRAPHS shapes, each of at most PREFILL_GRAPH_ROWS rows
@@ -517,6 +518,8 @@ class Engine:
         self._landed_at: float | None = None  # host time the last round landed while the next was in flight
         self.warmup_s = 0.0
         self.capture_retries: list[str] = []
+        self.whole_graphs: bool | str = False   # budget="auto": whole-round graphs captured, or why not
+        self.whole_replays = 0                  # budget="auto": rounds that replayed one
         self.auto = None
         self._timing: list = []   # budget="auto": rounds whose phase times wait for _auto_flush
         self.pend, self.pend_n = None, torch.zeros(B, dtype=torch.int64, device=dev)
@@ -550,6 +553,7 @@ class Engine:
         if auto:
             self._measure_costs()
             self.auto.widen(self.buckets)
+            self._capture_whole()
 
     def _check_auto(self, backend, max_budget, budgets, decide, calibration) -> tuple[int, ...]:
         """budget="auto"'s arguments, checked; returns the candidate tree sizes (ascending)."""
@@ -1087,35 +1091,38 @@ class Engine:
             d = torch.cat([d, torch.zeros(b - len(rows), *d.shape[1:], device=self.device)])
         return d
 
+    def _capture_graph(self, key, fn):
+        """Warm fn up twice, then capture it as graph `key` on the side stream into the engine's shared memory
+        pool (a capture the GPU refuses is tried again in a fresh pool, which the graphs after it share, up to
+        CAPTURE_TRIES times). Returns fn's output: the graph's static output."""
+        for _ in range(2):
+            fn()
+        for attempt in range(CAPTURE_TRIES):
+            g = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(g, pool=self._gpool, stream=self._side):
+                    out = fn()
+                break
+            except RuntimeError as e:  # torch.AcceleratorError is one
+                if attempt == CAPTURE_TRIES - 1:
+                    raise
+                torch.cuda.synchronize(self.device)
+                if self._gpool is not None:
+                    _end_pool(self.device, self._gpool)
+                self._gpool = None  # the retry, and the graphs after it, in a fresh pool
+                self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
+        self._gpool = g.pool() if self._gpool is None else self._gpool
+        self.graphs[key] = g
+        return out
+
     def _capture(self) -> None:
         """Warm up and capture one graph per (batch bucket, sampling), largest first, sharing one memory pool;
         the state is reset afterwards (warm-up rounds run on padding slots only, before any request)."""
         t0 = time.perf_counter()
         side = self._side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        pool = None
-        def capture(key, fn):
-            nonlocal pool
-            for _ in range(2):
-                fn()
-            for attempt in range(CAPTURE_TRIES):
-                g = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(g, pool=pool, stream=side):
-                        out = fn()
-                    break
-                except RuntimeError as e:  # torch.AcceleratorError is one
-                    if attempt == CAPTURE_TRIES - 1:
-                        raise
-                    torch.cuda.synchronize(self.device)
-                    if pool is not None:
-                        _end_pool(self.device, pool)
-                    pool = None  # the retry, and the graphs after it, in a fresh pool
-                    self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
-            pool = g.pool() if pool is None else pool
-            self.graphs[key] = g
-            return out
-
+        self._gpool = None
+        capture = self._capture_graph
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
                 if self.auto is not None:  # a front graph per tree size, then one per plan (static buffers)
@@ -1137,6 +1144,39 @@ class Engine:
             t.zero_()
         torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
+
+    def _capture_whole(self) -> None:
+        """budget="auto", decide="previous", graphs on: each drafting plan's whole round (the front phase of
+        the tree `Policy.build` gives it, then its block) as one more graph per (batch bucket, sampling), so
+        that such a round replays once, as a fixed budget's does, not two graphs with the host between them.
+        Only while those graphs' logits outputs stay within WHOLE_GRAPH_BYTES; `whole_graphs` says True or
+        why not (at K2.6's vocabulary they would take GBs, and the host gap is a sliver of its rounds)."""
+        if self.graph_reason is not None or self.auto.decide != "previous":
+            self.whole_graphs = ("graphs off" if self.graph_reason is not None else
+                                 f"decide={self.auto.decide}")
+            return
+        samp = (False, True) if self.graph_sampling else (False,)
+        keys = [(b, s, i) for b in reversed(self.buckets) for s in samp for i in range(len(self.plans))
+                if self.auto.build(b, i) is not None]
+        need = sum(b * self.plans[i].rows * self.model.args.vocab_size * 4 for b, _, i in keys)
+        if need > WHOLE_GRAPH_BYTES:
+            self.whole_graphs = f"their logits would take {need / 2**30:.1f} GiB (> WHOLE_GRAPH_BYTES)"
+            return
+        t0 = time.perf_counter()
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            for b, sampling, i in keys:
+                def fn(b=b, sampling=sampling, i=i):
+                    self._front(b, self.auto.build(b, i))
+                    return self._round(b, sampling, plan=self.plans[i])
+                key = ("whole", b, sampling, i)
+                self._graph_logits[key] = self._capture_graph(key, fn)
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        for t in (self.lens, self.root, self.out, self.est, self.pend_n):
+            t.zero_()
+        torch.cuda.synchronize(self.device)
+        self.whole_graphs = True
+        self.warmup_s += time.perf_counter() - t0
 
     def _launch(self) -> _Flight:
         """Grow the active requests' pages, launch their round (a graph replay when captured) and its copy
@@ -1347,20 +1387,28 @@ class Engine:
             self._pending = 0
         if build is None and self.pend is not None:
             self._pending += 1
-        marks = {}
-        if build is not None:
+        marks, whole = {}, ("whole", b, sampling, i)
+        if build is not None and whole in self.graphs:   # front and block in one replay
             marks["f0"] = self._stamp(ev)
-            self._phase(b, sampling, None, build, clock)
-            marks["f1"] = self._stamp(ev + 1)
-            if pol.decide == "sync":  # the fresh estimates to the host, then the block within the tree built
-                self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
-                self._sync()
-                fresh = self.est_host[0, :n].numpy().copy()
-                self._take_estimates(self.active, fresh)
-                i = self._agree(pol.after(b, fresh, ctx, build))
-        marks["b0"] = marks["f1"] if build is not None and pol.decide == "previous" else self._stamp(ev + 2)
-        logits = self._phase(b, sampling, i, clock=clock)
-        marks["b1"] = self._stamp(ev + 3)
+            self.graphs[whole].replay()
+            marks["b1"] = self._stamp(ev + 3)
+            self.whole_replays += 1
+            logits = self._graph_logits[whole]
+        else:
+            if build is not None:
+                marks["f0"] = self._stamp(ev)
+                self._phase(b, sampling, None, build, clock)
+                marks["f1"] = self._stamp(ev + 1)
+                if pol.decide == "sync":  # the fresh estimates to the host, then the block within the tree
+                    self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
+                    self._sync()
+                    fresh = self.est_host[0, :n].numpy().copy()
+                    self._take_estimates(self.active, fresh)
+                    i = self._agree(pol.after(b, fresh, ctx, build))
+            same = build is not None and pol.decide == "previous"
+            marks["b0"] = marks["f1"] if same else self._stamp(ev + 2)
+            logits = self._phase(b, sampling, i, clock=clock)
+            marks["b1"] = self._stamp(ev + 3)
         self._auto_flush()   # the previous round's times, while the GPU runs this one
         # under TP each rank's policy state is its own (rank 0's choice is broadcast), so whether to decide
         # ahead could differ between ranks and their broadcasts would not pair up: TP decides at round start
@@ -1385,11 +1433,15 @@ class Engine:
         costs = self.costs
         for i, info, wall in self._timing:
             m, c, b = info["marks"], info["ctx"], info["b"]
-            back = self._secs(m["b0"], m["b1"])
-            front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
+            if "b0" not in m:   # a whole-round replay: the plan's share is the round less its front's entry
+                front = costs._near(costs.front, (b, info["build"]), c) or 0.0
+                back = max(self._secs(m["f0"], m["b1"]) - front, 0.0)
+            else:
+                back = self._secs(m["b0"], m["b1"])
+                front = self._secs(m["f0"], m["f1"]) if info["drafted"] else 0.0
+                if info["drafted"]:
+                    costs.update(costs.front, (b, info["build"], c), front)
             costs.update(costs.back, (b, i, c), back)
-            if info["drafted"]:
-                costs.update(costs.front, (b, info["build"], c), front)
             costs.add_host(max(0.0, wall - front - back))
             costs.samples += 1
         self._timing.clear()

@@ -214,6 +214,7 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     res = e.run()
     assert [res[i].tokens for i in ids] == refs
     assert e.costs.samples == e.rounds and len(e.auto.history) == e.rounds
+    assert e.whole_graphs == "graphs off" and e.whole_replays == 0
     rows = {p.name: p.rows for p in e.plans}
     assert all(s in rows.values() for i in ids for s in res[i].tree_sizes)
     assert {e.last_round["plan"]} <= set(rows)

@@ -76,8 +76,15 @@ def test_auto_budget_graphed_equals_the_oracle(pair, decide):
     assert ctxs == (0, 1024)
     assert len(g.costs.back) == len(g.buckets) * len(g.plans) * len(ctxs)
     assert all(0 < v < 1 for v in list(g.costs.back.values()) + list(g.costs.front.values()))
+    drafting = [i for i in range(len(g.plans)) if g.auto.build(4, i) is not None]
+    if decide == "previous":   # each drafting plan's round also as one graph, front and block together
+        assert g.whole_graphs is True and all(("whole", 4, False, i) in g.graphs for i in drafting)
+    else:
+        assert g.whole_graphs == "decide=sync" and not any(k[0] == "whole" for k in g.graphs)
     assert _serve(g, prompts, lens) == ref
     assert g.costs.samples == g.rounds and len({h[2] for h in g.auto.history}) >= 1
+    drafted = sum(h[2] != "AR" for h in g.auto.history)
+    assert g.whole_replays == (drafted if decide == "previous" else 0)
     e = Engine(t, d, graphs=False, **kw)
     assert _serve(e, prompts, lens) == ref
 
