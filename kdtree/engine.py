@@ -1175,6 +1175,7 @@ class Engine:
         for t in (self.lens, self.root, self.out, self.est, self.pend_n):
             t.zero_()
         torch.cuda.synchronize(self.device)
+        self._measure_whole()
         self.whole_graphs = True
         self.warmup_s += time.perf_counter() - t0
 
@@ -1306,31 +1307,59 @@ class Engine:
         batch bucket; the median of COST_REPS graph replays (eager rounds: one after a warm-up)."""
         t0 = time.perf_counter()
         reps, warm = (COST_REPS, 0) if self.graphs else (1, 1)
-        # the padding slots read distinct pool pages, as requests' contexts do, not the one scratch page that
-        # every read would then hit (no request holds a page yet); fewer pages than slots x pages wrap around
-        P = self.pages_per_req
-        spread = torch.arange(self.max_batch * P, dtype=torch.int32, device=self.device)
-        self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(self.max_batch, P))
+        self._spread_pages()
         for b in self.buckets:
             for c, ctx in enumerate(self.costs.ctx_buckets):
                 self.lens[:b] = ctx
                 # every tree size's front, the largest last (its blocks feed the plans' rounds), each plan
                 for i, B in [(None, B) for B in self._tree_ops] + [(i, None) for i in range(len(self.plans))]:
-                    marks = []
-                    for _ in range(warm + reps):
-                        a = self._stamp()
-                        self._phase(b, False, i, B)
-                        marks.append((a, self._stamp()))
-                    self._sync()
-                    sec = float(np.median([self._secs(a, z) for a, z in marks[warm:]]))
+                    sec = self._median_time(lambda: self._phase(b, False, i, B), reps, warm)
                     if i is None:
                         self.costs.front[(b, B, c)] = sec
                     else:
                         self.costs.back[(b, i, c)] = sec
+        self._reset_state()
+        self.warmup_s += time.perf_counter() - t0
+
+    def _spread_pages(self) -> None:
+        """Start-up measurements: the padding slots read distinct pool pages, as requests' contexts do, not
+        the one scratch page that every read would then hit (no request holds a page yet); fewer pages than
+        slots x pages wrap around. `_reset_state` zeroes them again."""
+        P = self.pages_per_req
+        spread = torch.arange(self.max_batch * P, dtype=torch.int32, device=self.device)
+        self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(self.max_batch, P))
+
+    def _reset_state(self) -> None:
         for t in (self.lens, self.root, self.out, self.est, self.pend_n, self.page_table):
             t.zero_()
         self._sync()
-        self.warmup_s += time.perf_counter() - t0
+
+    def _median_time(self, fn, reps: int, warm: int) -> float:
+        """The median seconds of reps calls of fn after warm untimed ones (stream marks, one sync)."""
+        marks = []
+        for _ in range(warm + reps):
+            a = self._stamp()
+            fn()
+            marks.append((a, self._stamp()))
+        self._sync()
+        return float(np.median([self._secs(a, z) for a, z in marks[warm:]]))
+
+    def _measure_whole(self) -> None:
+        """Each whole-round graph's replay per context bucket: its plan's back entry becomes the round less
+        its front's entry, as `_auto_flush` refreshes it online, so that every plan is costed the same way
+        (else the plans whose whole rounds have run look cheaper, by the host gap they save, than the ones
+        still costed as two graphs, and the policy keeps the first it ran)."""
+        self._spread_pages()
+        for b in self.buckets:
+            for c, ctx in enumerate(self.costs.ctx_buckets):
+                self.lens[:b] = ctx
+                for i in range(len(self.plans)):
+                    g, build = self.graphs.get(("whole", b, False, i)), self.auto.build(b, i)
+                    if g is not None:
+                        front = self.costs._near(self.costs.front, (b, build), c) or 0.0
+                        self.costs.back[(b, i, c)] = max(self._median_time(g.replay, COST_REPS, 0) - front,
+                                                         0.0)
+        self._reset_state()
 
     def _estimates(self) -> np.ndarray | None:
         """[n, P] expected tokens of the active requests from their last draft rounds (a request not drafted
