@@ -8,11 +8,16 @@ path) and replaces two values:
     the rank-j token has probability q_j, `project.profile_rank_probs`; the rest of the mass spread over the
     other tokens), so the tree has the profile's shape and its prefix probabilities are the profile's own
     (calibrated by construction: the budget policy's expected tokens are the same profile's);
-  * the target's choice: per request and round, the target's "true" token at each depth is drawn from the
-    same profile (rank j with probability q_j, independently across depths, a rank beyond the listed ones
-    matching no draft token), from the request's counter-based stream; a row at depth d chooses the true
-    token of depth d + 1, and a round's bonus token is the true token at the last accepted row (the
-    target's own argmax there when the true token lies beyond the list).
+  * the target's choice: per request and output position, the target's "true" rank is drawn from the same
+    profile (rank j with probability q_j, independently across positions, a rank beyond the listed ones
+    matching no draft token), from the request's counter-based stream keyed by the position; a round
+    starting at position s reads positions s + 1 ... s + L as its depths 1 ... L (the rank's token at that
+    depth); a row at depth d chooses the true token of depth d + 1, and a round's bonus token is the true
+    token at the last accepted row (the target's own argmax there when the true token lies beyond the list).
+    Keyed by position, not by round, the draws are common to every plan (the same request sees the same
+    rank at the same position under the chain, any tree or AR), so plans are compared on the same luck:
+    their differences are the plans', not sampling noise. A round's positions lie after every earlier
+    round's accepted ones, so each round still draws fresh independent ranks.
 So a plan's accept lengths are distributed as the profile predicts for it (`project.profile_taus` gives
 their mean for a tree; the chain's is 1 + p + ... + p^L), whatever the weights.
 """
@@ -105,9 +110,12 @@ class Simulation:
         self.cdf = torch.from_numpy(np.cumsum(q)).to(device, torch.float64)                # [K]
 
     def truth(self, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """The target's true token per depth 1..L, int64 [b, L] (`none`: a rank beyond the list), drawn from
-        the request's stream keyed by (seed, step)."""
-        u = uniforms(seed, step, self.tok.shape[0], salt=0x51AD).double()                  # [b, L]
+        """The target's true token per depth 1..L, int64 [b, L] (`none`: a rank beyond the list) of a round
+        whose root sits at position step [b]: depth d's rank drawn from the request's stream keyed by (seed,
+        step + d), one draw per position whatever the round."""
+        b, L = step.shape[0], self.tok.shape[0]
+        pos = (step.long()[:, None] + self.depths).reshape(-1)                               # [b * L]
+        u = uniforms(seed.repeat_interleave(L), pos, 1, salt=0x51AD).view(b, L).double()     # [b, L]
         r = torch.searchsorted(self.cdf, u, right=True)                                    # rank, K: beyond
         K = self.tok.shape[1]
         t = self.tok[self.depths, r.clamp(max=K - 1)]                                      # [b, L]

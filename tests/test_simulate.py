@@ -78,6 +78,25 @@ def test_auto_on_a_profile_uses_its_probabilities(pair):
     assert abs(m[built[0]] - want[4]) / want[4] < 0.03
 
 
+def test_draws_are_per_position_common_to_every_plan():
+    """Simulation.truth keys each rank by the request's output position, not by the round: a round rooted
+    one position later reads the same ranks one depth earlier (so the chain, every tree and AR meet the same
+    luck); the checker fails on a shift of two."""
+    from kdtree.simulate import Simulation
+    prof = Profile(4.0, depth=7, K=64)
+    sim = Simulation(prof, 1000, 7, 4, "cpu")
+    seed, s = torch.tensor([3, 9, 2**40 + 1, 77]), torch.randint(0, 500, (4,))
+
+    def ranks(t):   # [b, L] the rank of each depth's true token (K: beyond the list)
+        hit = (t[..., None] == sim.tok[None]).long()                                # [b, L, K]
+        return torch.where(hit.any(-1), hit.argmax(-1), prof.K)
+
+    a, b2, c = ranks(sim.truth(seed, s)), ranks(sim.truth(seed, s + 1)), ranks(sim.truth(seed, s + 2))
+    assert torch.equal(a[:, 1:], b2[:, :-1])
+    assert not torch.equal(a[:, 1:], c[:, :-1])      # the check can fail
+    assert (a == 0).float().mean() > 0.3 and (a > 0).any()   # both ranks occur: not a constant stream
+
+
 def test_uniform_streams_are_pure_and_uniform():
     s, st = torch.tensor([1, 2, 2**40]), torch.tensor([0, 5, 5])
     u = uniforms(s, st, 4096, salt=3)

@@ -11,10 +11,11 @@ Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance
 realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at its real shape on real
 data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and budget="auto" ("previous"),
 each `repeats` times after a short warm-up run, each repeat with its own request seeds (the profile's draws:
-independent across repeats, shared by the cells): median per-round latency and GPU span, per-user and
-aggregate tok/s (whole requests of `max_new(batch)` tokens after their prefill of a short prompt; the long
-context is synthetic, `Engine.add_request(synthetic_context=)`), tau (of the median repeat; `tau_repeats`
-all). A top-level `targets` list.
+one per request and output position, shared by every plan and cell of a repeat, independent across
+repeats): median per-round latency and GPU span, per-user and aggregate tok/s (whole requests of
+`max_new(batch)` tokens after their prefill of a short prompt; the long context is synthetic,
+`Engine.add_request(synthetic_context=)`), tau (of the median repeat; `tau_repeats` all). A top-level
+`targets` list.
 """
 from __future__ import annotations
 
