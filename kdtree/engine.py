@@ -353,7 +353,8 @@ class Engine:
 
     simulate: a `kdtree.simulate.Profile`: simulated acceptance (random-weight shapes; module simulate): the
     round runs every kernel at its real shape, the tree is built from the profile's drafter and the target's
-    choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile)."""
+    choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile).
+    The simulated text is keyed by request seed and position: every mode (AR too) emits the same tokens."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None,
@@ -376,8 +377,8 @@ class Engine:
                 raise ValueError("mode='ar' takes no drafter and no budget")
         else:
             check_drafter(model, drafter)
-        if simulate is not None and (mode == "ar" or not hasattr(drafter, "new_context")):
-            raise ValueError("simulate: needs mode 'dflash' or 'ddtree' with a batched drafter "
+        if simulate is not None and mode != "ar" and not hasattr(drafter, "new_context"):
+            raise ValueError("simulate: needs mode 'ar', or 'dflash' / 'ddtree' with a batched drafter "
                              "(DFlashDrafter)")
         auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
         if not auto and (max_budget is not None or budgets is not None or decide != "previous"
@@ -507,8 +508,8 @@ class Engine:
         # last round's verify logits [n, N, V], until the next (None when a graphed round landed behind
         # another in flight: its static output is being rewritten)
         self.last_logits: torch.Tensor | None = None
-        self.sim = None if simulate is None else Simulation(simulate, model.args.vocab_size,
-                                                            drafter.block_size - 1, max_batch, dev)
+        self.sim = None if simulate is None else Simulation(
+            simulate, model.args.vocab_size, 0 if drafter is None else drafter.block_size - 1, max_batch, dev)
         self.simulated = None if simulate is None else simulate.name
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.overlap = (overlap and not debug and (mode == "ar" or self.batched_drafter)
@@ -980,7 +981,7 @@ class Engine:
         if self.sim is None:
             acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
         else:  # the profile's target: its true tokens decide the walk
-            sim = self.sim.choice(self.sim.truth(self.seed[:b], lens), blk.positions, lens)
+            sim = self.sim.choice(self.sim.truth(self.seed[:b], lens, A), blk.positions, lens)
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
         mark("walk")
@@ -1082,7 +1083,8 @@ class Engine:
             return None
         if self.batched_drafter:
             d = self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
-            return d if self.sim is None else self.sim.logits[:b]   # the drafter ran; the profile's draft
+            # the drafter ran; the profile's draft
+            return d if self.sim is None else self.sim.draft(self.seed[:b], self.lens[:b])
         rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
         if not rows:  # a round on padding slots only (budget="auto"'s start-up timing)
             return torch.zeros(b, self.max_accept - 1, self.model.args.vocab_size, device=self.device)

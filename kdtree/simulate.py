@@ -3,23 +3,25 @@
 With random weights (the K2.6 shape runs) the tokens mean nothing, so `Engine(..., simulate=Profile(...))`
 keeps every kernel of the round at its real shape on real data (the drafter runs and its cost is real, the
 tree is built, the target verifies every row, the walk, compaction and drafter update run on the accepted
-path) and replaces two values:
-  * the draft distribution the tree is built from: the profile's drafter (`Profile.logits`: at every depth
-    the rank-j token has probability q_j, `project.profile_rank_probs`; the rest of the mass spread over the
+path) and replaces two values with a simulated text, one per request:
+  * the text: for each output position P of a request, its candidate tokens by rank (`Simulation.ids`:
+    K distinct ids that vary with the request and the position, as a real text's do) and the rank of the
+    target's "true" token among them (rank j with probability q_j, `project.profile_rank_probs`; a rank
+    beyond the K listed matches no draft token and the target's own argmax stands in), both drawn from the
+    request's counter-based stream keyed by (seed, P);
+  * the draft distribution the tree is built from (`Simulation.draft`): at depth d of a round rooted at
+    position s, the candidates of position s + d with probabilities q_j (the rest of the mass spread over the
     other tokens), so the tree has the profile's shape and its prefix probabilities are the profile's own
     (calibrated by construction: the budget policy's expected tokens are the same profile's);
-  * the target's choice: per request and output position, the target's "true" rank is drawn from the same
-    profile (rank j with probability q_j, independently across positions, a rank beyond the listed ones
-    matching no draft token), from the request's counter-based stream keyed by the position; a round
-    starting at position s reads positions s + 1 ... s + L as its depths 1 ... L (the rank's token at that
-    depth); a row at depth d chooses the true token of depth d + 1, and a round's bonus token is the true
-    token at the last accepted row (the target's own argmax there when the true token lies beyond the list).
-    Keyed by position, not by round, the draws are common to every plan (the same request sees the same
-    rank at the same position under the chain, any tree or AR), so plans are compared on the same luck:
-    their differences are the plans', not sampling noise. A round's positions lie after every earlier
-    round's accepted ones, so each round still draws fresh independent ranks.
-So a plan's accept lengths are distributed as the profile predicts for it (`project.profile_taus` gives
-their mean for a tree; the chain's is 1 + p + ... + p^L), whatever the weights.
+  * the target's choice: a row at position P chooses the true token of P + 1, and a round's bonus token is
+    the choice of its last accepted row.
+Keyed by position, not by round or depth, the text is common to every mode and plan: AR, the chain, any
+tree and budget="auto" emit the same tokens (a rank beyond the list aside, where the model's argmax over the
+same context decides) and their rounds read the same tokens, so plans are compared on the same luck and
+the same routing, and differ only by what they are. A round's positions lie after every earlier round's
+accepted ones, so each round draws fresh independent ranks. A plan's accept lengths are distributed as the
+profile predicts for it (`project.profile_taus` gives their mean for a tree; the chain's is
+1 + p + ... + p^L), whatever the weights.
 """
 from __future__ import annotations
 
@@ -80,54 +82,72 @@ class Profile:
         """q [K]: the probability of each listed rank (the rest, 1 - sum q, lies beyond the list)."""
         return profile_rank_probs(chain_top1(self.tau_chain, self.depth), self.ratio, self.K)
 
-    def tokens(self, vocab_size: int) -> np.ndarray:
-        """int64 [depth, K]: the token id of rank j at depth d (distinct within a depth; ids mean nothing)."""
-        if self.K > vocab_size:
-            raise ValueError(f"Profile.K={self.K} exceeds the vocabulary ({vocab_size})")
-        rng = np.random.default_rng(12345)
-        return np.stack([rng.permutation(vocab_size)[:self.K] for _ in range(self.depth)]).astype(np.int64)
-
 
 class Simulation:
-    """A profile's device tables for one engine: the draft logits [max_batch, L, V] and the draws."""
+    """A profile's device state for one engine: the draft logits buffer [max_batch, L, V] (rewritten by each
+    `draft`) and the text's draws (module docstring). depth: the drafter's L (block_size - 1); 0 for AR."""
 
     def __init__(self, profile: Profile, vocab_size: int, depth: int, max_batch: int, device):
         if not isinstance(profile, Profile):
             raise ValueError(f"simulate={profile!r}: expected a kdtree.simulate.Profile")
-        if profile.depth != depth:
+        if depth and profile.depth != depth:
             raise ValueError(f"simulate: the profile's depth {profile.depth} differs from the drafter's "
                              f"{depth} (block_size - 1)")
-        self.profile = profile
+        if profile.K > vocab_size:
+            raise ValueError(f"simulate: Profile.K={profile.K} exceeds the vocabulary ({vocab_size})")
+        self.profile, self.V, self.K = profile, vocab_size, profile.K
         q = profile.rank_probs()
         rest = max(1.0 - float(q.sum()), 1e-30)
-        tok = profile.tokens(vocab_size)                                                   # [L, K]
-        lg = np.full((depth, vocab_size), np.log(rest / max(vocab_size - profile.K, 1)), np.float32)
-        np.put_along_axis(lg, tok, np.log(np.maximum(q, 1e-30)).astype(np.float32)[None], 1)
-        self.logits = torch.from_numpy(lg).to(device)[None].expand(max_batch, -1, -1).contiguous()
-        self.tok = torch.from_numpy(tok).to(device)                                        # [L, K]
-        self.depths = torch.arange(depth, device=device)[None]                              # [1, L]
-        self.none = vocab_size   # the choice no draft token equals (a rank beyond the list, the last depth)
+        self.background = float(np.log(rest / max(vocab_size - profile.K, 1)))
+        self.logq = torch.from_numpy(np.log(np.maximum(q, 1e-30)).astype(np.float32)).to(device)    # [K]
+        self.stride = vocab_size // profile.K   # rank j's id: base + j * stride (mod V), distinct for j < K
+        self.rank_ids = torch.arange(profile.K, device=device) * self.stride                      # [K]
+        self.none = vocab_size   # the choice no draft token equals (a rank beyond the list)
         self.cdf = torch.from_numpy(np.cumsum(q)).to(device, torch.float64)                # [K]
+        L = depth
+        self.depths = torch.arange(1, L + 1, device=device)[None]                          # [1, L]
+        self.logits = torch.full((max_batch, L, vocab_size), self.background, device=device)
+        self._written = torch.zeros(max_batch, L, profile.K, dtype=torch.int64, device=device)
 
-    def truth(self, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """The target's true token per depth 1..L, int64 [b, L] (`none`: a rank beyond the list) of a round
-        whose root sits at position step [b]: depth d's rank drawn from the request's stream keyed by (seed,
-        step + d), one draw per position whatever the round."""
-        b, L = step.shape[0], self.tok.shape[0]
-        pos = (step.long()[:, None] + self.depths).reshape(-1)                               # [b * L]
-        u = uniforms(seed.repeat_interleave(L), pos, 1, salt=0x51AD).view(b, L).double()     # [b, L]
-        r = torch.searchsorted(self.cdf, u, right=True)                                    # rank, K: beyond
-        K = self.tok.shape[1]
-        t = self.tok[self.depths, r.clamp(max=K - 1)]                                      # [b, L]
-        return torch.where(r < K, t, self.none)
+    def _draws(self, seed: torch.Tensor, pos: torch.Tensor, salt: int) -> torch.Tensor:
+        """float64 [b, n] uniforms of the requests' streams (seed [b]) at positions pos [b, n]."""
+        b, n = pos.shape
+        return uniforms(seed.long().repeat_interleave(n), pos.reshape(-1), 1, salt=salt).view(b, n).double()
+
+    def ids(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """int64 [b, n, K]: the candidate tokens by rank at positions pos [b, n] of the requests' texts."""
+        base = (self._draws(seed, pos, 0x1D5) * self.V).long()                          # [b, n]
+        return (base[..., None] + self.rank_ids) % self.V
+
+    def ranks(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """int64 [b, n]: the true token's rank at positions pos [b, n] (K: beyond the list)."""
+        return torch.searchsorted(self.cdf, self._draws(seed, pos, 0x51AD), right=True)
+
+    def truth(self, seed: torch.Tensor, step: torch.Tensor, n: int) -> torch.Tensor:
+        """The true tokens of positions step + 1 ... step + n, int64 [b, n] (`none`: a rank beyond the list),
+        for a round whose root sits at position step [b]."""
+        pos = step.long()[:, None] + torch.arange(1, n + 1, device=step.device)            # [b, n]
+        r = self.ranks(seed, pos)
+        t = self.ids(seed, pos).gather(2, r.clamp(max=self.K - 1)[..., None])[..., 0]       # [b, n]
+        return torch.where(r < self.K, t, self.none)
+
+    def draft(self, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """The profile's draft logits float32 [b, L, V] (a view of the engine's buffer, valid until the next
+        call) of a round rooted at position step [b]: depth d's candidates are those of position step + d.
+        Torch ops only (capturable): the previous call's entries are reset, then this round's written."""
+        b = step.shape[0]
+        out, old = self.logits[:b], self._written[:b]
+        new = self.ids(seed, step.long()[:, None] + self.depths)                           # [b, L, K]
+        out.scatter_(2, old, self.background)
+        out.scatter_(2, new, self.logq.expand_as(new).contiguous())
+        old.copy_(new)
+        return out
 
     def choice(self, truth: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """The simulated target choice per row int64 [b, N]: the true token of depth(row) + 1 (`none` at the
-        last depth)."""
-        L = truth.shape[1]
-        d = (positions.long() - start.long()[:, None]).clamp(0, L)                       # [b, N] depth
-        padded = torch.cat([truth, torch.full_like(truth[:, :1], self.none)], 1)           # [b, L + 1]
-        return padded.gather(1, d)
+        """The simulated target choice per row int64 [b, N]: truth [b, n] from `truth(seed, start, n)`; a row
+        at depth d (positions - start) chooses the true token of its next position, truth[:, d]."""
+        d = (positions.long() - start.long()[:, None]).clamp(0, truth.shape[1] - 1)          # [b, N]
+        return truth.gather(1, d)
 
     def bonus(self, sim_choice: torch.Tensor, real_choice: torch.Tensor, accepted: torch.Tensor,
               acc_len: torch.Tensor) -> torch.Tensor:

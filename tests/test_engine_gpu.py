@@ -278,9 +278,9 @@ def test_soak_ten_thousand_rounds_at_batch_32(pair):
 def test_simulated_rounds_on_a_kernel_only_int4_model():
     """The K2.6 sweep's path at the mid config's dimensions: INT4 experts in one kernel-format copy
     (moe_int4), the kernel attention over 1,500 synthetic context rows, a K2.5-DFlash-shaped drafter (fewer
-    layers),
-    simulated acceptance, budget="auto" graphed: every request finishes, accept lengths near the profile's
-    (fixed B = 16), every plan's graph captured, pages all back."""
+    layers), simulated acceptance, budget="auto" graphed: every request finishes, accept lengths near the
+    profile's (fixed B = 16), an AR engine on the same profile emits the same tokens, every plan's graph
+    captured, pages all back."""
     from kdtree import k26, project
     from kdtree.simulate import Profile
     t = k26.build_target(2, device="cuda", config="mid")
@@ -296,6 +296,12 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     acc = [a for i in ids for a in out[i].accept_lengths]
     want = project.profile_taus(4.0, [16], 7)[16]
     assert all(len(out[i].tokens) == 96 for i in ids) and abs(sum(acc) / len(acc) - want) < 0.35, (acc, want)
+    # AR reads the same simulated text: the same tokens (a rank beyond the list aside: the model's argmax)
+    ar = Engine(t, mode="ar", max_batch=8, max_len=2048, simulate=prof)
+    ar_ids = [ar.add_request(p, 96, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]
+    got = ar.run()
+    same = [x == y for i, j in zip(ids, ar_ids) for x, y in zip(out[i].tokens, got[j].tokens)]
+    assert sum(same) / len(same) > 0.98, sum(same) / len(same)
     a = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 16, 64), max_batch=8, max_len=2048,
                simulate=prof)
     assert a.graph_reason is None and all((8, True, i) in a.graphs for i in range(len(a.plans)))

@@ -79,22 +79,46 @@ def test_auto_on_a_profile_uses_its_probabilities(pair):
 
 
 def test_draws_are_per_position_common_to_every_plan():
-    """Simulation.truth keys each rank by the request's output position, not by the round: a round rooted
-    one position later reads the same ranks one depth earlier (so the chain, every tree and AR meet the same
-    luck); the checker fails on a shift of two."""
+    """Simulation.truth keys each true token by the request's output position, not by the round or depth: a
+    round rooted one position later reads the same tokens one depth earlier (so the chain, every tree and
+    AR meet the same text); the checker fails on a shift of two. A round's draft at depth d lists the
+    candidates of its position, the true token among them at its rank."""
     from kdtree.simulate import Simulation
     prof = Profile(4.0, depth=7, K=64)
     sim = Simulation(prof, 1000, 7, 4, "cpu")
     seed, s = torch.tensor([3, 9, 2**40 + 1, 77]), torch.randint(0, 500, (4,))
-
-    def ranks(t):   # [b, L] the rank of each depth's true token (K: beyond the list)
-        hit = (t[..., None] == sim.tok[None]).long()                                # [b, L, K]
-        return torch.where(hit.any(-1), hit.argmax(-1), prof.K)
-
-    a, b2, c = ranks(sim.truth(seed, s)), ranks(sim.truth(seed, s + 1)), ranks(sim.truth(seed, s + 2))
+    a, b2, c = (sim.truth(seed, s + k, 8) for k in range(3))
     assert torch.equal(a[:, 1:], b2[:, :-1])
     assert not torch.equal(a[:, 1:], c[:, :-1])      # the check can fail
-    assert (a == 0).float().mean() > 0.3 and (a > 0).any()   # both ranks occur: not a constant stream
+    pos = s[:, None] + torch.arange(1, 9)
+    r = sim.ranks(seed, pos)
+    assert (r == 0).float().mean() > 0.3 and (r > 0).any()   # both ranks occur: not a constant stream
+    ids = sim.ids(seed, pos)                                                             # [4, 8, K]
+    assert all(len(set(row.tolist())) == prof.K for row in ids.view(-1, prof.K))   # distinct per position
+    assert len(set(ids[:, :, 0].reshape(-1).tolist())) > 16   # rank 0's token: by position and request
+    d = sim.draft(seed, s)                                                               # [4, 7, V]
+    top = d.argsort(-1, descending=True)[..., :prof.K]
+    assert torch.equal(top, ids[:, :7])   # depth d's candidates (positions s + 1 ...) in rank order
+    d2 = sim.draft(seed, s + 5)           # the buffer is rewritten: no entry of the previous draft remains
+    assert torch.equal(d2.argsort(-1, descending=True)[..., :prof.K], sim.ids(seed, pos + 5)[:, :7])
+    assert int((d2 > sim.background).sum()) == 4 * 7 * prof.K
+
+
+@pytest.mark.parametrize("mode,budget", [("dflash", None), ("ddtree", 16), ("ddtree", "auto")])
+def test_every_mode_emits_the_simulated_text(pair, mode, budget):
+    """Under one profile AR, the chain, a tree and budget="auto" emit the same tokens per request (the text
+    is keyed by seed and position), while their accept lengths differ; another seed gives another text."""
+    t, d = pair
+    prof = Profile(4.0, depth=7, K=64)
+    prompts = random_prompts(t.args, 3, seed=5, min_len=4, max_len=10)
+    ar = Engine(t, mode="ar", max_batch=3, max_len=256, simulate=prof).generate(prompts, 40, seed=11)
+    kw = dict(budgets=(4, 16)) if budget == "auto" else {}
+    e = Engine(t, d, mode=mode, budget=budget, max_batch=3, max_len=256, simulate=prof, **kw)
+    got = e.generate(prompts, 40, seed=11)
+    assert [r.tokens for r in got] == [r.tokens for r in ar]
+    assert max(max(r.accept_lengths) for r in got) > 1 and all(set(r.accept_lengths) == {1} for r in ar)
+    other = e.generate(prompts, 40, seed=12)
+    assert [r.tokens for r in other] != [r.tokens for r in ar]   # the check can fail
 
 
 def test_uniform_streams_are_pure_and_uniform():
@@ -115,8 +139,9 @@ def test_bad_profiles_are_refused(kw, needle):
 
 def test_simulate_needs_a_batched_drafter_and_a_matching_depth(pair):
     t, d = pair
-    with pytest.raises(ValueError, match="simulate"):
-        Engine(t, mode="ar", simulate=Profile(3.0, 7, K=64), max_len=128)
+    Engine(t, mode="ar", simulate=Profile(3.0, 7, K=64), max_len=128)   # AR: any depth
+    with pytest.raises(ValueError, match="Profile.K"):
+        Engine(t, mode="ar", simulate=Profile(3.0, 7, K=4096), max_len=128)
     with pytest.raises(ValueError, match="depth"):
         Engine(t, d, mode="dflash", simulate=Profile(3.0, 5, K=64), max_len=128)
     with pytest.raises(ValueError, match="Profile"):

@@ -9,11 +9,12 @@ every mode (`fit_layers`; a cell that needs fewer runs on the first layers of th
 Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance: `kdtree.simulate` profiles
 (chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16; `--trained FILE`: the trained pair's
 realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at its real shape on real
-data. Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and budget="auto" ("previous"),
-each `repeats` times after a short warm-up run, each repeat with its own request seeds (the profile's draws:
-one per request and output position, shared by every plan and cell of a repeat, independent across
-repeats): median per-round latency and GPU span, per-user and aggregate tok/s (whole requests of
-`max_new(batch)` tokens after their prefill of a short prompt; the long context is synthetic,
+data; every mode of a profile, AR included, reads the profile's simulated text (the same tokens, so the
+same routing). Per cell and profile: AR, the DFlash chain, DDTree at each fixed budget and budget="auto"
+("previous"), each `repeats` times after a short warm-up run, each repeat with its own request seeds (the
+profile's draws: one per request and output position, shared by every plan and cell of a repeat,
+independent across repeats): median per-round latency and GPU span, per-user and aggregate tok/s (whole
+requests of `max_new(batch)` tokens after their prefill of a short prompt; the long context is synthetic,
 `Engine.add_request(synthetic_context=)`), tau (of the median repeat; `tau_repeats` all). A top-level
 `targets` list.
 """
@@ -176,11 +177,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         rows_cell = []
         common = dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
                       max_len=context + PROMPT + max_new(batch) + rows + 64)
-        specs = [("ar", None, None)]
-        for spec in profiles:
+        specs = []
+        for spec in profiles:   # AR too reads the profile's text: every mode of a profile the same tokens
             prof = (spec if isinstance(spec, Profile) else
                     Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2))
-            specs += [("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets]
+            specs += [("ar", None, prof), ("dflash", None, prof)] + [("ddtree", B, prof) for B in budgets]
             specs.append(("ddtree", "auto", prof))
         for mode, budget, prof in specs:
             kw = dict(common, mode=mode)
@@ -236,7 +237,9 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
     ok = [c for c in cells if not c.get("error")]
     for tau in sorted({c["tau_chain"] for c in ok if c["tau_chain"] is not None}):
         mine = [c for c in ok if c["tau_chain"] == tau]
-        ar = next((c for c in ok if c["mode"] == "ar" and c.get("run") == mine[0].get("run")), None)
+        ar = next((c for c in mine if c["mode"] == "ar"), None) or next(   # a record from before AR read
+            (c for c in ok if c["mode"] == "ar" and c["tau_chain"] is None        # the profile's text
+             and c.get("run") == mine[0].get("run")), None)
         fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
         auto = next((c for c in mine if c["budget"] == "auto"), None)
         dfl = next((c for c in mine if c["mode"] == "dflash"), None)
@@ -257,20 +260,22 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
 
 def merge(old: dict | None, new: dict) -> dict:
     """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
-    (context, batch) cell replace that profile's earlier rows there, an AR row is kept while rows of its run
-    remain, and every cell's targets are formed again from its rows (each ratio within one run). ValueError
+    (context, batch) cell replace that profile's earlier rows there (its AR row too), an AR row of no
+    profile (records from before AR read the profile's text) is kept while rows of its run remain, and every
+    cell's targets are formed again from its rows (each ratio within one run). ValueError
     for another routing, or for a cell whose layer count would mix."""
     if not old:
         return new
     if old.get("routing", "model") != new.get("routing", "model"):
         raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
                          f"{old.get('routing', 'model')!r} record (each routing has its own record)")
-    key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c["mode"] != "ar" else
+    key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c.get("tau_chain") is not None else
            (c["context"], c["batch"], None, c.get("run")))
     fresh = {key(c) for c in new["cells"]}
     cells = [c for c in old.get("cells", []) if key(c) not in fresh] + new["cells"]
     runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
-    cells = [c for c in cells if c["mode"] != "ar" or (c["context"], c["batch"], c.get("run")) in runs]
+    cells = [c for c in cells
+             if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
     layers = {**old.get("layers", {}), **new["layers"]}
     by_cell: dict = {}
     for c in cells:
