@@ -12,11 +12,12 @@ picks
     argmax over plans p of   sum_i E_i(p) / (front(b, build(p), context) + back(b, p, context) + host)
 
 E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibrated acceptance of the plan's
-nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: extrapolated). front /
-back: the GPU seconds of drafting + building and of verifying the plan's block, from `CostTable`, measured
-when the engine starts (graph replays per batch bucket and context bucket) and refreshed from every round's
-CUDA-event times; host: the round's host time outside them (the median of the last rounds'). Within one round
-every request verifies the plan's whole block: the bucket's rows cost the same whether a request fills them or
+nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: extrapolated), at most
+the tokens the request has left. front / back: the GPU seconds of drafting + building and of verifying the
+plan's block, from `CostTable`, measured when the engine starts (graph replays per batch bucket and context
+bucket) and refreshed from every round's CUDA-event times (per live count within a bucket);
+host: the round's host time outside them (the median of the last rounds'). Within one round
+every request verifies the plan's whole block: the bucket's rows are verified whether a request fills them or
 not, and E_i never decreases with B, so a request's own best truncation within the bucket is the bucket
 itself.
 
@@ -191,7 +192,8 @@ def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> 
 class CostTable:
     """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
     + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
-    per batch bucket b and context bucket ctx (an index into `ctx_buckets`), plus `host`, the round's seconds
+    per batch bucket b (or (b, n): n requests in bucket b, refreshed online) and context bucket ctx (an index
+    into `ctx_buckets`), plus `host`, the round's seconds
     outside its GPU span (the median of the last HOST_WINDOW rounds, `add_host`). A cell never measured
     borrows the nearest measured context bucket of the same key."""
 
@@ -214,12 +216,26 @@ class CostTable:
         have = [c for (*k, c) in table if tuple(k) == key]
         return table[key + (min(have, key=lambda c: (abs(c - ctx), -c)),)] if have else None
 
-    def cost(self, b: int, i: int, build: int | None, ctx: int) -> float:
-        """A round's seconds verifying plan i after building a tree of `build` nodes (None: no draft)."""
-        back = self._near(self.back, (b, i), ctx)
+    @staticmethod
+    def key(b: int, n: int):
+        """The batch field of a round's entries: b for a full bucket, (b, n) for n requests in a bucket of b
+        (its padding slots' rows cost less than requests' rows)."""
+        return b if n >= b else (b, n)
+
+    def entry(self, table: dict, b, rest: tuple, ctx: int):
+        """table's entry for batch field b (`key`) and the rest of the key, nearest context; a (b, n) field
+        never measured falls back to the full bucket b's entry."""
+        got = self._near(table, (b,) + rest, ctx)
+        return self._near(table, (b[0],) + rest, ctx) if got is None and isinstance(b, tuple) else got
+
+    def cost(self, b: int, i: int, build: int | None, ctx: int, n: int | None = None) -> float:
+        """A round's seconds verifying plan i after building a tree of `build` nodes (None: no draft), for n
+        requests in batch bucket b (None: a full bucket)."""
+        k = b if n is None else self.key(b, n)
+        back = self.entry(self.back, k, (i,), ctx)
         if back is None:
             return math.inf
-        front = 0.0 if build is None else self._near(self.front, (b, build), ctx)
+        front = 0.0 if build is None else self.entry(self.front, k, (build,), ctx)
         return back + (math.inf if front is None else front) + self.host
 
     def add_host(self, seconds: float) -> None:
@@ -233,8 +249,12 @@ class CostTable:
     def as_dict(self, plan_list) -> dict:
         """JSON-ready: {"front": {"b,ctx": s}, "back": {"b,plan,ctx": s}, "host": s}, ctx as rows."""
         cb = self.ctx_buckets
-        return {"front": {f"{b},{B},{cb[c]}": s for (b, B, c), s in sorted(self.front.items())},
-                "back": {f"{b},{plan_list[i].name},{cb[c]}": s for (b, i, c), s in sorted(self.back.items())},
+        name = (lambda b: f"{b[0]}/{b[1]}" if isinstance(b, tuple) else str(b))   # "8/3": 3 requests in 8
+        order = (lambda kv: (str(kv[0][0]),) + kv[0][1:])
+        return {"front": {f"{name(b)},{B},{cb[c]}": s
+                          for (b, B, c), s in sorted(self.front.items(), key=order)},
+                "back": {f"{name(b)},{plan_list[i].name},{cb[c]}": s
+                         for (b, i, c), s in sorted(self.back.items(), key=order)},
                 "host": self.host, "samples": self.samples}
 
 
@@ -264,10 +284,10 @@ class Policy:
         """Expected tokens per second of the round for each plan (-inf where not allowed): est [n, P]; built:
         the tree this round has built already (its cost for every plan), else each plan's own build."""
         tot = np.asarray(est, np.float64).sum(0).tolist()
-        cost = self.costs.cost
+        cost, n = self.costs.cost, len(est)
         out = []
         for i, p in enumerate(self.plans):   # a few plans: plain Python beats numpy's per-call overhead
-            c = cost(b, i, self.build(b, i) if built is None else built, ctx)
+            c = cost(b, i, self.build(b, i) if built is None else built, ctx, n)
             out.append(tot[i] / c if allow(p) and 0 < c < math.inf else -math.inf)
         return np.array(out)
 

@@ -1365,9 +1365,18 @@ class Engine:
 
     def _estimates(self) -> np.ndarray | None:
         """[n, P] expected tokens of the active requests from their last draft rounds (a request not drafted
-        yet: the mean of the requests so far); None before any request drafted."""
+        yet: the mean of the requests so far), each capped at the tokens it has left (`_capped`); None before
+        any request drafted."""
         rows = [self._prior if r.est is None else r.est for r in self.active]
-        return None if any(x is None for x in rows) else np.stack(rows)
+        return None if any(x is None for x in rows) else self._capped(self.active, np.stack(rows))
+
+    @staticmethod
+    def _capped(reqs: list, est: np.ndarray) -> np.ndarray:
+        """est [n, P] with request i's row capped at its tokens left (max_new less those emitted as of the
+        last landed round, at least 1): tokens past a request's end are not emitted, so near its end a
+        smaller plan (or AR) loses nothing of what it counts."""
+        left = np.array([max(r.max_new - len(r.result.tokens), 1) for r in reqs], np.float64)
+        return np.minimum(est, left[:, None])
 
     def _take_estimates(self, reqs: list, rows: np.ndarray) -> None:
         """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch); a request
@@ -1435,7 +1444,7 @@ class Engine:
                     self._sync()
                     fresh = self.est_host[0, :n].numpy().copy()
                     self._take_estimates(self.active, fresh)
-                    i = self._agree(pol.after(b, fresh, ctx, build))
+                    i = self._agree(pol.after(b, self._capped(self.active, fresh), ctx, build))
             same = build is not None and pol.decide == "previous"
             marks["b0"] = marks["f1"] if same else self._stamp(ev + 2)
             logits = self._phase(b, sampling, i, clock=clock)
@@ -1446,7 +1455,7 @@ class Engine:
         est = None if probe or getattr(self.model, "tp", None) is not None else self._estimates()
         if est is not None:
             self._ahead = self._decide(b, est)
-        return logits, i, dict(b=b, marks=marks, ctx=ctx, build=build, drafted=build is not None)
+        return logits, i, dict(b=b, n=n, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
     def _auto_take(self, f: _Flight, wall: float) -> None:
         """After round f's sync: its estimates to its requests (rows in its launch order), its plan to the
@@ -1460,12 +1469,17 @@ class Engine:
         self._timing.append((i, info, wall))
 
     def _auto_flush(self) -> None:
-        """The waiting rounds' phase times into the cost table (CUDA events read after their round's sync)."""
+        """The waiting rounds' phase times into the cost table (CUDA events read after their round's sync).
+        A round of n requests in a bucket of b > n refreshes the entries of (b, n) (`CostTable.key`): padding
+        slots' rows (root 0 at length 0, alike) read fewer experts than requests' rows, so a batch's last
+        rounds, folded into the full bucket's entries, would make every plan look cheaper when the next
+        batch starts full."""
         costs = self.costs
         for i, info, wall in self._timing:
-            m, c, b = info["marks"], info["ctx"], info["b"]
+            m, c = info["marks"], info["ctx"]
+            b = costs.key(info["b"], info.get("n", info["b"]))
             if "b0" not in m:   # a whole-round replay: the plan's share is the round less its front's entry
-                front = costs._near(costs.front, (b, info["build"]), c) or 0.0
+                front = costs.entry(costs.front, b, (info["build"],), c) or 0.0
                 back = max(self._secs(m["f0"], m["b1"]) - front, 0.0)
             else:
                 back = self._secs(m["b0"], m["b1"])

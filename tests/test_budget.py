@@ -171,6 +171,37 @@ def test_the_policy_maximizes_expected_tokens_per_second():
     assert t.ctx(0) == 0 and t.ctx(4095.5) == 0 and t.ctx(5000) == 1
 
 
+def test_a_partly_filled_bucket_has_its_own_costs_and_falls_back_to_the_full_one():
+    """Rounds of n < b requests refresh (b, n) entries (padding rows read fewer experts): the policy scores
+    n requests with them, a full bucket with its own, and an n never measured with the full bucket's; and
+    the record names them b/n."""
+    plans = kb.plans(7, (4, 16))
+    t = _costs(1.0, [1.0, 1.2, 1.1, 1.5], host=0.5)
+    for B in (4, 16):
+        t.front[(8, B, 0)] = t.front[(1, B, 0)]
+    for i in range(4):
+        t.back[(8, i, 0)] = t.back[(1, i, 0)]
+    pol = kb.Policy(plans, t)
+    one = np.array([[1.0, 2.0, 2.4, 4.0]])
+    assert kb.CostTable.key(8, 8) == 8 and kb.CostTable.key(8, 1) == (8, 1)
+    assert t.cost(8, 3, 16, 0, n=1) == t.cost(8, 3, 16, 0)          # nothing measured at 1 in 8: full
+    assert pol.before(8, one, 0) == 3
+    t.update(t.back, ((8, 1), 3, 0), 9.0)                            # B=16 with 1 request in 8: slow
+    assert t.cost(8, 3, 16, 0, n=1) == pytest.approx(9.0 + 1.0 + 0.5) and pol.before(8, one, 0) == 2
+    assert pol.before(8, np.repeat(one, 8, 0), 0) == 3               # a full bucket keeps its own entry
+    assert "8/1,B=16,0" in t.as_dict(plans)["back"] and "8,B=16,0" in t.as_dict(plans)["back"]
+
+
+def test_expected_tokens_are_capped_at_the_tokens_left():
+    class R:   # what _capped reads of a request
+        def __init__(self, max_new, emitted):
+            self.max_new, self.result = max_new, type("Res", (), {"tokens": [0] * emitted})()
+    est = np.array([[1.0, 5.0, 3.0, 7.0], [1.0, 5.0, 3.0, 7.0]])
+    got = Engine._capped([R(100, 10), R(100, 97)], est)
+    assert np.array_equal(got[0], est[0]) and np.array_equal(got[1], [1.0, 3.0, 3.0, 3.0])
+    assert np.array_equal(Engine._capped([R(5, 5)], est[:1]), [[1.0, 1.0, 1.0, 1.0]])   # at least 1
+
+
 def test_ar_holds_double_and_each_ends_with_one_draft_round():
     """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to MAX_HOLD;
     once drafting pays again the next decision drafts and the hold starts over at 1."""
