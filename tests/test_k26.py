@@ -163,6 +163,15 @@ def test_staged_sweeps_merge_into_one_record():
     assert five == 9.0 / 2.0                        # r2's auto over r2's AR, not r1's
     three = next(v for k, v in t.items() if "tau_c 3, 12 MoE layers, batch 1" in k and "better of AR" in k)
     assert three == 3.0 / 2.0                       # r1's rows with r1's AR
+    # AR rows of a profile belong to it; a fitted profile's rows are replaced by a later fit's (another tau)
+    fit = [dict(c, fitted=True) for c in rows(4096, 1, 2.72, "r3", 1.0)]
+    m2 = merge(m, {"cells": [dict(ar(4096, 1, "r3", 1.0), tau_chain=2.72, fitted=True)] + fit,
+                   "targets": [], "layers": {"4096:1": 12}})
+    m3 = merge(m2, {"cells": [dict(c, tau_chain=2.9, run="r4") for c in fit], "targets": [],
+                    "layers": {"4096:1": 12}})
+    taus = {c["tau_chain"] for c in m3["cells"] if c["batch"] == 1}
+    assert 2.9 in taus and 2.72 not in taus and {3.0, 5.0} <= taus
+    assert 2.72 in {c["tau_chain"] for c in m2["cells"]}   # the check can fail: kept until a newer fit
     assert m["layers"] == {"4096:1": 12, "4096:8": 12} and m["label"] == "x" and merge(None, new) is new
     again = merge(m, {"cells": [ar(4096, 1, "r3", 1.0)] + rows(4096, 1, 3.0, "r3", 1.0), "targets": [],
                       "layers": {"4096:1": 12}})

@@ -212,7 +212,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
             c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=run_id,
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
-                     block=None if prof is None else prof.depth + 1)
+                     block=None if prof is None else prof.depth + 1,
+                     fitted=isinstance(profiles[spec_i], Profile))
             rows_cell.append(c)
             if on_engine is not None:
                 on_engine({**rec, "cells": rec["cells"] + rows_cell, "partial": True})
@@ -259,12 +260,20 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
     return out
 
 
+def _fitted(c: dict) -> bool:
+    """Whether row c is of a fitted profile (`--trained`): so marked, or (older rows) a chain tau that no
+    listed profile has."""
+    return bool(c.get("fitted")) or (c.get("tau_chain") is not None
+                                     and c["tau_chain"] not in {p[0] for p in PROFILES})
+
+
 def merge(old: dict | None, new: dict) -> dict:
     """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
     (context, batch) cell replace that profile's earlier rows there (its AR row too), an AR row of no
-    profile (records from before AR read the profile's text) is kept while rows of its run remain, and every
-    cell's targets are formed again from its rows (each ratio within one run). ValueError
-    for another routing, or for a cell whose layer count would mix."""
+    profile (records from before AR read the profile's text) is kept while rows of its run remain, a cell's
+    fitted profile (`_fitted`) keeps only its newest run's rows, and every cell's targets are formed again
+    from its rows (each ratio within one run). ValueError for another routing, or for a cell whose layer
+    count would mix."""
     if not old:
         return new
     if old.get("routing", "model") != new.get("routing", "model"):
@@ -277,6 +286,12 @@ def merge(old: dict | None, new: dict) -> dict:
     runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
     cells = [c for c in cells
              if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
+    newest = {}   # a cell's fitted profile (its tau moves with each fit): only the newest run's rows stay
+    for c in cells:
+        if _fitted(c):
+            k = (c["context"], c["batch"])
+            newest[k] = max(newest.get(k, ""), c.get("run") or "")
+    cells = [c for c in cells if not _fitted(c) or (c.get("run") or "") == newest[(c["context"], c["batch"])]]
     layers = {**old.get("layers", {}), **new["layers"]}
     by_cell: dict = {}
     for c in cells:
