@@ -283,15 +283,15 @@ def merge(old: dict | None, new: dict) -> dict:
            (c["context"], c["batch"], None, c.get("run")))
     fresh = {key(c) for c in new["cells"]}
     cells = [c for c in old.get("cells", []) if key(c) not in fresh] + new["cells"]
-    runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
-    cells = [c for c in cells
-             if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
     newest = {}   # a cell's fitted profile (its tau moves with each fit): only the newest run's rows stay
     for c in cells:
         if _fitted(c):
             k = (c["context"], c["batch"])
             newest[k] = max(newest.get(k, ""), c.get("run") or "")
     cells = [c for c in cells if not _fitted(c) or (c.get("run") or "") == newest[(c["context"], c["batch"])]]
+    runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
+    cells = [c for c in cells
+             if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
     layers = {**old.get("layers", {}), **new["layers"]}
     by_cell: dict = {}
     for c in cells:
