@@ -509,7 +509,8 @@ class Engine:
         # another in flight: its static output is being rewritten)
         self.last_logits: torch.Tensor | None = None
         self.sim = None if simulate is None else Simulation(
-            simulate, model.args.vocab_size, 0 if drafter is None else drafter.block_size - 1, max_batch, dev)
+            simulate, model.args.vocab_size, 0 if drafter is None else drafter.block_size - 1, max_batch, dev,
+            length=self.kv_cap + self.max_accept + 1)
         self.simulated = None if simulate is None else simulate.name
         self.graph_reason = self._graph_blocker() if graphs else "graphs=False"
         self.overlap = (overlap and not debug and (mode == "ar" or self.batched_drafter)
@@ -773,6 +774,8 @@ class Engine:
                                                                                      r.seed, 1)
             r.length = P
             r.committed.append(tok)
+            if self.sim is not None:
+                self.sim.write(s, r.seed)
             if r.synthetic:
                 self._synthesize(r)
             r.result.stage_times["prefill"] += time.perf_counter() - t0
@@ -910,6 +913,8 @@ class Engine:
                 t[s] = t[last]
             if self.ctx is not None:
                 self.ctx.move(last, s)
+            if self.sim is not None:
+                self.sim.move(last, s)
             if self.auto is not None and self.pend is not None:
                 self.pend[s], self.pend_n[s] = self.pend[last], self.pend_n[last]
             m.slot = s
@@ -981,7 +986,7 @@ class Engine:
         if self.sim is None:
             acc, acc_len, bonus = self.ops.walk(blk.tokens, blk.parents, choice, A)
         else:  # the profile's target: its true tokens decide the walk
-            sim = self.sim.choice(self.sim.truth(self.seed[:b], lens, A), blk.positions, lens)
+            sim = self.sim.choice(self.sim.truth(lens, A), blk.positions, lens)
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
         mark("walk")
@@ -1084,7 +1089,7 @@ class Engine:
         if self.batched_drafter:
             d = self._draft_fn(self.ctx, self.root[:b], self.lens[:b])
             # the drafter ran; the profile's draft
-            return d if self.sim is None else self.sim.draft(self.seed[:b], self.lens[:b])
+            return d if self.sim is None else self.sim.draft(self.lens[:b])
         rows = [r.session.propose(r.committed).to(self.device).float() for r in self.active]
         if not rows:  # a round on padding slots only (budget="auto"'s start-up timing)
             return torch.zeros(b, self.max_accept - 1, self.model.args.vocab_size, device=self.device)

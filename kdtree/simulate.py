@@ -8,7 +8,8 @@ path) and replaces two values with a simulated text, one per request:
     K distinct ids that vary with the request and the position, as a real text's do) and the rank of the
     target's "true" token among them (rank j with probability q_j, `project.profile_rank_probs`; a rank
     beyond the K listed matches no draft token and the target's own argmax stands in), both drawn from the
-    request's counter-based stream keyed by (seed, P);
+    request's counter-based stream keyed by (seed, P); tabulated for the request's slot at admission
+    (`Simulation.write`), so a round reads it with a gather;
   * the draft distribution the tree is built from (`Simulation.draft`): at depth d of a round rooted at
     position s, the candidates of position s + d with probabilities q_j (the rest of the mass spread over the
     other tokens), so the tree has the profile's shape and its prefix probabilities are the profile's own
@@ -84,10 +85,13 @@ class Profile:
 
 
 class Simulation:
-    """A profile's device state for one engine: the draft logits buffer [max_batch, L, V] (rewritten by each
-    `draft`) and the text's draws (module docstring). depth: the drafter's L (block_size - 1); 0 for AR."""
+    """A profile's device state for one engine: each slot's simulated text (`write` at admission: the true
+    token and the candidates' base id of every position, [max_batch, length]), read by the rounds with a
+    gather, and the draft logits buffer [max_batch, L, V] (rewritten by each `draft`). depth: the drafter's
+    L (block_size - 1); 0 for AR. length: positions per slot (the engine's cache rows + a block + 1)."""
 
-    def __init__(self, profile: Profile, vocab_size: int, depth: int, max_batch: int, device):
+    def __init__(self, profile: Profile, vocab_size: int, depth: int, max_batch: int, device,
+                 length: int = 4096):
         if not isinstance(profile, Profile):
             raise ValueError(f"simulate={profile!r}: expected a kdtree.simulate.Profile")
         if depth and profile.depth != depth:
@@ -95,7 +99,7 @@ class Simulation:
                              f"{depth} (block_size - 1)")
         if profile.K > vocab_size:
             raise ValueError(f"simulate: Profile.K={profile.K} exceeds the vocabulary ({vocab_size})")
-        self.profile, self.V, self.K = profile, vocab_size, profile.K
+        self.profile, self.V, self.K, self.length = profile, vocab_size, profile.K, int(length)
         q = profile.rank_probs()
         rest = max(1.0 - float(q.sum()), 1e-30)
         self.background = float(np.log(rest / max(vocab_size - profile.K, 1)))
@@ -104,11 +108,13 @@ class Simulation:
         self.rank_ids = torch.arange(profile.K, device=device) * self.stride                      # [K]
         self.none = vocab_size   # the choice no draft token equals (a rank beyond the list)
         self.cdf = torch.from_numpy(np.cumsum(q)).to(device, torch.float64)                # [K]
-        L = depth
-        self.depths = torch.arange(1, L + 1, device=device)[None]                          # [1, L]
-        self.logits = torch.full((max_batch, L, vocab_size), self.background, device=device)
-        self._written = torch.zeros(max_batch, L, profile.K, dtype=torch.int64, device=device)
+        self.depths = torch.arange(1, depth + 1, device=device)[None]                      # [1, L]
+        self.logits = torch.full((max_batch, depth, vocab_size), self.background, device=device)
+        self._written = torch.zeros(max_batch, depth, profile.K, dtype=torch.int64, device=device)
+        self.text = torch.full((max_batch, self.length), self.none, dtype=torch.int64, device=device)
+        self.base = torch.zeros(max_batch, self.length, dtype=torch.int64, device=device)
 
+    # the text as a pure function of (seed, position): `write` tabulates it, the tests read it directly
     def _draws(self, seed: torch.Tensor, pos: torch.Tensor, salt: int) -> torch.Tensor:
         """float64 [b, n] uniforms of the requests' streams (seed [b]) at positions pos [b, n]."""
         b, n = pos.shape
@@ -116,36 +122,58 @@ class Simulation:
 
     def ids(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """int64 [b, n, K]: the candidate tokens by rank at positions pos [b, n] of the requests' texts."""
-        base = (self._draws(seed, pos, 0x1D5) * self.V).long()                          # [b, n]
-        return (base[..., None] + self.rank_ids) % self.V
+        return (self._base(seed, pos)[..., None] + self.rank_ids) % self.V
+
+    def _base(self, seed, pos):
+        return (self._draws(seed, pos, 0x1D5) * self.V).long()                            # [b, n]
 
     def ranks(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """int64 [b, n]: the true token's rank at positions pos [b, n] (K: beyond the list)."""
         return torch.searchsorted(self.cdf, self._draws(seed, pos, 0x51AD), right=True)
 
-    def truth(self, seed: torch.Tensor, step: torch.Tensor, n: int) -> torch.Tensor:
-        """The true tokens of positions step + 1 ... step + n, int64 [b, n] (`none`: a rank beyond the list),
-        for a round whose root sits at position step [b]."""
-        pos = step.long()[:, None] + torch.arange(1, n + 1, device=step.device)            # [b, n]
+    def tokens(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """int64 [b, n]: the true tokens at positions pos [b, n] (`none`: a rank beyond the list)."""
         r = self.ranks(seed, pos)
-        t = self.ids(seed, pos).gather(2, r.clamp(max=self.K - 1)[..., None])[..., 0]       # [b, n]
+        t = self.ids(seed, pos).gather(2, r.clamp(max=self.K - 1)[..., None])[..., 0]
         return torch.where(r < self.K, t, self.none)
 
-    def draft(self, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """The profile's draft logits float32 [b, L, V] (a view of the engine's buffer, valid until the next
-        call) of a round rooted at position step [b]: depth d's candidates are those of position step + d.
-        Torch ops only (capturable): the previous call's entries are reset, then this round's written."""
+    # the engine's side: per slot, tabulated once, gathered by the rounds (capturable, a few kernels)
+    def write(self, slot: int, seed: int) -> None:
+        """Slot `slot`'s text for a request of seed `seed` (at admission; `move` when its slot changes)."""
+        sd = torch.tensor([seed], dtype=torch.int64, device=self.text.device)
+        pos = torch.arange(self.length, device=self.text.device)[None]
+        self.text[slot] = self.tokens(sd, pos)[0]
+        self.base[slot] = self._base(sd, pos)[0]
+
+    def move(self, src: int, dst: int) -> None:
+        self.text[dst], self.base[dst] = self.text[src], self.base[src]
+
+    def _at(self, step: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return (step.long()[:, None] + depths).clamp_(max=self.length - 1)                # [b, n]
+
+    def truth(self, step: torch.Tensor, n: int) -> torch.Tensor:
+        """The true tokens of positions step + 1 ... step + n of slots [0, b), int64 [b, n] (`none`: a rank
+        beyond the list), for a round whose root sits at position step [b]."""
+        b = step.shape[0]
+        return self.text[:b].gather(1, self._at(step, torch.arange(1, n + 1, device=step.device)))
+
+    def draft(self, step: torch.Tensor) -> torch.Tensor:
+        """The profile's draft logits float32 [b, L, V] for slots [0, b) (a view of the buffer, valid until
+        the next call) of a round rooted at position step [b]: depth d's candidates are those of position
+        step + d. Torch ops only (capturable): the previous call's entries are reset, then this round's
+        written."""
         b = step.shape[0]
         out, old = self.logits[:b], self._written[:b]
-        new = self.ids(seed, step.long()[:, None] + self.depths)                           # [b, L, K]
+        base = self.base[:b].gather(1, self._at(step, self.depths))                        # [b, L]
+        new = (base[..., None] + self.rank_ids) % self.V                                  # [b, L, K]
         out.scatter_(2, old, self.background)
         out.scatter_(2, new, self.logq.expand_as(new).contiguous())
         old.copy_(new)
         return out
 
     def choice(self, truth: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """The simulated target choice per row int64 [b, N]: truth [b, n] from `truth(seed, start, n)`; a row
-        at depth d (positions - start) chooses the true token of its next position, truth[:, d]."""
+        """The simulated target choice per row int64 [b, N]: truth [b, n] from `truth(start, n)`; a row at
+        depth d (positions - start) chooses the true token of its next position, truth[:, d]."""
         d = (positions.long() - start.long()[:, None]).clamp(0, truth.shape[1] - 1)          # [b, N]
         return truth.gather(1, d)
 

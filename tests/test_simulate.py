@@ -79,29 +79,35 @@ def test_auto_on_a_profile_uses_its_probabilities(pair):
 
 
 def test_draws_are_per_position_common_to_every_plan():
-    """Simulation.truth keys each true token by the request's output position, not by the round or depth: a
-    round rooted one position later reads the same tokens one depth earlier (so the chain, every tree and
-    AR meet the same text); the checker fails on a shift of two. A round's draft at depth d lists the
-    candidates of its position, the true token among them at its rank."""
+    """The simulated text keys each true token by the request's output position, not by the round or depth:
+    a round rooted one position later reads the same tokens one depth earlier (so the chain, every tree and
+    AR meet the same text); the checker fails on a shift of two. A slot's table (`write`, read by `truth`
+    and `draft`) equals the text's pure function; a round's draft at depth d lists the candidates of its
+    position, and `move` carries a slot's text."""
     from kdtree.simulate import Simulation
     prof = Profile(4.0, depth=7, K=64)
-    sim = Simulation(prof, 1000, 7, 4, "cpu")
+    sim = Simulation(prof, 1000, 7, 4, "cpu", length=600)
     seed, s = torch.tensor([3, 9, 2**40 + 1, 77]), torch.randint(0, 500, (4,))
-    a, b2, c = (sim.truth(seed, s + k, 8) for k in range(3))
+    for slot, sd in enumerate(seed.tolist()):
+        sim.write(slot, sd)
+    a, b2, c = (sim.truth(s + k, 8) for k in range(3))
     assert torch.equal(a[:, 1:], b2[:, :-1])
     assert not torch.equal(a[:, 1:], c[:, :-1])      # the check can fail
     pos = s[:, None] + torch.arange(1, 9)
+    assert torch.equal(a, sim.tokens(seed, pos))     # the table is the text
     r = sim.ranks(seed, pos)
     assert (r == 0).float().mean() > 0.3 and (r > 0).any()   # both ranks occur: not a constant stream
     ids = sim.ids(seed, pos)                                                             # [4, 8, K]
     assert all(len(set(row.tolist())) == prof.K for row in ids.view(-1, prof.K))   # distinct per position
     assert len(set(ids[:, :, 0].reshape(-1).tolist())) > 16   # rank 0's token: by position and request
-    d = sim.draft(seed, s)                                                               # [4, 7, V]
+    d = sim.draft(s)                                                                     # [4, 7, V]
     top = d.argsort(-1, descending=True)[..., :prof.K]
     assert torch.equal(top, ids[:, :7])   # depth d's candidates (positions s + 1 ...) in rank order
-    d2 = sim.draft(seed, s + 5)           # the buffer is rewritten: no entry of the previous draft remains
+    d2 = sim.draft(s + 5)                 # the buffer is rewritten: no entry of the previous draft remains
     assert torch.equal(d2.argsort(-1, descending=True)[..., :prof.K], sim.ids(seed, pos + 5)[:, :7])
     assert int((d2 > sim.background).sum()) == 4 * 7 * prof.K
+    sim.move(3, 0)
+    assert torch.equal(sim.truth(s, 8)[0], sim.tokens(seed[3:], s[:1, None] + torch.arange(1, 9))[0])
 
 
 @pytest.mark.parametrize("mode,budget", [("dflash", None), ("ddtree", 16), ("ddtree", "auto")])
