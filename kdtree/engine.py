@@ -1331,10 +1331,17 @@ class Engine:
     def _spread_pages(self) -> None:
         """Start-up measurements: the padding slots read distinct pool pages, as requests' contexts do, not
         the one scratch page that every read would then hit (no request holds a page yet); fewer pages than
-        slots x pages wrap around. `_reset_state` zeroes them again."""
-        P = self.pages_per_req
-        spread = torch.arange(self.max_batch * P, dtype=torch.int32, device=self.device)
-        self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(self.max_batch, P))
+        slots x pages wrap around. Their roots (and simulated texts) differ too, as requests' do: alike rows
+        route to the same experts, and a MoE round on them costs less than on requests' rows. `_reset_state`
+        zeroes pages and roots again."""
+        P, B = self.pages_per_req, self.max_batch
+        spread = torch.arange(B * P, dtype=torch.int32, device=self.device)
+        self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(B, P))
+        V = self.model.args.vocab_size
+        self._spread_roots = (torch.arange(B, device=self.device) * 7919 + 11) % V   # set by _median_time
+        if self.sim is not None:
+            for s in range(B):
+                self.sim.write(s, seed=1_000_003 + s)
 
     def _reset_state(self) -> None:
         for t in (self.lens, self.root, self.out, self.est, self.pend_n, self.page_table):
@@ -1342,9 +1349,11 @@ class Engine:
         self._sync()
 
     def _median_time(self, fn, reps: int, warm: int) -> float:
-        """The median seconds of reps calls of fn after warm untimed ones (stream marks, one sync)."""
+        """The median seconds of reps calls of fn after warm untimed ones (stream marks, one sync), each from
+        the padding slots' distinct roots (`_spread_pages`; a round leaves a padding slot's root 0)."""
         marks = []
         for _ in range(warm + reps):
+            self.root.copy_(self._spread_roots)
             a = self._stamp()
             fn()
             marks.append((a, self._stamp()))

@@ -252,9 +252,9 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
 
 
 def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
-    """The start-up measurement's padding slots read distinct pool pages (not all the one scratch page), the
-    page table is zero again once the engine is built, and a request served after it equals the oracle.
-    Can fail: the measurement without the spread sees page 0 alone."""
+    """The start-up measurement's padding slots read distinct pool pages (not all the one scratch page) from
+    distinct roots, the page table and roots are zero again once the engine is built, and a request served
+    after it equals the oracle. Can fail: the measurement without the spread sees page 0 alone."""
     t, d = pair
     seen = []
     real = Engine._phase
@@ -262,7 +262,9 @@ def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
     def spy(self, b, sampling, i, build=None, clock=None):
         pt = self.page_table[:b]
         seen.append((int(pt.min()), int(pt.unique().numel())))
+        roots.append(int(self.root[:b].unique().numel()) == b)   # distinct roots: requests' routing
         return real(self, b, sampling, i, build, clock)
+    roots = []
 
     monkeypatch.setattr(Engine, "_phase", spy)
     e = Engine(t, d, mode="ddtree", budget="auto", max_budget=8, max_batch=2, max_len=256)
@@ -274,7 +276,7 @@ def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
 
     assert spread(seen)
     assert not spread([(0, 1)] * len(seen))   # the check can fail: what the scratch page alone gives
-    assert int(e.page_table.abs().sum()) == 0
+    assert int(e.page_table.abs().sum()) == 0 and int(e.root.abs().sum()) == 0 and all(roots)
     p = random_prompts(t.args, 1, seed=31, min_len=8, max_len=20)[0]
     assert e.generate([p], 16)[0].tokens == oracle_ar(t, p, 16).tokens
 
