@@ -15,11 +15,10 @@ E_i(p): request i's expected emitted tokens under p (`expected`: 1 + the calibra
 nodes, from the draft's prefix probabilities; AR: 1; a plan beyond the last tree built: extrapolated), at most
 the tokens the request has left. front / back: the GPU seconds of drafting + building and of verifying the
 plan's block, from `CostTable`, measured when the engine starts (graph replays per batch bucket and context
-bucket) and refreshed from every round's CUDA-event times (per live count within a bucket);
-host: the round's host time outside them (the median of the last rounds'). Within one round
-every request verifies the plan's whole block: the bucket's rows are verified whether a request fills them or
-not, and E_i never decreases with B, so a request's own best truncation within the bucket is the bucket
-itself.
+bucket) and refreshed from every round's CUDA-event times (per live count within a bucket); host: the round's
+host time outside them (the median of the last rounds'). Within one round every request verifies the plan's
+whole block: the bucket's rows are verified whether a request fills them or not, and E_i never decreases with
+B, so a request's own best truncation within the bucket is the bucket itself.
 
 Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds
 copied back with their output (no extra host sync); "sync" decides from the previous rounds which tree to
@@ -193,9 +192,9 @@ class CostTable:
     """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
     + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
     per batch bucket b (or (b, n): n requests in bucket b, refreshed online) and context bucket ctx (an index
-    into `ctx_buckets`), plus `host`, the round's seconds
-    outside its GPU span (the median of the last HOST_WINDOW rounds, `add_host`). A cell never measured
-    borrows the nearest measured context bucket of the same key."""
+    into `ctx_buckets`), plus `host`, the round's seconds outside its GPU span (the median of the last
+    HOST_WINDOW rounds, `add_host`). A cell never measured borrows the nearest measured context bucket of the
+    same key."""
 
     def __init__(self, ctx_buckets=(0,)):
         self.ctx_buckets = tuple(ctx_buckets)
@@ -250,7 +249,7 @@ class CostTable:
         """JSON-ready: {"front": {"b,ctx": s}, "back": {"b,plan,ctx": s}, "host": s}, ctx as rows."""
         cb = self.ctx_buckets
         name = (lambda b: f"{b[0]}/{b[1]}" if isinstance(b, tuple) else str(b))   # "8/3": 3 requests in 8
-        order = (lambda kv: (str(kv[0][0]),) + kv[0][1:])
+        order = (lambda kv: (name(kv[0][0]),) + kv[0][1:])
         return {"front": {f"{name(b)},{B},{cb[c]}": s
                           for (b, B, c), s in sorted(self.front.items(), key=order)},
                 "back": {f"{name(b)},{plan_list[i].name},{cb[c]}": s
