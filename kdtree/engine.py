@@ -1339,9 +1339,10 @@ class Engine:
         self.page_table.copy_((spread % (self.pages.n_pages - 1) + 1).view(B, P))
         V = self.model.args.vocab_size
         self._spread_roots = (torch.arange(B, device=self.device) * 7919 + 11) % V   # set by _median_time
-        if self.sim is not None:
+        if self.sim is not None and not getattr(self, "_spread_texts", False):   # once: no request yet
             for s in range(B):
                 self.sim.write(s, seed=1_000_003 + s)
+            self._spread_texts = True
 
     def _reset_state(self) -> None:
         for t in (self.lens, self.root, self.out, self.est, self.pend_n, self.page_table):
