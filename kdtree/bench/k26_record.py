@@ -1,0 +1,191 @@
+"""The K2.6 section of notebook 02's record from its measured rows.
+
+- `finish(k26, microbench)`: the projection check (notebook 01's layers against the measured rounds), the
+  61-layer projection from the same parts (PROJECTED) and the projection target, into the section.
+- `plot(k26, check, path)`: the section's figure (tok/s against budget per cell; round cost against rows).
+- `combine(sections)`: several sweeps' sections (each device command writes its own e2e.json) as one: every
+  (context, batch, profile) keeps the rows of its newest run (`bench.k26.merge`, folded in run order).
+
+`python -m kdtree.bench.k26_record --into outputs/h200/e2e.json DIR/e2e.json ...` combines the `k26`
+sections of the records named (and of `--into`'s own) into `--into`, finishes the section, draws its
+figure beside it and forms the record's targets again. It writes nothing before every input has been read
+and combined; each row keeps its `run`, and the section lists its runs (`runs`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .. import project
+from . import k26 as bench_k26
+from .goals import target as _goal
+
+PARTS = ("pair", "auto", "k26", "k26_uniform")   # notebook 02's sections that carry targets
+
+
+def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers: int = 61,
+           **kw) -> list[dict]:
+    """Sets k26's projection_check, projection_full and the projection target from notebook 01's record
+    `microbench` (none: the section is left as it is); returns the check's rows. kw: more
+    `project.check_engine` keywords (vocab, hidden)."""
+    if not microbench:
+        return []
+    chk = project.check_engine(microbench, k26["cells"], drafter_layers=drafter_layers, full_layers=n_layers,
+                               **kw)
+    k26["projection_check"] = chk
+    share = sum(r["within"] for r in chk) / len(chk) if chk else 0.0
+    k26["targets"] = [t for t in k26.get("targets", []) if not t["name"].startswith("K2.6 projection")] + [
+        _goal("k26_projection_within", share)]
+    rows = []
+    for C, b in sorted({(r["context"], r["batch"]) for r in chk}):
+        here = [r for r in chk if (r["context"], r["batch"]) == (C, b)]
+        ars = [r for r in here if r["mode"] == "ar"]
+        for tc in sorted({r["tau_chain"] for r in here if r["tau_chain"]}):
+            ar = next((r for r in ars if r["tau_chain"] == tc), next(iter(ars), None))
+            dd = [r for r in here if r["tau_chain"] == tc and r["mode"] == "ddtree" and r["full_tok_per_s"]]
+            if ar and ar["full_tok_per_s"] and dd:
+                best = max(dd, key=lambda r: r["full_tok_per_s"])
+                rows.append({"context": C, "batch": b, "tau_chain": tc, "best_budget": best["budget"],
+                             "ddtree_tok_per_s": best["full_tok_per_s"], "ar_tok_per_s": ar["full_tok_per_s"],
+                             "speedup": best["full_tok_per_s"] / ar["full_tok_per_s"]})
+    k26["projection_full"] = {"label": f"PROJECTED, {n_layers} layers on one GPU's clock", "rows": rows}
+    return chk
+
+
+def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = "model"):
+    """The section's figure, one column per (context, batch) cell: tok/s of all requests against the fixed
+    budget per profile (auto a star, the DFlash chain dashed, AR dotted), and the measured round (GPU span)
+    against verified rows with the projection of it. Saved at `path` when given; returns the figure."""
+    import matplotlib.pyplot as plt
+    cells = [c for c in k26["cells"] if not c.get("error")]
+    keys = sorted({(c["context"], c["batch"]) for c in cells})
+    fig, axes = plt.subplots(2, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 8), squeeze=False)
+    for ax, ax2, (C, b) in zip(axes[0], axes[1], keys):
+        rs = [c for c in cells if c["context"] == C and c["batch"] == b]
+        for tc in sorted({c["tau_chain"] for c in rs if c["tau_chain"]}):
+            d = [c for c in rs if c["tau_chain"] == tc and c["mode"] == "ddtree" and c["budget"] != "auto"]
+            if not d:
+                continue
+            line, = ax.plot([c["budget"] for c in d], [c["tok_per_s"] for c in d], "o-",
+                            label=f"chain tau {tc:g}")
+            au = next((c for c in rs if c["tau_chain"] == tc and c["budget"] == "auto"), None)
+            if au:
+                ax.plot([max(c["budget"] for c in d)], [au["tok_per_s"]], "*", ms=11, color=line.get_color(),
+                        label=f"auto, chain tau {tc:g}")
+            df = next((c for c in rs if c["tau_chain"] == tc and c["mode"] == "dflash"), None)
+            if df:
+                ax.axhline(df["tok_per_s"], color=line.get_color(), ls="--", lw=0.8)
+            ar = next((c for c in rs if c["mode"] == "ar" and c["tau_chain"] == tc), None)  # its own text
+            if ar:
+                ax.axhline(ar["tok_per_s"], color=line.get_color(), ls=":", lw=1.0)
+        ar = next((c for c in rs if c["mode"] == "ar" and not c["tau_chain"]), None)   # older records
+        if ar:
+            ax.axhline(ar["tok_per_s"], color="k", lw=0.8, label="AR")
+        ax.set(xscale="log", xlabel="budget (auto: star; dashed: DFlash chain; dotted: AR)",
+               ylabel="tok/s, all requests")
+        fixed = sorted({c["budget"] for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"})
+        if fixed:
+            ax.set_xticks(fixed, [str(B) for B in fixed])
+            ax.minorticks_off()
+        ax.set_title(f"K2.6 SIMULATED acceptance, routing {routing},\n{rs[0]['layers']} MoE layers, "
+                     f"batch {b}, context {C}", fontsize=9)
+        ax.legend(fontsize=6)
+        pts = sorted({(1 if c["mode"] == "ar" else c["block"] if c["mode"] == "dflash" else c["budget"] + 1,
+                       c["round_gpu_span_median_s"]) for c in rs
+                      if c["budget"] != "auto" and c.get("round_gpu_span_median_s")})
+        ax2.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o", label="measured round")
+        pj = sorted({(1 if r["mode"] == "ar" else (r["budget"] or 0) + 1, r["projected_s"]) for r in check
+                     if (r["context"], r["batch"]) == (C, b) and r["mode"] != "dflash"})
+        if pj:
+            ax2.plot([p[0] for p in pj], [1e3 * p[1] for p in pj], "x--",
+                     label="projected (notebook 01 + routing)")
+        ax2.set(xscale="log", xlabel="verified rows per request", ylabel="ms per round (GPU span)",
+                title=f"round cost vs rows, batch {b}, context {C}")
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _row_key(c: dict) -> tuple:
+    return (c.get("run"), c["context"], c["batch"], c.get("tau_chain"), c["mode"], str(c.get("budget")))
+
+
+def combine(sections: list[dict]) -> dict:
+    """One section from several (their order does not matter): each distinct row once, folded run by run
+    (oldest first) with `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows;
+    the other fields from the section holding the newest run. ValueError for a section without cells or a
+    row without its run, or for sections of different routings."""
+    if not sections:
+        raise ValueError("combine: no sections given")
+    rows: dict = {}
+    newest, top = "", None
+    for i, s in enumerate(sections):
+        if not isinstance(s, dict) or not isinstance(s.get("cells"), list):
+            raise ValueError(f"combine: section {i} has no 'cells' list (a k26 section of an e2e.json?)")
+        for c in s["cells"]:
+            if not c.get("run"):
+                raise ValueError(f"combine: section {i} has a row without its run: {c.get('mode')} "
+                                 f"{c.get('budget')} at {c.get('context')}:{c.get('batch')}")
+            rows.setdefault(_row_key(c), c)
+            if c["run"] >= newest:
+                newest, top = c["run"], s
+    if len({s.get("routing", "model") for s in sections}) > 1:
+        raise ValueError("combine: sections of different routings (each routing has its own record)")
+    out = None
+    for run in sorted({c["run"] for c in rows.values()}):
+        cells = [c for c in rows.values() if c["run"] == run]
+        layers = {f"{c['context']}:{c['batch']}": c["layers"] for c in cells}
+        out = bench_k26.merge(out, {**top, "cells": cells, "layers": layers})
+    out["runs"] = sorted({c["run"] for c in out["cells"]})
+    out.pop("partial", None)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.k26_record", description=__doc__.split("\n")[0])
+    ap.add_argument("records", nargs="+", type=Path, help="e2e.json files whose k26 sections are combined")
+    ap.add_argument("--into", type=Path, required=True, help="the e2e.json that receives the section")
+    ap.add_argument("--microbench", type=Path, default=None,
+                    help="notebook 01's record for the projection (default: microbench_k26.json beside "
+                    "--into)")
+    ap.add_argument("--key", default="k26", choices=("k26", "k26_uniform"))
+    ap.add_argument("--drafter-layers", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=61, help="the projection's full depth")
+    a = ap.parse_args(argv)
+
+    def read(p: Path) -> dict:
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"k26_record: {p}: not a readable JSON record ({e})") from None
+    into = read(a.into)
+    secs = [into[a.key]] if a.key in into else []
+    for p in a.records:
+        rec = read(p)
+        if a.key not in rec:
+            raise SystemExit(f"k26_record: {p} has no {a.key!r} section")
+        secs.append(rec[a.key])
+    mb_path = a.microbench or a.into.parent / "microbench_k26.json"
+    mb = read(mb_path) if mb_path.is_file() else None
+    try:
+        sec = combine(secs)
+    except ValueError as e:
+        raise SystemExit(f"k26_record: {e}") from None
+    check = finish(sec, mb, a.drafter_layers, a.layers)
+    into[a.key] = sec
+    into["targets"] = [t for part in PARTS for t in into.get(part, {}).get("targets", [])]
+    into["targets"] += into.get("engine", {}).get("targets", [])
+    fig = plot(sec, check, None, sec.get("routing", "model"))   # drawn before anything is written
+    a.into.write_text(json.dumps(into, indent=1) + "\n")
+    fig.savefig(a.into.parent / f"e2e_{a.key}.png", dpi=120)
+    fig.clf()
+    print(f"{a.into}: {a.key} from runs {', '.join(sec['runs'])}")
+    for t in sec["targets"]:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""kdtree.bench.k26_record: several device commands' K2.6 sections combined into one record."""
+import json
+import math
+
+import pytest
+
+from kdtree.bench import k26_record as KR
+
+
+def _rows(C, b, tau, run, scale, layers=12, fitted=False):
+    base = dict(context=C, batch=b, layers=layers, run=run, tau_chain=tau, block=8, fitted=fitted)
+    return [dict(base, mode="ar", budget=None, tok_per_s=1.0 * scale, tau=1.0),
+            dict(base, mode="dflash", budget=None, tok_per_s=2.0 * scale, tau=3.0),
+            dict(base, mode="ddtree", budget=4, tok_per_s=3.0 * scale, tau=3.5),
+            dict(base, mode="ddtree", budget="auto", tok_per_s=3.0 * scale, tau=3.5)]
+
+
+def _section(cells, **kw):
+    layers = {f"{c['context']}:{c['batch']}": c["layers"] for c in cells}
+    return {"cells": cells, "targets": [], "layers": layers, "label": "x", **kw}
+
+
+def _ratio(sec, what, tau, b):
+    return next(t["measured"] for t in sec["targets"]
+                if f"tau_c {tau:g}, 12 MoE layers, batch {b}," in t["name"] and what in t["name"])
+
+
+def test_combine_keeps_each_profiles_newest_run_in_any_order():
+    """Each (context, batch, profile) keeps its newest run's rows whatever the sections' order, a stale
+    copy of an older run in a later section does not come back, and targets pair rows of one run."""
+    r1 = _section(_rows(4096, 1, 5.0, "r1", 1.0) + _rows(4096, 8, 5.0, "r1", 1.0))
+    r2 = _section(_rows(4096, 1, 5.0, "r1", 1.0) + _rows(4096, 8, 5.0, "r2", 2.0))   # b8 again
+    r3 = _section(_rows(4096, 1, 5.0, "r1", 1.0) + _rows(4096, 8, 5.0, "r1", 1.0)    # b8 stale
+                  + _rows(4096, 32, 5.0, "r3", 1.0, layers=11))
+    for order in ([r1, r2, r3], [r3, r2, r1], [r2, r3, r1]):
+        sec = KR.combine(order)
+        got = {(c["batch"], c["run"]) for c in sec["cells"]}
+        assert got == {(1, "r1"), (8, "r2"), (32, "r3")}, order
+        assert len(sec["cells"]) == 12 and sec["runs"] == ["r1", "r2", "r3"]
+        assert sec["layers"] == {"4096:1": 12, "4096:8": 12, "4096:32": 11}
+        assert _ratio(sec, "(auto) / AR", 5, 1) == 3.0
+    # the check can fail: folding in the order given (bench.k26.merge alone) lets the stale copy win
+    from kdtree.bench.k26 import merge
+    naive = merge(merge(r1, r2), r3)
+    assert {(c["batch"], c["run"]) for c in naive["cells"]} != {(1, "r1"), (8, "r2"), (32, "r3")}
+
+
+def test_combine_rejects_what_it_cannot_place():
+    ok = _section(_rows(4096, 1, 5.0, "r1", 1.0))
+    with pytest.raises(ValueError, match="no sections"):
+        KR.combine([])
+    with pytest.raises(ValueError, match="section 1 has no 'cells'"):
+        KR.combine([ok, {"targets": []}])
+    bad = _section([dict(c, run=None) for c in _rows(4096, 8, 5.0, None, 1.0)])
+    with pytest.raises(ValueError, match="without its run: ar None at 4096:8"):
+        KR.combine([ok, bad])
+    with pytest.raises(ValueError, match="routings"):
+        KR.combine([ok, _section(_rows(4096, 8, 5.0, "r2", 1.0), routing="uniform")])
+
+
+def test_finish_projects_the_rows_and_sets_the_target():
+    from test_project import _rec
+    rows = [dict(c, round_gpu_span_median_s=0.01) for c in _rows(4096, 1, 5.0, "r1", 1.0)]
+    sec = _section(rows, targets=[{"name": "K2.6 projection old", "measured": 0.0}])
+    assert KR.finish(sec, None) == [] and "projection_check" not in sec   # no record: left as it is
+    chk = KR.finish(sec, _rec(), drafter_layers=3, n_layers=61, vocab=1000, hidden=64)
+    assert {r["mode"] for r in chk} == {"ar", "dflash", "ddtree"} and sec["projection_check"] == chk
+    proj = [t for t in sec["targets"] if t["name"].startswith("K2.6 projection")]
+    assert len(proj) == 1 and math.isclose(proj[0]["measured"], sum(r["within"] for r in chk) / len(chk))
+    (full,) = sec["projection_full"]["rows"]
+    assert full["best_budget"] == 4 and math.isclose(full["speedup"],
+                                                     full["ddtree_tok_per_s"] / full["ar_tok_per_s"])
+
+
+def test_cli_combines_into_the_record_and_leaves_it_alone_on_bad_input(tmp_path, capsys):
+    into = tmp_path / "e2e.json"
+    auto_t = {"name": "auto t", "measured": 1.0, "goal": 1, "met": True}
+    base = {"device": "gpu", "auto": {"targets": [auto_t]}, "k26": _section(_rows(4096, 1, 5.0, "r1", 1.0))}
+    into.write_text(json.dumps(base))
+    other = tmp_path / "run2.json"
+    other.write_text(json.dumps({"k26": _section(_rows(4096, 8, 5.0, "r2", 1.0))}))
+    before = into.read_text()
+    for bad, msg in ((tmp_path / "missing.json", "not a readable JSON record"),
+                     (tmp_path / "e2e_b.json", "has no 'k26' section")):
+        if "_b" in bad.name:
+            bad.write_text(json.dumps({"auto": {}}))
+        with pytest.raises(SystemExit, match=msg):
+            KR.main(["--into", str(into), str(other), str(bad)])
+        assert into.read_text() == before and not (tmp_path / "e2e_k26.png").exists()
+    KR.main(["--into", str(into), str(other)])
+    rec = json.loads(into.read_text())
+    assert rec["k26"]["runs"] == ["r1", "r2"] and rec["device"] == "gpu"
+    assert {c["batch"] for c in rec["k26"]["cells"]} == {1, 8}
+    names = [t["name"] for t in rec["targets"]]
+    assert names[0] == "auto t" and sum("K2.6 sim" in n for n in names) == len(rec["k26"]["targets"])
+    assert (tmp_path / "e2e_k26.png").stat().st_size > 0 and "runs r1, r2" in capsys.readouterr().out
