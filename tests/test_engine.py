@@ -398,6 +398,28 @@ def test_synthetic_context_rows_sit_before_the_root(pair):
         e.add_request(p, 12, synthetic_context=500)
 
 
+
+def test_synthetic_fill_is_left_out_of_prefill_and_the_run_wall(pair, monkeypatch):
+    """The synthetic rows' fill (a benchmark device) is timed alone into `synthetic_s`: not in prefill_s,
+    the request's prefill stage time, or run_engine's wall; a slow fill shows it (0.3 s a request)."""
+    import time
+
+    from kdtree.bench.engine import run_engine
+    t, d = pair
+    prompts = random_prompts(t.args, 2, seed=13, min_len=12, max_len=13)
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=512)
+    run_engine(e, prompts, 4, synthetic_context=100)   # warm
+    fill = Engine._synthesize
+    monkeypatch.setattr(Engine, "_synthesize", lambda self, r: (time.sleep(0.3), fill(self, r)))
+    p0 = e.prefill_s
+    t0 = time.perf_counter()
+    r = run_engine(e, prompts, 4, synthetic_context=100)
+    outside = time.perf_counter() - t0
+    assert r["synthetic_s"] >= 0.6 and e.synthetic_s >= 0.6
+    assert outside - r["wall_s"] >= 0.6 and r["prefill_s"] < outside - 0.6
+    assert e.prefill_s - p0 == pytest.approx(r["prefill_s"])
+    assert all(x.stage_times["prefill"] < 0.3 for x in e.finished.values())
+
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_overlapped_serving_equals_the_oracle_with_tight_pages(pair, mode):
     """Requests joining between overlapped steps (step(overlap=True), run()'s schedule) in a pool that makes

@@ -56,6 +56,7 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
     out = {"tok_per_s": statistics.median(tps), "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
            "decode_tok_per_s": statistics.median(dec) if dec else None,
            "prefill_s": statistics.median(r["prefill_s"] for r in runs),
+           "synthetic_s": statistics.median(r.get("synthetic_s", 0.0) for r in runs),
            "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
            "tau_repeats": [r["tau"] for r in runs],
            "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],

@@ -55,11 +55,11 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
     a round's wall time is then the interval between two rounds landing; budget="auto": `round_wall_by_plan`
     {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
-    synthetic_context)."""
+    synthetic_context: the fill of those rows, `synthetic_s`, is left out of the wall time and prefill_s)."""
     rounds, spans, by_plan = [], [], {}
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
     _sync()
-    p0, f0, r0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays
+    p0, f0, r0, s0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays, engine.synthetic_s
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
         before = engine.rounds
@@ -72,7 +72,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             if "gpu_span" in lr:
                 spans.append(lr["gpu_span"])
     _sync()
-    wall = time.perf_counter() - t0
+    synthetic = engine.synthetic_s - s0
+    wall = time.perf_counter() - t0 - synthetic
     res = engine.finished
     outs = [res[i] for i in ids]
     toks = sum(len(r.tokens) for r in outs)
@@ -80,7 +81,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     prefill = engine.prefill_s - p0
     return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall,
             "per_user_tok_per_s": toks / wall / len(prompts) if engine.max_batch >= len(prompts) else None,
-            "prefill_s": prefill,
+            "prefill_s": prefill, "synthetic_s": synthetic,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
