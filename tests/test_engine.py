@@ -448,3 +448,19 @@ def test_overlapped_serving_equals_the_oracle_with_tight_pages(pair, mode):
     assert [res[i].tokens for i in ids] == refs
     assert flying > steps // 2 and not e.in_flight
     assert e.free_pages == e.pages.capacity and e.pages.reserved == 0
+
+
+def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
+    """AR's static batch has every round full (its requests end together); a queue of twice max_batch keeps
+    the batch full while requests wait, then drains: its full rounds are fewer than its rounds; the whole
+    run's tokens are every request's."""
+    from kdtree.bench.engine import run_engine
+    t, d = pair
+    prompts = random_prompts(t.args, 4, seed=14, min_len=8, max_len=12)
+    ar = run_engine(Engine(t, None, mode="ar", max_batch=2, max_len=256), prompts[:2], 6)
+    assert ar["full_rounds"] == ar["rounds"] == 5 and ar["full_tok_per_s"] > 0
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=256)
+    q = run_engine(e, prompts, 10)
+    assert q["tokens"] == 40 and 0 < q["full_rounds"] < q["rounds"]
+    one = run_engine(Engine(t, None, mode="ar", max_batch=2, max_len=256), prompts[:1], 6)
+    assert one["full_rounds"] == 0 and one["full_tok_per_s"] is None   # one request never fills 2 slots

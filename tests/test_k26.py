@@ -130,6 +130,12 @@ def test_bench_k26_smoke_on_a_cpu():
     assert taus[16] > taus[4] > 1.5
     names = [t["name"] for t in rec["targets"]]
     assert any("auto / best fixed budget" in n for n in names) and any("better of AR" in n for n in names)
+    # every engine also served a queue of 2 x batch requests; its full-batch rounds make their own targets
+    assert all(c["queued"]["requests"] == 4 and c["queued"]["tokens"] == 4 * bench_k26.max_new(2)
+               for c in cells)
+    assert all(0 < c["queued"]["full_rounds"] <= c["queued"]["rounds"] for c in cells)
+    assert "plan_counts" in cells[-1]["queued"] and "plan_counts" not in cells[0]["queued"]
+    assert sum("queue of 4 (full-batch rounds)" in n for n in names) == 2
 
 
 def test_staged_sweeps_merge_into_one_record():
@@ -182,3 +188,18 @@ def test_staged_sweeps_merge_into_one_record():
     with pytest.raises(ValueError, match="routing 'uniform' sweep"):
         merge(old, dict(new, routing="uniform"))
     assert merge(dict(old, routing="uniform"), dict(new, routing="uniform"))["routing"] == "uniform"
+
+
+def test_fit_layers_keeps_twelve_layers_at_batch_8_and_room_for_the_largest_tree_at_batch_32():
+    """On an H200's free memory (139 GiB) the sweep keeps >= 12 MoE layers at batch 1 and 8, context 4K (the
+    issue's floor); at batch 32 the estimate leaves the B = 128 engine more than the 27 GiB beyond the
+    weights at which it ran out of memory on the H200 with 11 layers; fewer layers fit as context grows."""
+    from kdtree import k26 as K
+    from kdtree.bench.k26 import cell_bytes, fit_layers
+    free = int(139.2 * 2**30)
+    assert fit_layers(free, 1, 4096, 129, 16) >= 12 and fit_layers(free, 8, 4096, 129, 16) >= 12
+    a = K.target_args(1)
+    assert cell_bytes(a, K.drafter_args(a), 32, 4096, 129, 10) > 27 * 2**30
+    assert fit_layers(free, 32, 4096, 129, 16) <= 10
+    assert fit_layers(free, 8, 32768, 129, 16) <= fit_layers(free, 8, 4096, 129, 16)
+    assert fit_layers(2**30, 1, 4096, 129, 16) == 0

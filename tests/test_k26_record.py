@@ -78,7 +78,9 @@ def test_cli_combines_into_the_record_and_leaves_it_alone_on_bad_input(tmp_path,
     base = {"device": "gpu", "auto": {"targets": [auto_t]}, "k26": _section(_rows(4096, 1, 5.0, "r1", 1.0))}
     into.write_text(json.dumps(base))
     other = tmp_path / "run2.json"
-    other.write_text(json.dumps({"k26": _section(_rows(4096, 8, 5.0, "r2", 1.0))}))
+    queued = [dict(c, queued={"full_tok_per_s": 0.9 * c["tok_per_s"], "requests": 16})
+              for c in _rows(4096, 8, 5.0, "r2", 1.0)]   # the figure draws the queue's rows too
+    other.write_text(json.dumps({"k26": _section(queued)}))
     before = into.read_text()
     for bad, msg in ((tmp_path / "missing.json", "not a readable JSON record"),
                      (tmp_path / "e2e_b.json", "has no 'k26' section")):
@@ -92,5 +94,6 @@ def test_cli_combines_into_the_record_and_leaves_it_alone_on_bad_input(tmp_path,
     assert rec["k26"]["runs"] == ["r1", "r2"] and rec["device"] == "gpu"
     assert {c["batch"] for c in rec["k26"]["cells"]} == {1, 8}
     names = [t["name"] for t in rec["targets"]]
+    assert sum("queue of 16" in n for n in names) == 2
     assert names[0] == "auto t" and sum("K2.6 sim" in n for n in names) == len(rec["k26"]["targets"])
     assert (tmp_path / "e2e_k26.png").stat().st_size > 0 and "runs r1, r2" in capsys.readouterr().out

@@ -55,17 +55,26 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
     a round's wall time is then the interval between two rounds landing; budget="auto": `round_wall_by_plan`
     {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
-    synthetic_context: the fill of those rows, `synthetic_s`, is left out of the wall time and prefill_s)."""
+    synthetic_context: the fill of those rows, `synthetic_s`, is left out of the wall time and prefill_s).
+    full_tok_per_s: the tokens of the steps whose landed round had every slot of max_batch live (their
+    admissions included) over those steps' wall time, `full_rounds` of them; with more prompts than
+    max_batch the engine admits each waiting request as a slot frees (a queue), and this is its steady
+    state."""
     rounds, spans, by_plan = [], [], {}
+    full_tok, full_s, n_full = 0, 0.0, 0
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
     _sync()
     p0, f0, r0, s0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays, engine.synthetic_s
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
-        before = engine.rounds
-        engine.step(overlap=True)
+        before, syn, ts = engine.rounds, engine.synthetic_s, time.perf_counter()
+        got = engine.step(overlap=True)
+        dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
         if engine.rounds > before:
             lr = engine.last_round
+            if lr["batch"] == engine.max_batch:
+                full_tok += sum(len(v) for v in got.values())
+                full_s, n_full = full_s + dt, n_full + 1
             rounds.append(lr["round"])
             if "plan" in lr:
                 by_plan.setdefault(lr["plan"], []).append(lr["round"])
@@ -84,6 +93,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "prefill_s": prefill, "synthetic_s": synthetic,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
+            "full_tok_per_s": full_tok / full_s if full_s > 0 else None, "full_rounds": n_full,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
             "tau": float(np.mean(acc)) if acc else None, "overlap": engine.overlap,

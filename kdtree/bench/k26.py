@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from .. import k26
 from ..engine import Engine
 from ..simulate import Profile
 from .e2e import _cell
-from .engine import stage_kernels, write_record
+from .engine import run_engine, stage_kernels, write_record
 from .goals import target as _goal
 
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
@@ -52,12 +53,14 @@ MIN_LAYERS = 12   # asked for at batch 1 and 8, context 4K
 
 def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> int:
     """Memory of one engine beyond the weights: the page pool, the drafter's context, the verify logits of
-    its graphs (float32, every plan), and a margin for activations."""
+    its graphs (24 bytes an element: the float32 logits, their bf16 source, copies and scratch), and a
+    margin for activations. Each GPU row records its engine's measured peak beside this (`peak_bytes`,
+    `estimate_bytes`)."""
     max_len = context + PROMPT + MAX_NEW + rows + 64
     pool = (1 + n_moe) * batch * max_len * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
     ctx = (2 * dargs.num_hidden_layers * batch * dargs.num_key_value_heads * (max_len + 16) * dargs.head_dim
            * 2)
-    logits = 2 * batch * (rows + 16) * args.vocab_size * 4 * 2
+    logits = batch * (rows + 16) * args.vocab_size * 24
     return pool + ctx + logits + (8 << 30)
 
 
@@ -143,12 +146,14 @@ def _with_block(drafter, block: int):
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
-        on_engine=None, routing: str = "model") -> dict:
+        on_engine=None, routing: str = "model", queue: int = 2) -> dict:
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
     device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
     on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off).
     routing: `k26.build_target`'s ("model": the random router's concentrated choice; "uniform": every row
-    its own experts, the spread of a trained router across requests)."""
+    its own experts, the spread of a trained router across requests). queue: from batch 2 on, each engine
+    also serves `queue` x batch requests that wait for a slot (`queued`: whole-run and full-batch tok/s,
+    `run_engine`), the steady state of a serving queue where a static batch ends on its slowest request."""
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
@@ -165,8 +170,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
            "build_s": time.perf_counter() - t0,
            "weight_bytes": k26.weight_bytes(target),
            "cells": [], "targets": [], "layers": {}}
-    free_after = (torch.cuda.mem_get_info()[0] + k26.weight_bytes(target) + k26.weight_bytes(drafter)
-                  if gpu else 0)
+    weights = k26.weight_bytes(target) + k26.weight_bytes(drafter)
+    free_after = torch.cuda.mem_get_info()[0] + weights if gpu else 0
     for context, batch in cells:
         n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
         rec["layers"][f"{context}:{batch}"] = n
@@ -202,13 +207,28 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 out = {} if budget == "auto" else measure_routing(e, prompts, **add)
                 if gpu and (mode == "dflash" or (first and budget == max(budgets))):
                     out["stages"] = stage_kernels(e, prompts[0])
+                if queue and batch > 1:   # the same seeds in every plan of the cell: the same texts
+                    h0 = len(e.auto.history) if e.auto is not None else 0
+                    q = run_engine(e, [prompts[i % batch] for i in range(queue * batch)], max_new(batch),
+                                   seed0=9000, **add)
+                    out["queued"] = {k: q[k] for k in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds",
+                                                       "tokens", "tau")}
+                    out["queued"]["requests"] = queue * batch
+                    if e.auto is not None:
+                        out["queued"]["plan_counts"] = dict(Counter(h[2] for h in e.auto.history[h0:]))
                 return out
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
             try:
                 c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after,
                           warm_new=max_new(batch) // 4, reseed=True)
             except Exception as e:  # recorded; the sweep goes on
                 c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
             c.pop("outputs", None)
+            if gpu:   # what the engine held beyond the weights at its peak, against fit_layers' estimate
+                ka = k26.target_args(1)
+                c.update(peak_bytes=torch.cuda.max_memory_allocated() - weights,
+                         estimate_bytes=cell_bytes(ka, k26.drafter_args(ka), batch, context, rows, n))
             c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=run_id,
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
@@ -255,9 +275,23 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
                              auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), **where))
         if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
             out.append(_goal("k26_auto_over_ar", auto["tok_per_s"] / ar["tok_per_s"], **where))
+        q = _queued
+        qfixed = [c for c in fixed if q(c)]
+        if auto and q(auto) and qfixed:
+            best = max(qfixed, key=q)
+            out.append(_goal("k26_queued_auto_over_best_fixed", q(auto) / q(best), budget=best["budget"],
+                             requests=auto["queued"]["requests"], **where))
+        if auto and q(auto) and ar and q(ar) and dfl and q(dfl):
+            out.append(_goal("k26_queued_auto_over_ar_dflash", q(auto) / max(q(ar), q(dfl)),
+                             requests=auto["queued"]["requests"], **where))
     if len(ok) < len(cells):
         out.append(_goal("k26_cells_ran", len(ok) / len(cells), batch=batch, context=context))
     return out
+
+
+def _queued(c: dict):
+    """Row c's full-batch tok/s in its serving queue (None without one)."""
+    return (c.get("queued") or {}).get("full_tok_per_s")
 
 
 def _fitted(c: dict) -> bool:

@@ -55,8 +55,9 @@ def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers
 
 def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = "model"):
     """The section's figure, one column per (context, batch) cell: tok/s of all requests against the fixed
-    budget per profile (auto a star, the DFlash chain dashed, AR dotted), and the measured round (GPU span)
-    against verified rows with the projection of it. Saved at `path` when given; returns the figure."""
+    budget per profile (auto a star, the DFlash chain dashed, AR dotted; a serving queue's full-batch rounds
+    as squares and a hollow star where measured), and the measured round (GPU span) against verified rows
+    with the projection of it. Saved at `path` when given; returns the figure."""
     import matplotlib.pyplot as plt
     cells = [c for c in k26["cells"] if not c.get("error")]
     keys = sorted({(c["context"], c["batch"]) for c in cells})
@@ -69,7 +70,14 @@ def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = 
                 continue
             line, = ax.plot([c["budget"] for c in d], [c["tok_per_s"] for c in d], "o-",
                             label=f"chain tau {tc:g}")
+            qd = [c for c in d if (c.get("queued") or {}).get("full_tok_per_s")]
+            if qd:   # the serving queue's full-batch rounds
+                ax.plot([c["budget"] for c in qd], [c["queued"]["full_tok_per_s"] for c in qd], "s-.",
+                        color=line.get_color(), lw=0.8, ms=3, alpha=0.6)
             au = next((c for c in rs if c["tau_chain"] == tc and c["budget"] == "auto"), None)
+            if au and (au.get("queued") or {}).get("full_tok_per_s"):
+                ax.plot([max(c["budget"] for c in d)], [au["queued"]["full_tok_per_s"]], "*", ms=9,
+                        mfc="none", color=line.get_color())
             if au:
                 ax.plot([max(c["budget"] for c in d)], [au["tok_per_s"]], "*", ms=11, color=line.get_color(),
                         label=f"auto, chain tau {tc:g}")
@@ -83,7 +91,8 @@ def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = 
         if ar:
             ax.axhline(ar["tok_per_s"], color="k", lw=0.8, label="AR")
         ax.set(xscale="log", xlabel="budget (auto: star; dashed: DFlash chain; dotted: AR)",
-               ylabel="tok/s, all requests")
+               ylabel="tok/s, all requests" + (" (squares, hollow star: queue, full batch)"
+                                               if any(c.get("queued") for c in rs) else ""))
         fixed = sorted({c["budget"] for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"})
         if fixed:
             ax.set_xticks(fixed, [str(B) for B in fixed])
