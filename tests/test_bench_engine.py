@@ -61,12 +61,32 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     assert (out["plan"], out["build_nodes"]) == ("B=8", e.auto.build(e._bucket(1), i))
     assert out["build_nodes"] >= 8
     assert all(out[st]["ops"] > 0 for st in STAGES), out   # each stage's range ran, in the round's order
+    assert out["attributed"] == "ops"   # no CUDA stream: no markers
     assert not e.active and e.free_pages == e.pages.capacity
     rid = e.add_request(p, 20)
     assert e.run()[rid].tokens == oracle_ar(t, p, 20).tokens
     fixed = Engine(t, d, mode="ddtree", budget=8, max_batch=1, max_len=256)
     with pytest.raises(ValueError, match="only a budget='auto' engine takes a plan"):
         stage_kernels(fixed, p, plan="B=8")
+
+
+def test_stage_by_markers_places_every_kernel_between_its_stage_markers():
+    """Kernels in GPU order between two markers belong to the stage the first opens (two rounds here, given
+    out of order); the gap between a round's end marker and the next round's first is no stage's; copies
+    are left out; no marker: None; markers that are not whole rounds: refused."""
+    from kdtree.bench.engine import MARK_KERNEL, stage_by_markers
+    order = ("a", "b")
+    def m(t):
+        return (t, 1.0, f"void {MARK_KERNEL}(long)")
+    r1 = [m(0), (1, 5.0, "moe_gate_up_bf16"), (2, 3.0, "gemm"), m(3), (4, 7.0, "verify_attn_wg"), m(5)]
+    gap = [(6, 9.0, "copy_lens"), (6.5, 2.0, "Memcpy HtoD")]
+    r2 = [m(7), (8, 1.0, "x"), m(9), (10, 2.0, "y"), (11, 4.0, "Memset"), m(12)]
+    got = stage_by_markers(list(reversed(r1 + gap + r2)), order)
+    assert got == [("a", 5.0, "moe_gate_up_bf16"), ("a", 3.0, "gemm"), ("b", 7.0, "verify_attn_wg"),
+                   ("a", 1.0, "x"), ("b", 2.0, "y")]
+    assert stage_by_markers(gap, order) is None
+    with pytest.raises(ValueError, match="5 markers, not whole rounds of 2 stages"):
+        stage_by_markers(r1 + r2[:-1], order)
 
 
 def test_ddtree_bound_arithmetic():

@@ -296,6 +296,12 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     acc = [a for i in ids for a in out[i].accept_lengths]
     want = project.profile_taus(4.0, [16], 7)[16]
     assert all(len(out[i].tokens) == 96 for i in ids) and abs(sum(acc) / len(acc) - want) < 0.35, (acc, want)
+    # the per-stage profile places the CuPy kernels (INT4 experts, tree attention) by the stream's markers
+    from kdtree.bench.engine import stage_kernels
+    st = stage_kernels(e, prompts[0], rounds=2)
+    verify = [k["kernel"] for k in st["top_kernels"] if k["stage"] == "verify"]
+    assert st["attributed"] == "markers" and any(k.startswith("moe_") for k in verify), st["top_kernels"]
+    assert any(k.startswith("verify_attn") for k in verify) and st["verify"]["gpu_s"] > 0
     # AR reads the same simulated text: the same tokens (a rank beyond the list aside: the model's argmax)
     ar = Engine(t, mode="ar", max_batch=8, max_len=2048, simulate=prof)
     ar_ids = [ar.add_request(p, 96, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]

@@ -141,10 +141,13 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
     "gpu_s", "ops" (torch ops called from the stage's code)}} plus the totals and "top_kernels" (the
     costliest kernels by name: stage, launches and GPU seconds a round); the engine must be idle (one
-    request is served and finished here). budget="auto": the round of tree plan `plan` (a plan name such
-    as "B=16"; default the largest tree), its front phase (draft; build = the tree of the plan's build
-    size, the plans' expected tokens and the block's copies) then its back phase (verify, walk, commit);
-    "plan" and "build_nodes" say which."""
+    request is served and finished here). On a GPU each stage opens with a marker kernel on the stream
+    (`MARK_KERNEL`, and one closes the round), so every kernel between two markers in GPU order is the
+    stage's, CuPy's too (their launches sit under no torch op); "attributed" says "markers", or "ops"
+    (each torch op's own kernels) where no marker was seen. budget="auto": the round of tree plan `plan`
+    (a plan name such as "B=16"; default the largest tree), its front phase (draft; build = the tree of
+    the plan's build size, the plans' expected tokens and the block's copies) then its back phase (verify,
+    walk, commit); "plan" and "build_nodes" say which."""
     from torch.profiler import ProfilerActivity, profile, record_function
     phases = None
     if engine.auto is not None:
@@ -163,13 +166,18 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     engine.step()
     order = list(STAGES)
 
+    gpu = engine.device.type == "cuda"
+    mark = (lambda: torch.cuda._sleep(1)) if gpu else (lambda: None)   # MARK_KERNEL on the stream
+
     class Marks:  # clock for Engine._round: closes each stage's profiler range at its end, opens the next
         def __init__(self):
+            mark()
             self.i, self.cur = 0, record_function("stage:" + order[0])
             self.cur.__enter__()
 
         def __call__(self, stage):
             self.cur.__exit__(None, None, None)
+            mark()
             self.i += 1
             if self.i < len(order):
                 self.cur = record_function("stage:" + order[self.i])
@@ -198,24 +206,55 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         return ks
     out = {s: {"kernels": 0, "gpu_s": 0.0, "ops": 0} for s in order}
     by_name: dict = {}
+    cuda = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    staged = stage_by_markers(cuda, order)
+    attributed = "markers" if staged is not None else "ops"
+    staged = staged or []
     for ev in prof.events():
         if ev.name.startswith("stage:") and ev.device_type == torch.autograd.DeviceType.CPU:
-            ks = [k for k in kernels(ev) if not k[1].startswith(("Memcpy", "Memset"))]
-            row = out[ev.name[6:]]
-            row["kernels"] += len(ks) / rounds
-            row["ops"] += len(ev.cpu_children) / rounds   # torch ops the host called in the stage
-            row["gpu_s"] += sum(k[0] for k in ks) * 1e-6 / rounds
-            for dur, name in ks:
-                c = by_name.setdefault((ev.name[6:], name[:80]), [0.0, 0.0])
-                c[0] += 1 / rounds
-                c[1] += dur * 1e-6 / rounds
+            out[ev.name[6:]]["ops"] += len(ev.cpu_children) / rounds   # torch ops the host called in it
+            if attributed == "ops":
+                staged += [(ev.name[6:], dur, name) for dur, name in kernels(ev)
+                           if not name.startswith(("Memcpy", "Memset"))]
+    for st, dur, name in staged:
+        row = out[st]
+        row["kernels"] += 1 / rounds
+        row["gpu_s"] += dur * 1e-6 / rounds
+        c = by_name.setdefault((st, name[:80]), [0.0, 0.0])
+        c[0] += 1 / rounds
+        c[1] += dur * 1e-6 / rounds
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top_kernels]
     out["top_kernels"] = [{"stage": st, "kernel": n, "per_round": c, "gpu_s": t} for (st, n), (c, t) in top]
     stages = [out[st] for st in order]
     out["total"] = {"kernels": sum(r["kernels"] for r in stages), "gpu_s": sum(r["gpu_s"] for r in stages)}
+    out["attributed"] = attributed
     if phases is not None:
         out.update(plan=phases[1].name, build_nodes=phases[0])
     engine.run()
+    return out
+
+
+MARK_KERNEL = "spin_kernel"   # torch.cuda._sleep's kernel: stage_kernels' stage boundaries on the stream
+
+
+def stage_by_markers(kernels, order) -> list[tuple[str, float, str]] | None:
+    """GPU kernels [(start, duration, name)] (any order) -> [(stage, duration, name)]: in start order, each
+    MARK_KERNEL opens the next of `order` and the one after the last stage closes the round, over as many
+    rounds as were profiled; kernels outside a round and Memcpy / Memset are left out. None when no
+    marker was seen; ValueError when the markers do not come as whole rounds."""
+    ks = sorted(k for k in kernels if not k[2].startswith(("Memcpy", "Memset")))
+    marks = [i for i, k in enumerate(ks) if MARK_KERNEL in k[2]]
+    if not marks:
+        return None
+    if len(marks) % (len(order) + 1):
+        raise ValueError(f"stage_by_markers: {len(marks)} markers, not whole rounds of {len(order)} stages "
+                         "and an end")
+    out = []
+    for j, (a, b) in enumerate(zip(marks, marks[1:])):
+        k = j % (len(order) + 1)
+        if k < len(order):   # the marker after the last stage and the next round's first enclose no stage
+            out += [(order[k], d, n) for _, d, n in ks[a + 1:b]]
     return out
 
 
