@@ -15,8 +15,10 @@ same routing). Per cell and profile: AR, the DFlash chain, DDTree at each fixed 
 profile's draws: one per request and output position, shared by every plan and cell of a repeat,
 independent across repeats): median per-round latency and GPU span, per-user and aggregate tok/s (whole
 requests of `max_new(batch)` tokens after their prefill of a short prompt; the long context is synthetic,
-`Engine.add_request(synthetic_context=)`), tau (of the median repeat; `tau_repeats` all). A top-level
-`targets` list.
+`Engine.add_request(synthetic_context=)`, its fill left out of the times), tau (of the median repeat;
+`tau_repeats` all); from batch 2 on, `queued`: the same engine serving `queue` x batch requests through its
+waiting queue, whose full-batch rounds are a serving queue's steady state (a static batch ends on its
+slowest request). A top-level `targets` list (the static batch's and the queue's).
 """
 from __future__ import annotations
 
@@ -347,6 +349,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--queue", type=int, default=2,
+                    help="from batch 2 on, each engine also serves QUEUE x batch queued requests (0: none)")
     ap.add_argument("--routing", choices=k26.ROUTINGS, default="model",
                     help="the random router as it is, or uniform (DIR/e2e_k26_uniform.json)")
     ap.add_argument("--trained", default=None,
@@ -379,7 +383,9 @@ def main(argv=None) -> None:
             path.write_text(json.dumps(rec, indent=1) + "\n")
         else:
             write_record(path, rec)
-    save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save, routing=a.routing))
+    if a.queue < 0:
+        raise SystemExit(f"bench_k26: --queue {a.queue}: expected 0 or more")
+    save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save, routing=a.routing, queue=a.queue))
 
 
 if __name__ == "__main__":
