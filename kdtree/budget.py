@@ -24,8 +24,10 @@ Decisions (`Policy`): "previous" decides before the round from the estimates the
 copied back with their output (no extra host sync); "sync" decides from the previous rounds which tree to
 build (or AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and
 picks the block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine
-serves AR rounds for a hold that doubles (1, 2, 4, ... MAX_HOLD) each time AR wins again, then drafts once to
-refresh the estimates.
+serves AR rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe)
+to refresh the estimates. Holds stop doubling at MAX_HOLD, or, where a probe costs more than that many AR
+rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens stay within
+PROBE_SHARE of the hold's (at most LONG_HOLD).
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ import torch
 
 DECIDE = ("previous", "sync")
 FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its front costs at most this more
-MAX_HOLD = 32          # the longest run of AR rounds before the engine drafts again to re-estimate
+MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred context holds this many rows)
+LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
+PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
 CTX_BUCKETS = (0, 1024, 4096, 16384, 65536)  # context (mean cached rows of the round's requests) buckets
@@ -301,13 +305,24 @@ class Policy:
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = 1
                 return self._best_draft(s)
-            self.hold, self.backoff = self.backoff, min(2 * self.backoff, MAX_HOLD)
+            self.hold, self.backoff = self.backoff, min(2 * self.backoff, self.hold_limit(s, est))
         if self.hold > 0:
             self.hold -= 1
             self.probe = self.hold == 0
             return 0
         self.probe = False
         return self._best_draft(self.score(b, est, ctx, lambda p: p.kind != "ar"))
+
+    def hold_limit(self, s: np.ndarray, est: np.ndarray) -> int:
+        """The longest AR hold when AR scores best (`s`, tokens per second per plan; est [n, P]): MAX_HOLD,
+        or the hold whose AR rounds make the probe's excess (its seconds beyond AR's for the same tokens,
+        from the scores) at most PROBE_SHARE of their seconds, up to LONG_HOLD."""
+        j = self._best_draft(s)
+        tot = np.asarray(est, np.float64).sum(0)
+        if not (np.isfinite(s[0]) and np.isfinite(s[j]) and s[j] > 0 and tot[0] > 0):
+            return MAX_HOLD
+        need = (tot[j] / tot[0]) * (s[0] / s[j] - 1) / PROBE_SHARE   # in AR rounds
+        return int(min(LONG_HOLD, max(MAX_HOLD, math.ceil(need))))
 
     def after(self, b: int, est: np.ndarray, ctx: int, built: int) -> int:
         """"sync": the block, once the round has built a tree of `built` nodes: the best plan other than AR

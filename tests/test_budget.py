@@ -203,17 +203,17 @@ def test_expected_tokens_are_capped_at_the_tokens_left():
 
 
 def test_ar_holds_double_and_each_ends_with_one_draft_round():
-    """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to MAX_HOLD;
-    once drafting pays again the next decision drafts and the hold starts over at 1."""
+    """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to the hold
+    limit; once drafting pays again the next decision drafts and the hold starts over at 1."""
     plans = kb.plans(7, (4,))
     t = _costs(1.0, [1.0, 1.0, 1.0], builds=(4,))
     pol = kb.Policy(plans, t)
     poor = np.array([[1.0, 1.1, 1.2]])               # AR 1/1, draft plans <= 1.2 / 2
     seq = [pol.before(1, poor, 0) for _ in range(1 + 1 + 2 + 1 + 4 + 1)]
     assert seq == [0, 2, 0, 0, 2, 0, 0, 0, 0, 2]
-    for _ in range(200):
+    for _ in range(2000):
         pol.before(1, poor, 0)
-    assert pol.backoff == kb.MAX_HOLD
+    assert pol.backoff == pol.hold_limit(pol.score(1, poor, 0, lambda p: True), poor) > kb.MAX_HOLD
     while pol.hold:
         pol.before(1, poor, 0)
     good = np.array([[1.0, 3.0, 4.0]])
@@ -222,6 +222,23 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
     sync = kb.Policy(plans, t, decide="sync")
     assert sync.before(1, good, 0) == 2             # draft B=4's tree, then the block from fresh estimates
     assert sync.after(1, good, 0, 4) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0, 4) == 1
+
+
+def test_a_dear_probe_lengthens_the_ar_hold():
+    """The hold limit: MAX_HOLD where a probe costs little more than AR for its tokens; where it costs more,
+    the hold over which its excess is PROBE_SHARE of the hold's AR seconds (here a probe of 2 tokens a
+    request for the price of 3 AR rounds: excess 1 AR round, so 1 / PROBE_SHARE rounds), capped at
+    LONG_HOLD; MAX_HOLD without finite scores."""
+    plans = kb.plans(7, (4,))
+    pol = kb.Policy(plans, _costs(1.0, [1.0, 1.0, 1.0], builds=(4,)))
+    est = np.array([[1.0, 1.5, 2.0]] * 4)            # 4 requests: AR 4 tokens, B=4 8
+    ar = 4.0 / 1.0
+    near = np.array([ar, -np.inf, 8.0 / 2.02])       # a probe 1 % dearer than AR for its tokens
+    assert pol.hold_limit(near, est) == kb.MAX_HOLD
+    dear = np.array([ar, -np.inf, 8.0 / 3.0])
+    assert pol.hold_limit(dear, est) == round(1 / kb.PROBE_SHARE)
+    assert pol.hold_limit(np.array([ar, -np.inf, 8.0 / 30.0]), est) == kb.LONG_HOLD
+    assert pol.hold_limit(np.array([ar, -np.inf, -np.inf]), est) == kb.MAX_HOLD
 
 
 @pytest.mark.parametrize("decide", ["previous", "sync"])
