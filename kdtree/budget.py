@@ -31,6 +31,7 @@ PROBE_SHARE of the hold's (at most LONG_HOLD).
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -259,6 +260,43 @@ class CostTable:
                 "back": {f"{name(b)},{plan_list[i].name},{cb[c]}": s
                          for (b, i, c), s in sorted(self.back.items(), key=order)},
                 "host": self.host, "samples": self.samples}
+
+
+# ----------------------------------------------------------------------------- a batch's end
+@functools.cache
+def _geometric(longest: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and variance of an accept length L in [1, longest] whose steps each pass with one probability a
+    (P(L >= k) = a^(k-1)), on a grid of a from 0 to 1: both ascend with a for longest > 1."""
+    a = np.linspace(0.0, 1.0, 1025)[:, None]
+    k = np.arange(longest)[None, :]
+    p = a ** k                                     # [grid, longest]  P(L >= k + 1)
+    m = p.sum(1)
+    return m, (p * (2 * k + 1)).sum(1) - m * m
+
+
+def longest_accepts(plan_list, depth: int) -> np.ndarray:
+    """[P] each plan's longest accept length: 1 for AR, 1 + min(nodes, depth) for a chain or tree."""
+    return np.array([1 if p.kind == "ar" else 1 + min(p.nodes, depth) for p in plan_list])
+
+
+def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
+    """A batch that nothing waits to join ends with its last request. est [n, P] (each plan's expected
+    tokens a round per request, at most its tokens left), left [n] (tokens left), longest [P]
+    (`longest_accepts`) -> est' [n, P], est'[r, i] = left_r / M_i, where M_i is the expected rounds until
+    every request has ended under plan i: the largest over requests of left / E plus z(n) times that
+    count's spread (the expected maximum of n standard normals, z(1) = 0; accept lengths as `_geometric`'s,
+    independent rounds). A plan's summed est' over its round's cost is then its tokens per second to the
+    batch's end: a plan that ties AR per round but spreads its requests' ends loses."""
+    n, P = est.shape
+    left = np.asarray(left, np.float64)
+    z = statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+    M = np.empty(P)
+    for i in range(P):
+        A = int(longest[i])
+        mu = np.clip(np.asarray(est[:, i], np.float64), 1.0, A)
+        var = np.zeros(n) if A == 1 else np.interp(mu, *_geometric(A))
+        M[i] = np.max(left / mu + z * np.sqrt(left * var / mu ** 3))
+    return left[:, None] / M[None, :]
 
 
 # ----------------------------------------------------------------------------- the policy

@@ -341,7 +341,10 @@ class Engine:
     expected tokens per second: expected tokens from the draft's prefix probabilities through `calibration`
     (default the drafter's stored table, `drafter.calibration`; False: the raw probabilities), cost from a
     table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
-    rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates).
+    rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
+    while no request waits for a slot, plans are scored by the tokens left over the expected time until
+    every active request has ended (`budget.drain`: a batch ends with its slowest request) instead of the
+    round's expected tokens; False: the round's tokens always.
 
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
@@ -362,7 +365,7 @@ class Engine:
                  prefill_chunk: int = 512, debug: bool = False, buckets=None, graph_sampling: bool = True,
                  compile: bool = False, deterministic: bool = False, moe: str | None = None,
                  max_budget: int | None = None, budgets=None, decide: str = "previous", calibration=None,
-                 simulate=None, overlap: bool = True):
+                 simulate=None, overlap: bool = True, makespan: bool = True):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
@@ -381,9 +384,12 @@ class Engine:
             raise ValueError("simulate: needs mode 'ar', or 'dflash' / 'ddtree' with a batched drafter "
                              "(DFlashDrafter)")
         auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
+        if not isinstance(makespan, bool):
+            raise ValueError(f"makespan={makespan!r}: expected True or False")
         if not auto and (max_budget is not None or budgets is not None or decide != "previous"
-                         or calibration is not None):
-            raise ValueError("max_budget, budgets, decide and calibration: only budget='auto' takes them")
+                         or calibration is not None or makespan is not True):
+            raise ValueError("max_budget, budgets, decide, calibration and makespan: only budget='auto' "
+                             "takes them")
         if auto:
             cand = self._check_auto(backend, max_budget, budgets, decide, calibration)
             budget = max(cand)
@@ -538,6 +544,7 @@ class Engine:
             costs = auto_budget.CostTable(ctxs)
             self.auto = auto_budget.Policy(plans, costs, decide)
             self.plans, self.costs, self.calibration = plans, costs, cal
+            self.makespan, self._longest = makespan, auto_budget.longest_accepts(plans, L)
             self.acceptance = auto_budget.Acceptance(cal, L, dev)
             self.est = torch.zeros(B, len(plans), dtype=torch.float32, device=dev)
             self.est_host = torch.zeros(2, *self.est.shape, dtype=torch.float32,
@@ -1391,7 +1398,16 @@ class Engine:
         yet: the mean of the requests so far), each capped at the tokens it has left (`_capped`); None before
         any request drafted."""
         rows = [self._prior if r.est is None else r.est for r in self.active]
-        return None if any(x is None for x in rows) else self._capped(self.active, np.stack(rows))
+        return None if any(x is None for x in rows) else self._expected(self.active, np.stack(rows))
+
+    def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
+        """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
+        while no request waits for a slot (and makespan is on) the batch's end in view (`budget.drain`)."""
+        est = self._capped(reqs, est)
+        if not self.makespan or self.waiting or len(reqs) < 2:
+            return est
+        left = np.array([max(r.max_new - len(r.result.tokens), 1) for r in reqs], np.float64)
+        return auto_budget.drain(est, left, self._longest)
 
     @staticmethod
     def _capped(reqs: list, est: np.ndarray) -> np.ndarray:
@@ -1467,7 +1483,7 @@ class Engine:
                     self._sync()
                     fresh = self.est_host[0, :n].numpy().copy()
                     self._take_estimates(self.active, fresh)
-                    i = self._agree(pol.after(b, self._capped(self.active, fresh), ctx, build))
+                    i = self._agree(pol.after(b, self._expected(self.active, fresh), ctx, build))
             same = build is not None and pol.decide == "previous"
             marks["b0"] = marks["f1"] if same else self._stamp(ev + 2)
             logits = self._phase(b, sampling, i, clock=clock)

@@ -452,3 +452,80 @@ def test_overlapped_rounds_give_each_request_its_own_estimates(pair):
     assert any(moved)
     assert [res[i].tokens for i in ids] == [refs[0][:refs[0].index(stop) + 1]] + refs[1:]
     assert all(got[i] == res[i].tokens for i in ids)
+
+
+def _rounds_to_end(rng, n, left, a, longest, trials=4000):
+    """Monte Carlo: rounds until all n requests of `left` tokens have ended, accept lengths truncated
+    geometric (P(L >= k) = a^(k-1), k <= longest); the mean over trials."""
+    out = np.empty(trials)
+    for t in range(trials):
+        got = np.zeros(n)
+        r = 0
+        while (got < left).any():
+            u = rng.random((n, longest - 1))
+            L = 1 + np.cumprod(u < a, axis=1).sum(1)
+            got += np.where(got < left, L, 0)
+            r += 1
+        out[t] = r
+    return out.mean()
+
+
+def test_drain_expects_the_rounds_to_a_batchs_end():
+    """drain's rounds to the end of a batch against a simulation of the same accept lengths (within 8 %
+    at batch 8 and 32, where the mean rounds a request needs fall 20-30 % short); AR's are the tokens
+    left; at batch 1 it leaves the estimates as they are."""
+    rng = np.random.default_rng(0)
+    longest = np.array([1, 8])
+    for n, left, a in ((8, 127, 0.875), (32, 63, 0.87), (32, 63, 0.6)):
+        m, _ = kb._geometric(8)
+        mu = float(np.interp(a, np.linspace(0, 1, 1025), m))
+        est = np.tile([1.0, mu], (n, 1))
+        got = left / kb.drain(est, np.full(n, float(left)), longest)[0]
+        sim = _rounds_to_end(rng, n, left, a, 8, trials=300)
+        assert got[0] == left and abs(got[1] / sim - 1) < 0.08, (n, a, got, sim)
+        assert sim > 1.15 * left / mu          # the check can fail: the mean alone falls short
+    est = np.array([[1.0, 3.0, 2.5]])
+    assert np.allclose(kb.drain(est, np.array([50.0]), np.array([1, 8, 5])), est)
+
+
+def test_a_plan_that_ties_ar_per_round_loses_to_it_at_a_batchs_end():
+    """8 requests: a plan with 3x AR's tokens a round at 3x its cost ties per round, and AR wins once
+    drain scores the batch's end; AR also wins the hold, and each drafted plan's est' sums below AR's."""
+    plans = kb.plans(7, (4,))
+    t = kb.CostTable((0, 4096))
+    t.front[(8, 4, 0)] = 0.0
+    for i, sec in enumerate([1.0, 3.0, 3.0]):
+        t.back[(8, i, 0)] = sec
+    pol = kb.Policy(plans, t)
+    est = np.tile([1.0, 3.0, 2.0], (8, 1))
+    per_round = pol.score(8, est, 0, lambda p: True)
+    assert per_round[0] == pytest.approx(per_round[1], rel=1e-9)
+    d = kb.drain(est, np.full(8, 100.0), kb.longest_accepts(plans, 7))
+    s = pol.score(8, d, 0, lambda p: True)
+    assert s[0] > s[1] > s[2] and pol.before(8, d, 0) == 0
+
+
+def test_the_engines_policy_input_drains_only_a_batch_nothing_waits_to_join():
+    """Engine._expected: capped estimates while a request waits, with makespan off or at one request;
+    drain's otherwise. Bad makespan values are refused, and only budget='auto' takes one."""
+    from types import SimpleNamespace
+
+    class R:
+        def __init__(self, max_new, emitted):
+            self.max_new, self.result = max_new, SimpleNamespace(tokens=[0] * emitted)
+    plans = kb.plans(7, (4,))
+    reqs = [R(100, 10), R(100, 20)]
+    est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
+    me = SimpleNamespace(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7),
+                         _capped=Engine._capped)
+    got = Engine._expected(me, reqs, est)
+    assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest)) and not np.allclose(got, est)
+    for other in (dict(waiting=[object()]), dict(makespan=False)):
+        assert np.array_equal(Engine._expected(SimpleNamespace(**{**vars(me), **other}), reqs, est), est)
+    assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    with pytest.raises(ValueError, match="makespan='yes': expected True or False"):
+        Engine(t, d, mode="ddtree", budget="auto", makespan="yes", max_len=128)
+    with pytest.raises(ValueError, match="makespan: only budget='auto' takes them"):
+        Engine(t, d, mode="ddtree", budget=8, makespan=False, max_len=128)
