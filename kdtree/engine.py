@@ -237,6 +237,7 @@ class Request:
     slot: int = -1
     session: object = None            # a host drafter's session
     t0: float = 0.0
+    syn0: float = 0.0                 # the engine's synthetic_s at t0 (fills are left out of wall_time)
     est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
     synthetic: int = 0                # random context rows inserted before the root after prefill
 
@@ -737,7 +738,7 @@ class Engine:
         t0 = time.perf_counter()
         dev, leave, ok, synth = self.device, [], [], 0.0
         for r in reqs:
-            r.t0 = t0
+            r.t0, r.syn0 = t0, self.synthetic_s
             try:
                 self._grow(r, len(r.prompt))
             except Exception as e:
@@ -939,7 +940,7 @@ class Engine:
         self.lens[last], self.root[last], self.temp[last], self.live[last] = 0, 0, 0.0, 0
         if self.auto is not None and self.pend is not None:
             self.pend_n[last] = 0
-        r.result.wall_time = time.perf_counter() - r.t0
+        r.result.wall_time = time.perf_counter() - r.t0 - (self.synthetic_s - r.syn0)
         r.slot = -1
         if r.rid not in self.errors:
             self.finished[r.rid] = r.result

@@ -302,6 +302,7 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     verify = [k["kernel"] for k in st["top_kernels"] if k["stage"] == "verify"]
     assert st["attributed"] == "markers" and any(k.startswith("moe_") for k in verify), st["top_kernels"]
     assert any(k.startswith("verify_attn") for k in verify) and st["verify"]["gpu_s"] > 0
+    assert not any(k["kernel"].startswith("stage:") for k in st["top_kernels"])   # the ranges' GPU spans
     # AR reads the same simulated text: the same tokens (a rank beyond the list aside: the model's argmax)
     ar = Engine(t, mode="ar", max_batch=8, max_len=2048, simulate=prof)
     ar_ids = [ar.add_request(p, 96, seed=i, synthetic_context=1500) for i, p in enumerate(prompts)]

@@ -45,6 +45,21 @@ def test_combine_keeps_each_profiles_newest_run_in_any_order():
     assert {(c["batch"], c["run"]) for c in naive["cells"]} != {(1, "r1"), (8, "r2"), (32, "r3")}
 
 
+def test_combine_prefers_a_finished_sweeps_rows_and_forms_the_targets_again():
+    """A run's rows in a partial record (written before its draft times were added) and in its finished
+    record: the finished copies win in either order, as do its other fields; one run alone gets its
+    targets formed from its rows, not the stale ones it carried."""
+    full = _section([dict(c, draft_s=0.1) for c in _rows(4096, 8, 5.0, "r1", 1.0)], label="full")
+    part = _section(_rows(4096, 8, 5.0, "r1", 1.0), label="partial", partial=True)
+    for order in ([part, full], [full, part]):
+        sec = KR.combine(order)
+        assert {c["draft_s"] for c in sec["cells"] if c["mode"] != "ar"} == {0.1}, order
+        assert sec["label"] == "full" and "partial" not in sec
+    one = KR.combine([dict(full, targets=[{"name": "stale"}])])
+    names = [t["name"] for t in one["targets"]]
+    assert "stale" not in names and len(names) == 2 and all("batch 8" in n for n in names), names
+
+
 def test_combine_rejects_what_it_cannot_place():
     ok = _section(_rows(4096, 1, 5.0, "r1", 1.0))
     with pytest.raises(ValueError, match="no sections"):

@@ -207,7 +207,8 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     out = {s: {"kernels": 0, "gpu_s": 0.0, "ops": 0} for s in order}
     by_name: dict = {}
     cuda = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+            if e.device_type == torch.autograd.DeviceType.CUDA   # kernels, not the ranges' GPU spans
+            and not getattr(e, "is_user_annotation", False) and not e.name.startswith("stage:")]
     staged = stage_by_markers(cuda, order)
     attributed = "markers" if staged is not None else "ops"
     staged = staged or []

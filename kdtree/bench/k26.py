@@ -329,6 +329,12 @@ def merge(old: dict | None, new: dict) -> dict:
     cells = [c for c in cells
              if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
     layers = {**old.get("layers", {}), **new["layers"]}
+    return {**old, **new, "cells": cells, "targets": cell_targets(cells), "layers": layers}
+
+
+def cell_targets(cells) -> list:
+    """The targets of rows `cells`, formed per (context, batch) cell; ValueError for a cell whose rows mix
+    layer counts."""
     by_cell: dict = {}
     for c in cells:
         by_cell.setdefault((c["context"], c["batch"]), []).append(c)
@@ -338,7 +344,7 @@ def merge(old: dict | None, new: dict) -> dict:
             raise ValueError(f"merge: cell {C}:{b} would mix {sorted({c['layers'] for c in rows})} MoE "
                              "layers (run the whole cell again)")
         targets += _targets(rows, C, b, rows[0]["layers"])
-    return {**old, **new, "cells": cells, "targets": targets, "layers": layers}
+    return targets
 
 
 def main(argv=None) -> None:

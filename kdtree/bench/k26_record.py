@@ -27,9 +27,11 @@ PARTS = ("pair", "auto", "k26", "k26_uniform")   # notebook 02's sections that c
 def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers: int = 61,
            **kw) -> list[dict]:
     """Sets k26's projection_check, projection_full and the projection target from notebook 01's record
-    `microbench` (none: the section is left as it is); returns the check's rows. kw: more
+    `microbench` (none: the section keeps no projection); returns the check's rows. kw: more
     `project.check_engine` keywords (vocab, hidden)."""
-    if not microbench:
+    if not microbench:   # no projection: none of another set of rows either
+        k26.pop("projection_check", None)
+        k26.pop("projection_full", None)
         return []
     chk = project.check_engine(microbench, k26["cells"], drafter_layers=drafter_layers, full_layers=n_layers,
                                **kw)
@@ -123,24 +125,30 @@ def _row_key(c: dict) -> tuple:
 
 
 def combine(sections: list[dict]) -> dict:
-    """One section from several (their order does not matter): each distinct row once, folded run by run
-    (oldest first) with `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows;
-    the other fields from the section holding the newest run. ValueError for a section without cells or a
-    row without its run, or for sections of different routings."""
+    """One section from several (their order does not matter): each distinct row once (of two copies, a
+    finished sweep's over a partial one's, then the fuller), folded run by run (oldest first) with
+    `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows, and the targets
+    formed again from the rows; the other fields from the finished section holding the newest run (a
+    partial one where none is finished). ValueError for a section without cells or a row without its run,
+    or for sections of different routings."""
     if not sections:
         raise ValueError("combine: no sections given")
     rows: dict = {}
-    newest, top = "", None
+    best: dict = {}
+    top, top_rank = None, None
     for i, s in enumerate(sections):
         if not isinstance(s, dict) or not isinstance(s.get("cells"), list):
             raise ValueError(f"combine: section {i} has no 'cells' list (a k26 section of an e2e.json?)")
+        done = not s.get("partial")
         for c in s["cells"]:
             if not c.get("run"):
                 raise ValueError(f"combine: section {i} has a row without its run: {c.get('mode')} "
                                  f"{c.get('budget')} at {c.get('context')}:{c.get('batch')}")
-            rows.setdefault(_row_key(c), c)
-            if c["run"] >= newest:
-                newest, top = c["run"], s
+            k, rank = _row_key(c), (done, len(c))
+            if k not in rows or rank > best[k]:
+                rows[k], best[k] = c, rank
+            if top is None or (done, c["run"]) > top_rank:
+                top, top_rank = s, (done, c["run"])
     if len({s.get("routing", "model") for s in sections}) > 1:
         raise ValueError("combine: sections of different routings (each routing has its own record)")
     out = None
@@ -148,7 +156,9 @@ def combine(sections: list[dict]) -> dict:
         cells = [c for c in rows.values() if c["run"] == run]
         layers = {f"{c['context']}:{c['batch']}": c["layers"] for c in cells}
         out = bench_k26.merge(out, {**top, "cells": cells, "layers": layers})
-    out["runs"] = sorted({c["run"] for c in out["cells"]})
+    out = {**out, "targets": bench_k26.cell_targets(out["cells"]),   # layers keyed "context:batch"
+           "layers": dict(sorted(out["layers"].items(), key=lambda kv: tuple(map(int, kv[0].split(":"))))),
+           "runs": sorted({c["run"] for c in out["cells"]})}
     out.pop("partial", None)
     return out
 
