@@ -345,7 +345,8 @@ class Engine:
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
     while no request waits for a slot, plans are scored by the tokens left over the expected time until
     every active request has ended (`budget.drain`: a batch ends with its slowest request) instead of the
-    round's expected tokens; False: the round's tokens always.
+    round's expected tokens; False: the round's tokens always (for serving driven by step() where requests
+    keep arriving, an empty queue between arrivals is not a batch's end).
 
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
