@@ -798,10 +798,10 @@ class Engine:
             emitted[r.rid] = [tok]
             if finish(r.result.tokens, [tok], r.max_new, r.stop):
                 leave.append(r)
+        self.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
         for r in leave:  # slots move only now
             self._release(r)
         self.prefill_s += time.perf_counter() - t0 - synth
-        self.synthetic_s += synth
 
     def _prefill_chunk(self, group: list[Request], c0: int, feats: dict, last: dict) -> None:
         """Prompt rows [c0, c0 + T) of every request in `group` (all of one chunk length T) in one forward."""
