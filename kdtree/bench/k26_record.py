@@ -21,7 +21,12 @@ from .. import project
 from . import k26 as bench_k26
 from .goals import target as _goal
 
-PARTS = ("pair", "auto", "k26", "k26_uniform")   # notebook 02's sections that carry targets
+PARTS = ("pair", "auto", "k26", "k26_uniform", "engine")   # notebook 02's sections that carry targets
+
+
+def record_targets(record: dict) -> list[dict]:
+    """Notebook 02's record's `targets`: its sections' (PARTS) in that order."""
+    return [t for part in PARTS for t in record.get(part, {}).get("targets", [])]
 
 
 def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers: int = 61,
@@ -195,8 +200,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"k26_record: {e}") from None
     check = finish(sec, mb, a.drafter_layers, a.layers)
     into[a.key] = sec
-    into["targets"] = [t for part in PARTS for t in into.get(part, {}).get("targets", [])]
-    into["targets"] += into.get("engine", {}).get("targets", [])
+    into["targets"] = record_targets(into)
     fig = plot(sec, check, None, sec.get("routing", "model"))   # drawn before anything is written
     a.into.write_text(json.dumps(into, indent=1) + "\n")
     fig.savefig(a.into.parent / f"e2e_{a.key}.png", dpi=120)
