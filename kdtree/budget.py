@@ -27,7 +27,8 @@ picks the block within that tree from them. AR is a candidate only before drafti
 serves AR rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe)
 to refresh the estimates. Holds stop doubling at MAX_HOLD, or, where a probe costs more than that many AR
 rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens stay within
-PROBE_SHARE of the hold's (at most LONG_HOLD).
+PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds than the
+hold it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
 """
 from __future__ import annotations
 
@@ -311,6 +312,7 @@ class Policy:
         self.hold = 0        # AR rounds left before the next draft round
         self.backoff = 1     # the next AR hold's length
         self.probe = False   # the next round drafts whatever the estimates say
+        self.served = 0      # the current (or last) hold's length
         self.history: list = []
 
     def widen(self, buckets) -> None:
@@ -332,11 +334,13 @@ class Policy:
             out.append(tot[i] / c if allow(p) and 0 < c < math.inf else -math.inf)
         return np.array(out)
 
-    def before(self, b: int, est: np.ndarray, ctx: int) -> int:
+    def before(self, b: int, est: np.ndarray, ctx: int, rounds_left: int | None = None) -> int:
         """The plan decided before drafting, from the previous rounds' estimates est [n, P]: 0 (AR) or the
         plan whose tree (`build`) the round builds; "previous" verifies that plan, "sync" picks the block
         again from the fresh estimates (`after`). AR rounds come in holds; a hold's end forces one draft round
-        (the probe) whose estimates the next decision reads."""
+        (the probe) whose estimates the next decision reads, unless rounds_left (the rounds, this one
+        included, until the batch's last request ends under AR; None: unknown, e.g. requests wait) leaves
+        fewer rounds after the probe than the hold served: then the hold goes on a round at a time."""
         if self.hold == 0 and not self.probe:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
@@ -344,8 +348,11 @@ class Policy:
                 self.backoff = 1
                 return self._best_draft(s)
             self.hold, self.backoff = self.backoff, min(2 * self.backoff, self.hold_limit(s, est))
+            self.served = self.hold
         if self.hold > 0:
             self.hold -= 1
+            if self.hold == 0 and rounds_left is not None and rounds_left - 1 <= self.served:
+                self.hold = 1   # the probe's estimates would serve fewer rounds than the hold
             self.probe = self.hold == 0
             return 0
         self.probe = False

@@ -345,7 +345,8 @@ class Engine:
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
     while no request waits for a slot, plans are scored by the tokens left over the expected time until
     every active request has ended (`budget.drain`: a batch ends with its slowest request) instead of the
-    round's expected tokens; False: the round's tokens always (for serving driven by step() where requests
+    round's expected tokens, and an AR hold's probe is not run where the batch ends before its estimates could
+    serve as many rounds as the hold (`budget.Policy.before`); False: the round's tokens always (for serving driven by step() where requests
     keep arriving, an empty queue between arrivals is not a batch's end).
 
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
@@ -1447,8 +1448,15 @@ class Engine:
         ctx = self.costs.ctx(sum(r.length for r in self.active) / len(self.active))
         probe = pol.probe
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
-        i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx))
+        i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx, self._rounds_left()))
         return i, ctx, probe
+
+    def _rounds_left(self) -> int | None:
+        """AR rounds until the batch's last active request ends (its tokens left as of the last landed round);
+        None while requests wait for a slot or with makespan off (the batch's end is not in view)."""
+        if not self.makespan or self.waiting or not self.active:
+            return None
+        return max(max(r.max_new - len(r.result.tokens), 1) for r in self.active)
 
     def _auto_round(self, b: int, n: int, sampling: bool, clock):
         """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for

@@ -224,6 +224,24 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
     assert sync.after(1, good, 0, 4) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0, 4) == 1
 
 
+def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
+    """A hold of h rounds ends with a probe only while more than h rounds follow it: with the batch's end in
+    view (rounds_left) AR serves on to the end; without it (None: requests wait) the probe runs."""
+    plans = kb.plans(7, (4,))
+    t = _costs(1.0, [1.0, 1.0, 1.0], builds=(4,))
+    poor = np.array([[1.0, 1.1, 1.2]])
+    for left, want in ((None, [0, 2, 0, 0, 2]), (100, [0, 2, 0, 0, 2]), (5, [0, 2, 0, 0, 0]),
+                       (2, [0, 0, 0, 0, 0])):
+        pol = kb.Policy(plans, t)
+        seq = []
+        for k in range(5):
+            seq.append(pol.before(1, poor, 0, None if left is None else max(left - k, 1)))
+        assert seq == want, (left, seq)
+    pol = kb.Policy(plans, t)
+    assert [pol.before(1, poor, 0, left) for left in (2, 1)] == [0, 0] and not pol.probe
+    assert [pol.before(1, poor, 0, None) for _ in range(2)] == [0, 2]   # requests wait again: the probe runs
+
+
 def test_a_dear_probe_lengthens_the_ar_hold():
     """The hold limit: MAX_HOLD where a probe costs little more than AR for its tokens; where it costs more,
     the hold over which its excess is PROBE_SHARE of the hold's AR seconds (here a probe of 2 tokens a

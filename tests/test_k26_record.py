@@ -60,6 +60,21 @@ def test_combine_prefers_a_finished_sweeps_rows_and_forms_the_targets_again():
     assert "stale" not in names and len(names) == 2 and all("batch 8" in n for n in names), names
 
 
+def test_combine_takes_a_cell_whose_layer_count_changed_once_every_profile_is_rerun():
+    """A cell measured at 11 layers for two profiles, then at 10 for each in its own command: the fold
+    passes through a mixed cell (the first new command), the combined rows do not mix, in any order; a
+    cell left mixed is refused."""
+    old = _section(_rows(4096, 32, 3.0, "r1", 1.0, layers=11) + _rows(4096, 32, 5.0, "r1", 1.0, layers=11))
+    a = _section(_rows(4096, 32, 3.0, "r2", 2.0, layers=10), partial=True)
+    b = _section(_rows(4096, 32, 5.0, "r3", 2.0, layers=10), partial=True)
+    for order in ([old, a, b], [b, old, a]):
+        sec = KR.combine(order)
+        assert {(c["run"], c["layers"]) for c in sec["cells"]} == {("r2", 10), ("r3", 10)}, order
+        assert sec["layers"] == {"4096:32": 10} and len(sec["targets"]) == 4
+    with pytest.raises(ValueError, match=r"would mix \[10, 11\] MoE layers"):
+        KR.combine([old, a])
+
+
 def test_combine_rejects_what_it_cannot_place():
     ok = _section(_rows(4096, 1, 5.0, "r1", 1.0))
     with pytest.raises(ValueError, match="no sections"):

@@ -305,15 +305,16 @@ def _fitted(c: dict) -> bool:
                                      and c["tau_chain"] not in {p[0] for p in PROFILES})
 
 
-def merge(old: dict | None, new: dict) -> dict:
+def merge(old: dict | None, new: dict, targets: bool = True) -> dict:
     """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
     (context, batch) cell replace that profile's earlier rows there (its AR row too), an AR row of no
     profile (records from before AR read the profile's text) is kept while rows of its run remain, a cell's
     fitted profile (`_fitted`) keeps only its newest run's rows, and every cell's targets are formed again
-    from its rows (each ratio within one run). ValueError for another routing, or for a cell whose layer
-    count would mix."""
+    from its rows (each ratio within one run; targets=False: left to the caller, for a fold whose later
+    records replace a cell's rows of another layer count). ValueError for another routing, or (targets) for a
+    cell whose layer count would mix."""
     if not old:
-        return new
+        return new if targets else {**new, "targets": []}
     if old.get("routing", "model") != new.get("routing", "model"):
         raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
                          f"{old.get('routing', 'model')!r} record (each routing has its own record)")
@@ -331,7 +332,7 @@ def merge(old: dict | None, new: dict) -> dict:
     cells = [c for c in cells
              if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
     layers = {**old.get("layers", {}), **new["layers"]}
-    return {**old, **new, "cells": cells, "targets": cell_targets(cells), "layers": layers}
+    return {**old, **new, "cells": cells, "targets": cell_targets(cells) if targets else [], "layers": layers}
 
 
 def cell_targets(cells) -> list:

@@ -132,8 +132,9 @@ def _row_key(c: dict) -> tuple:
 def combine(sections: list[dict]) -> dict:
     """One section from several (their order does not matter): each distinct row once (of two copies, a
     finished sweep's over a partial one's, then the fuller), folded run by run (oldest first) with
-    `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows, and the targets
-    formed again from the rows; the other fields from the finished section holding the newest run (a
+    `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows (a cell's layer count
+    may change from run to run; only the combined rows must not mix them), and the targets formed again from
+    the rows; the other fields from the finished section holding the newest run (a
     partial one where none is finished). ValueError for a section without cells or a row without its run,
     or for sections of different routings."""
     if not sections:
@@ -160,7 +161,7 @@ def combine(sections: list[dict]) -> dict:
     for run in sorted({c["run"] for c in rows.values()}):
         cells = [c for c in rows.values() if c["run"] == run]
         layers = {f"{c['context']}:{c['batch']}": c["layers"] for c in cells}
-        out = bench_k26.merge(out, {**top, "cells": cells, "layers": layers})
+        out = bench_k26.merge(out, {**top, "cells": cells, "layers": layers}, targets=False)
     out = {**out, "targets": bench_k26.cell_targets(out["cells"]),   # layers keyed "context:batch"
            "layers": dict(sorted(out["layers"].items(), key=lambda kv: tuple(map(int, kv[0].split(":"))))),
            "runs": sorted({c["run"] for c in out["cells"]})}
