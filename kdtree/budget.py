@@ -25,10 +25,12 @@ copied back with their output (no extra host sync); "sync" decides from the prev
 build (or AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and
 picks the block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine
 serves AR rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe)
-to refresh the estimates. Holds stop doubling at MAX_HOLD, or, where a probe costs more than that many AR
-rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens stay within
-PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds than the
-hold it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
+to refresh the estimates: its best drafting plan, or AR's block after the draft (`ar_probe`: the
+estimates come from the draft alone) where that makes more tokens per second, as where a tree's verify is
+dear and a probe would cost several AR rounds. Holds stop doubling at MAX_HOLD, or, where a probe costs more
+than that many AR rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens
+stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds
+than the hold it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its f
 MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred context holds this many rows)
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
+AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
 CTX_BUCKETS = (0, 1024, 4096, 16384, 65536)  # context (mean cached rows of the round's requests) buckets
@@ -313,6 +316,7 @@ class Policy:
         self.backoff = 1     # the next AR hold's length
         self.probe = False   # the next round drafts whatever the estimates say
         self.served = 0      # the current (or last) hold's length
+        self.ar_probe = False  # the last decision: AR's block after a draft (the probe's cheapest round)
         self.history: list = []
 
     def widen(self, buckets) -> None:
@@ -341,13 +345,15 @@ class Policy:
         (the probe) whose estimates the next decision reads, unless rounds_left (the rounds, this one
         included, until the batch's last request ends under AR; None: unknown, e.g. requests wait) leaves
         fewer rounds after the probe than the hold served: then the hold goes on a round at a time."""
+        self.ar_probe = False
         if self.hold == 0 and not self.probe:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = 1
                 return self._best_draft(s)
-            self.hold, self.backoff = self.backoff, min(2 * self.backoff, self.hold_limit(s, est))
+            limit = self.hold_limit(s, est, self._ar_probe_score(b, est, ctx))
+            self.hold, self.backoff = self.backoff, min(2 * self.backoff, limit)
             self.served = self.hold
         if self.hold > 0:
             self.hold -= 1
@@ -356,24 +362,58 @@ class Policy:
             self.probe = self.hold == 0
             return 0
         self.probe = False
-        return self._best_draft(self.score(b, est, ctx, lambda p: p.kind != "ar"))
+        s = self.score(b, est, ctx, lambda p: p.kind != "ar")
+        j = self._best_draft(s)
+        if self.plans[0].kind == "ar" and self._ar_probe_score(b, est, ctx) > s[j]:
+            self.ar_probe = True
+            return 0
+        return j
 
-    def hold_limit(self, s: np.ndarray, est: np.ndarray) -> int:
-        """The longest AR hold when AR scores best (`s`, tokens per second per plan; est [n, P]): MAX_HOLD,
-        or the hold whose AR rounds make the probe's excess (its seconds beyond AR's for the same tokens,
-        from the scores) at most PROBE_SHARE of their seconds, up to LONG_HOLD."""
+    def probe_build(self, b: int) -> int:
+        """The tree an AR probe's round builds at batch bucket b: the cheapest drafting plan's (the chain's),
+        whose estimates cover every plan (`expected` extrapolates beyond it)."""
+        got = [B for B in self._builds.get(b, self.builds) if B is not None]
+        return min(got)
+
+    def round_build(self, b: int, i: int, ar_probe: bool = False):
+        """The tree the round of decision (i, ar_probe) builds at batch bucket b (None: no draft)."""
+        return self.probe_build(b) if ar_probe else self.build(b, i)
+
+    def _ar_probe_score(self, b: int, est: np.ndarray, ctx: int) -> float:
+        """Expected tokens per second of an AR probe's round (the draft of `probe_build`, then AR's block)."""
+        if self.plans[0].kind != "ar" or not any(B is not None for B in self.builds):
+            return -math.inf
+        c = self.costs.cost(b, 0, self.probe_build(b), ctx, len(est))
+        tot = float(np.asarray(est, np.float64)[:, 0].sum())
+        return tot / c if 0 < c < math.inf else -math.inf
+
+    def hold_limit(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf) -> int:
+        """The longest AR hold when AR scores best (`s`, tokens per second per plan; est [n, P]; ar_probe:
+        an AR probe's score, `_ar_probe_score`): MAX_HOLD, or the hold whose AR rounds make the probe's
+        excess (the seconds of its cheaper round, a drafting plan's or an AR probe's, beyond AR's for the same
+        tokens, from the scores) at most PROBE_SHARE of their seconds, up to LONG_HOLD."""
         j = self._best_draft(s)
         tot = np.asarray(est, np.float64).sum(0)
-        if not (np.isfinite(s[0]) and np.isfinite(s[j]) and s[j] > 0 and tot[0] > 0):
+        if not (np.isfinite(s[0]) and tot[0] > 0):
             return MAX_HOLD
-        need = (tot[j] / tot[0]) * (s[0] / s[j] - 1) / PROBE_SHARE   # in AR rounds
+        excess = []   # in AR rounds
+        if np.isfinite(s[j]) and s[j] > 0:
+            excess.append((tot[j] / tot[0]) * (s[0] / s[j] - 1))
+        if np.isfinite(ar_probe) and ar_probe > 0:
+            excess.append(s[0] / ar_probe - 1)
+        if not excess:
+            return MAX_HOLD
+        need = min(excess) / PROBE_SHARE
         return int(min(LONG_HOLD, max(MAX_HOLD, math.ceil(need))))
 
-    def after(self, b: int, est: np.ndarray, ctx: int, built: int) -> int:
+    def after(self, b: int, est: np.ndarray, ctx: int, built: int, ar: bool = False) -> int:
         """"sync": the block, once the round has built a tree of `built` nodes: the best plan other than AR
-        within it for the fresh estimates est [n, P] (the round's front cost is the same for all of them)."""
+        (ar, an AR probe's round: AR too) within it for the fresh estimates est [n, P] (the round's front cost
+        is the same for all of them)."""
         ok = (lambda p: p.kind == "chain" or (p.kind == "tree" and p.nodes <= built))
-        return self._best_draft(self.score(b, est, ctx, ok, built))
+        s = self.score(b, est, ctx, lambda p: ok(p) or (ar and p.kind == "ar"), built)
+        k = int(np.argmax(s))
+        return k if ar and np.isfinite(s[k]) and self.plans[k].kind == "ar" else self._best_draft(s)
 
     def _best_draft(self, s: np.ndarray) -> int:
         s = np.where([p.kind == "ar" for p in self.plans], -np.inf, s)

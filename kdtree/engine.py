@@ -345,9 +345,10 @@ class Engine:
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
     while no request waits for a slot, plans are scored by the tokens left over the expected time until
     every active request has ended (`budget.drain`: a batch ends with its slowest request) instead of the
-    round's expected tokens, and an AR hold's probe is not run where the batch ends before its estimates could
-    serve as many rounds as the hold (`budget.Policy.before`); False: the round's tokens always (for serving driven by step() where requests
-    keep arriving, an empty queue between arrivals is not a batch's end).
+    round's expected tokens, and an AR hold's probe is not run where the batch ends before its estimates
+    could serve as many rounds as the hold (`budget.Policy.before`); False: the round's tokens always (for
+    serving driven by step() where requests keep arriving, an empty queue between arrivals is not a batch's
+    end).
 
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
@@ -1429,27 +1430,32 @@ class Engine:
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
 
-    def _agree(self, i: int | None) -> int | None:
-        """Under tensor parallelism every rank takes rank 0's decision."""
+    def _agree(self, i: int | None, ar_probe: bool = False) -> tuple[int | None, bool]:
+        """Under tensor parallelism every rank takes rank 0's decision (plan index, whether an AR probe)."""
         if getattr(self.model, "tp", None) is None:
-            return i
+            return i, ar_probe
         import torch.distributed as dist
         group = getattr(self.model, "tp_group", None)
-        t = torch.tensor([-1 if i is None else i], device=self.device)
+        t = torch.tensor([-1 if i is None else i, int(ar_probe)], device=self.device)
         dist.broadcast(t, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
-        v = int(t.item())
-        return None if v < 0 else v
+        v, a = t.tolist()
+        return (None if v < 0 else v), bool(a)
 
-    def _decide(self, b: int, est: np.ndarray | None) -> tuple[int, int, bool]:
+    def _decide(self, b: int, est: np.ndarray | None) -> tuple[int, int, bool, int | None]:
         """The plan decided before drafting (kdtree.budget's `before`) for the active requests at batch
         bucket b from their estimates est [n, P] (`_estimates`): (plan index, context bucket, whether that
-        round is a hold's probe)."""
+        round is a hold's probe, the tree its round builds: None for no draft, `Policy.round_build`)."""
         pol = self.auto
         ctx = self.costs.ctx(sum(r.length for r in self.active) / len(self.active))
         probe = pol.probe
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
-        i = self._agree(len(self.plans) - 1 if est is None else pol.before(b, est, ctx, self._rounds_left()))
-        return i, ctx, probe
+        if est is None:
+            i, ar_probe = len(self.plans) - 1, False
+        else:
+            i = pol.before(b, est, ctx, self._rounds_left())
+            ar_probe = pol.ar_probe
+        i, ar_probe = self._agree(i, ar_probe)
+        return i, ctx, probe, pol.round_build(b, i, ar_probe)
 
     def _rounds_left(self) -> int | None:
         """AR rounds until the batch's last active request ends (its tokens left as of the last landed round);
@@ -1466,15 +1472,14 @@ class Engine:
         at its start."""
         pol, ev = self.auto, 4 * (self._launched % 3)   # this round's event slots
         ahead, self._ahead = self._ahead, None
-        i, ctx, probe = ahead if ahead is not None else self._decide(b, self._estimates())
-        build = pol.build(b, i)
+        i, ctx, probe, build = ahead if ahead is not None else self._decide(b, self._estimates())
         if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
             # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
             # time falls to the host share, a median that a rare catch-up round does not move
             g = self.graphs.get(("catchup", b))
             g.replay() if g is not None else self._catchup(b)
             self._pending = 0
-        if build is None and self.pend is not None:
+        if self.plans[i].kind == "ar" and self.pend is not None:   # its row waits in pend (an AR probe's too)
             self._pending += 1
         marks, whole = {}, ("whole", b, sampling, i)
         if build is not None and whole in self.graphs:   # front and block in one replay
@@ -1493,7 +1498,8 @@ class Engine:
                     self._sync()
                     fresh = self.est_host[0, :n].numpy().copy()
                     self._take_estimates(self.active, fresh)
-                    i = self._agree(pol.after(b, self._expected(self.active, fresh), ctx, build))
+                    ar = self.plans[i].kind == "ar"   # an AR probe: AR's block stays a candidate
+                    i = self._agree(pol.after(b, self._expected(self.active, fresh), ctx, build, ar))[0]
             same = build is not None and pol.decide == "previous"
             marks["b0"] = marks["f1"] if same else self._stamp(ev + 2)
             logits = self._phase(b, sampling, i, clock=clock)
@@ -1513,8 +1519,11 @@ class Engine:
         n, i, info = len(f.reqs), f.i, f.info
         if info["drafted"] and self.auto.decide == "previous":
             self._take_estimates(f.reqs, self.est_host[f.buf, :n].numpy())
-        self.auto.history.append((self.rounds, n, self.plans[i].name))
-        self.last_round["plan"] = self.plans[i].name
+        name = self.plans[i].name
+        if info["drafted"] and self.plans[i].kind == "ar":
+            name = auto_budget.AR_PROBE
+        self.auto.history.append((self.rounds, n, name))
+        self.last_round["plan"] = name
         self._timing.append((i, info, wall))
 
     def _auto_flush(self) -> None:

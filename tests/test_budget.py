@@ -242,6 +242,32 @@ def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
     assert [pol.before(1, poor, 0, None) for _ in range(2)] == [0, 2]   # requests wait again: the probe runs
 
 
+def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
+    """A hold's probe drafts (its estimates come from the draft) and verifies the drafting plan or AR's block,
+    whichever makes more tokens per second: AR's block where a tree's verify is dear ("AR+draft" in the
+    history, the chain's build), the plan where its tokens pay for its verify; the hold limit takes the
+    cheaper probe's excess; "sync" keeps AR a candidate after an AR probe's draft."""
+    plans = kb.plans(7, (4,))
+    poor = np.array([[1.0, 1.1, 1.2]])
+    pol = kb.Policy(plans, _costs(0.2, [1.0, 1.0, 1.0], builds=(4,)))   # B=4: 1.2 / 1.2 > AR probe 1 / 1.2
+    assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 2] and not pol.ar_probe
+    dear = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0], builds=(4,)))  # B=4: 1.2 / 3.2 < 1 / 1.2
+    assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the hold
+    assert dear.before(1, poor, 0) == 0 and dear.ar_probe and dear.round_build(1, 0, True) == 4
+    assert dear.round_build(1, 0, False) is None
+    assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the next hold's first round
+    s = dear.score(1, poor, 0, lambda p: True)
+    assert dear.hold_limit(s, poor, dear._ar_probe_score(1, poor, 0)) == kb.MAX_HOLD   # excess 0.2 rounds
+    slow = kb.Policy(plans, _costs(2.0, [1.0, 3.0, 3.0], builds=(4,)))   # AR probe 1 / 3: 2 rounds' excess
+    s = slow.score(1, poor, 0, lambda p: True)
+    assert slow.hold_limit(s, poor, slow._ar_probe_score(1, poor, 0)) == round(2 / kb.PROBE_SHARE)
+    assert slow.hold_limit(s, poor) == kb.LONG_HOLD                     # the B=4 probe's 3.8 rounds alone
+    sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0], builds=(4,)), decide="sync")
+    assert sync.after(1, poor, 0, 4, ar=True) == 0 and sync.after(1, poor, 0, 4) == 2
+    good = np.array([[1.0, 3.0, 4.0]])
+    assert sync.after(1, good, 0, 4, ar=True) == 2
+
+
 def test_a_dear_probe_lengthens_the_ar_hold():
     """The hold limit: MAX_HOLD where a probe costs little more than AR for its tokens; where it costs more,
     the hold over which its excess is PROBE_SHARE of the hold's AR seconds (here a probe of 2 tokens a
@@ -342,11 +368,13 @@ def test_forced_plans_serve_their_blocks(pair):
             assert names[lag] == "AR" and 1 <= probes <= math.log2(len(names)) + 1, names
 
 
-def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair):
+@pytest.mark.parametrize("ar_probes", [False, True])
+def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair, ar_probes):
     """Forced AR holds: an AR plan's round leaves its row's features in `pend` (the drafter's context is
     not extended), and the next drafting round extends the context first, so after it the context equals
-    that of an engine extending every AR round (pend off), and so do the plans and tokens. Can fail: the
-    context lacks the held rows before the catch-up."""
+    that of an engine extending every AR round (pend off), and so do the plans and tokens; probes that
+    verify a draft plan, or (ar_probes: drafting is free here, so every probe is one) AR's block after the
+    draft. Can fail: the context lacks the held rows before the catch-up."""
     t, d = pair
     prompt = random_prompts(t.args, 1, seed=12, min_len=20, max_len=20)[0]
 
@@ -357,6 +385,8 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair)
         for key in e.costs.front:
             e.costs.front[key] = 0.0
         e.costs.update = lambda *a: None
+        if not ar_probes:
+            e.auto._ar_probe_score = lambda *a: -math.inf
         e.add_request(prompt, 60)
         return e
     e, ref = forced(), forced()
@@ -376,7 +406,8 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair)
             assert not torch.allclose(e.ctx.k[0][0, :, L - n:L], ref.ctx.k[0][0, :, L - n:L])
         elif e.auto.history[-1][2] != "AR" and len(e.auto.history) > 2 and e.auto.history[-2][2] == "AR":
             caught += 1   # a probe right after a hold: the whole context caught up
-    assert held >= 3 and caught >= 2, (held, caught)
+    probes = [h[2] for h in e.auto.history].count(kb.AR_PROBE)
+    assert held >= 3 and (probes >= 2 if ar_probes else caught >= 2 and probes == 0), (held, caught, probes)
     assert e.finished[0].tokens == ref.finished[0].tokens
 
 
