@@ -20,17 +20,17 @@ host time outside them (the median of the last rounds'). Within one round every 
 whole block: the bucket's rows are verified whether a request fills them or not, and E_i never decreases with
 B, so a request's own best truncation within the bucket is the bucket itself.
 
-Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds
-copied back with their output (no extra host sync); "sync" decides from the previous rounds which tree to
-build (or AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and
-picks the block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine
-serves AR rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe)
-to refresh the estimates: its best drafting plan, or AR's block after the draft (`ar_probe`: the
-estimates come from the draft alone) where that makes more tokens per second, as where a tree's verify is
-dear and a probe would cost several AR rounds. Holds stop doubling at MAX_HOLD, or, where a probe costs more
-than that many AR rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens
-stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds
-than the hold it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
+Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds copied
+back with their output (no extra host sync); "sync" decides from the previous rounds which tree to build (or
+AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and picks the
+block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine serves AR
+rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe) to refresh
+the estimates: its best drafting plan, or AR's block after the draft (`ar_probe`: the estimates come from the
+draft alone) where that costs less beyond AR's rounds for its tokens, as where a tree's verify is dear and a
+probe would cost several AR rounds. Holds stop doubling at MAX_HOLD, or, where a probe costs more than that
+many AR rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens stay within
+PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds than the hold
+it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
 """
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ class Policy:
         self.backoff = 1     # the next AR hold's length
         self.probe = False   # the next round drafts whatever the estimates say
         self.served = 0      # the current (or last) hold's length
-        self.ar_probe = False  # the last decision: AR's block after a draft (the probe's cheapest round)
+        self.ar_probe = False  # the last decision: AR's block after a draft (a probe of less excess)
         self.history: list = []
 
     def widen(self, buckets) -> None:
@@ -362,12 +362,25 @@ class Policy:
             self.probe = self.hold == 0
             return 0
         self.probe = False
-        s = self.score(b, est, ctx, lambda p: p.kind != "ar")
+        s = self.score(b, est, ctx, lambda p: True)
         j = self._best_draft(s)
-        if self.plans[0].kind == "ar" and self._ar_probe_score(b, est, ctx) > s[j]:
+        x = self._excess(s, est, self._ar_probe_score(b, est, ctx))
+        if x[1] < x[0]:
             self.ar_probe = True
             return 0
         return j
+
+    def _excess(self, s: np.ndarray, est: np.ndarray, ar_probe: float) -> tuple[float, float]:
+        """(the best drafting plan's, an AR probe's) round seconds beyond AR's for the same tokens, in AR
+        rounds, from the scores s (AR's first) and an AR probe's score: a probe's cost while AR serves on
+        (inf where a score is missing)."""
+        tot = np.asarray(est, np.float64).sum(0)
+        if not (self.plans[0].kind == "ar" and np.isfinite(s[0]) and s[0] > 0 and tot[0] > 0):
+            return 0.0, math.inf
+        j = self._best_draft(s)
+        xj = (tot[j] / tot[0]) * (s[0] / s[j] - 1) if np.isfinite(s[j]) and s[j] > 0 else math.inf
+        xa = s[0] / ar_probe - 1 if np.isfinite(ar_probe) and ar_probe > 0 else math.inf
+        return float(xj), float(xa)
 
     def probe_build(self, b: int) -> int:
         """The tree an AR probe's round builds at batch bucket b: the cheapest drafting plan's (the chain's),
@@ -390,20 +403,11 @@ class Policy:
     def hold_limit(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf) -> int:
         """The longest AR hold when AR scores best (`s`, tokens per second per plan; est [n, P]; ar_probe:
         an AR probe's score, `_ar_probe_score`): MAX_HOLD, or the hold whose AR rounds make the probe's
-        excess (the seconds of its cheaper round, a drafting plan's or an AR probe's, beyond AR's for the same
-        tokens, from the scores) at most PROBE_SHARE of their seconds, up to LONG_HOLD."""
-        j = self._best_draft(s)
-        tot = np.asarray(est, np.float64).sum(0)
-        if not (np.isfinite(s[0]) and tot[0] > 0):
+        excess (`_excess`: that of the probe `before` runs, the one of less excess) at most PROBE_SHARE of
+        their seconds, up to LONG_HOLD."""
+        need = min(self._excess(s, est, ar_probe)) / PROBE_SHARE
+        if not math.isfinite(need):
             return MAX_HOLD
-        excess = []   # in AR rounds
-        if np.isfinite(s[j]) and s[j] > 0:
-            excess.append((tot[j] / tot[0]) * (s[0] / s[j] - 1))
-        if np.isfinite(ar_probe) and ar_probe > 0:
-            excess.append(s[0] / ar_probe - 1)
-        if not excess:
-            return MAX_HOLD
-        need = min(excess) / PROBE_SHARE
         return int(min(LONG_HOLD, max(MAX_HOLD, math.ceil(need))))
 
     def after(self, b: int, est: np.ndarray, ctx: int, built: int, ar: bool = False) -> int:

@@ -1441,10 +1441,11 @@ class Engine:
         v, a = t.tolist()
         return (None if v < 0 else v), bool(a)
 
-    def _decide(self, b: int, est: np.ndarray | None) -> tuple[int, int, bool, int | None]:
+    def _decide(self, b: int, est: np.ndarray | None, ahead: bool = False) -> tuple[int, int, bool, bool]:
         """The plan decided before drafting (kdtree.budget's `before`) for the active requests at batch
         bucket b from their estimates est [n, P] (`_estimates`): (plan index, context bucket, whether that
-        round is a hold's probe, the tree its round builds: None for no draft, `Policy.round_build`)."""
+        round is a hold's probe, whether it is an AR probe: AR's block after a draft, `Policy.ar_probe`).
+        ahead: decided for the round after the one being launched."""
         pol = self.auto
         ctx = self.costs.ctx(sum(r.length for r in self.active) / len(self.active))
         probe = pol.probe
@@ -1452,17 +1453,20 @@ class Engine:
         if est is None:
             i, ar_probe = len(self.plans) - 1, False
         else:
-            i = pol.before(b, est, ctx, self._rounds_left())
+            i = pol.before(b, est, ctx, self._rounds_left(ahead))
             ar_probe = pol.ar_probe
         i, ar_probe = self._agree(i, ar_probe)
-        return i, ctx, probe, pol.round_build(b, i, ar_probe)
+        return i, ctx, probe, ar_probe
 
-    def _rounds_left(self) -> int | None:
-        """AR rounds until the batch's last active request ends (its tokens left as of the last landed round);
-        None while requests wait for a slot or with makespan off (the batch's end is not in view)."""
+    def _rounds_left(self, ahead: bool = False) -> int | None:
+        """AR rounds until the batch's last active request ends, for the round being launched (ahead: the
+        one after it): its tokens left as of the last landed round, less one a round for the rounds launched
+        and not landed (each emits at least one token), at least 1; None while requests wait for a slot or
+        with makespan off (the batch's end is not in view)."""
         if not self.makespan or self.waiting or not self.active:
             return None
-        return max(max(r.max_new - len(r.result.tokens), 1) for r in self.active)
+        unlanded = self._launched - self.rounds + int(ahead)
+        return max(max(r.max_new - len(r.result.tokens) for r in self.active) - unlanded, 1)
 
     def _auto_round(self, b: int, n: int, sampling: bool, clock):
         """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for
@@ -1472,17 +1476,16 @@ class Engine:
         at its start."""
         pol, ev = self.auto, 4 * (self._launched % 3)   # this round's event slots
         ahead, self._ahead = self._ahead, None
-        i, ctx, probe, build = ahead if ahead is not None else self._decide(b, self._estimates())
+        i, ctx, probe, ar_probe = ahead if ahead is not None else self._decide(b, self._estimates())
+        build = pol.round_build(b, i, ar_probe)   # this round's bucket (a decision ahead may predate it)
         if self._pending and (build is not None or self._pending >= auto_budget.MAX_HOLD):
             # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
             # time falls to the host share, a median that a rare catch-up round does not move
             g = self.graphs.get(("catchup", b))
             g.replay() if g is not None else self._catchup(b)
             self._pending = 0
-        if self.plans[i].kind == "ar" and self.pend is not None:   # its row waits in pend (an AR probe's too)
-            self._pending += 1
         marks, whole = {}, ("whole", b, sampling, i)
-        if build is not None and whole in self.graphs:   # front and block in one replay
+        if build is not None and not ar_probe and whole in self.graphs:   # front and block in one replay
             marks["f0"] = self._stamp(ev)
             self.graphs[whole].replay()
             marks["b1"] = self._stamp(ev + 3)
@@ -1504,12 +1507,14 @@ class Engine:
             marks["b0"] = marks["f1"] if same else self._stamp(ev + 2)
             logits = self._phase(b, sampling, i, clock=clock)
             marks["b1"] = self._stamp(ev + 3)
+        if self.plans[i].kind == "ar" and self.pend is not None:   # its row waits in pend (an AR probe's too)
+            self._pending += 1
         self._auto_flush()   # the previous round's times, while the GPU runs this one
         # under TP each rank's policy state is its own (rank 0's choice is broadcast), so whether to decide
         # ahead could differ between ranks and their broadcasts would not pair up: TP decides at round start
         est = None if probe or getattr(self.model, "tp", None) is not None else self._estimates()
         if est is not None:
-            self._ahead = self._decide(b, est)
+            self._ahead = self._decide(b, est, ahead=True)
         return logits, i, dict(b=b, n=n, marks=marks, ctx=ctx, build=build, drafted=build is not None)
 
     def _auto_take(self, f: _Flight, wall: float) -> None:

@@ -244,27 +244,32 @@ def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
 
 def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
     """A hold's probe drafts (its estimates come from the draft) and verifies the drafting plan or AR's block,
-    whichever makes more tokens per second: AR's block where a tree's verify is dear ("AR+draft" in the
-    history, the chain's build), the plan where its tokens pay for its verify; the hold limit takes the
-    cheaper probe's excess; "sync" keeps AR a candidate after an AR probe's draft."""
-    plans = kb.plans(7, (4,))
-    poor = np.array([[1.0, 1.1, 1.2]])
-    pol = kb.Policy(plans, _costs(0.2, [1.0, 1.0, 1.0], builds=(4,)))   # B=4: 1.2 / 1.2 > AR probe 1 / 1.2
-    assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 2] and not pol.ar_probe
-    dear = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0], builds=(4,)))  # B=4: 1.2 / 3.2 < 1 / 1.2
+    whichever costs less beyond AR's rounds for its tokens (not: makes more tokens per second): AR's block
+    where a tree's verify is dear ("AR+draft" in the history, the chain's build, the smallest), the plan
+    where its tokens pay for its verify; the hold limit takes that probe's excess; "sync" keeps AR a
+    candidate after an AR probe's draft."""
+    plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
+    poor = np.array([[1.0, 1.05, 1.1, 1.15]])
+    pol = kb.Policy(plans, _costs(0.2, [1.0] * 4, builds=(4, 8)))   # B=8 excess 0.05 rounds, AR probe 0.2
+    assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 3] and not pol.ar_probe
+    dear = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)))   # B=8 excess 2.05 rounds
     assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the hold
     assert dear.before(1, poor, 0) == 0 and dear.ar_probe and dear.round_build(1, 0, True) == 4
-    assert dear.round_build(1, 0, False) is None
+    assert dear.round_build(1, 0, False) is None and dear.round_build(1, 3, False) == 8
     assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the next hold's first round
     s = dear.score(1, poor, 0, lambda p: True)
     assert dear.hold_limit(s, poor, dear._ar_probe_score(1, poor, 0)) == kb.MAX_HOLD   # excess 0.2 rounds
-    slow = kb.Policy(plans, _costs(2.0, [1.0, 3.0, 3.0], builds=(4,)))   # AR probe 1 / 3: 2 rounds' excess
+    slow = kb.Policy(plans, _costs(2.0, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)))   # AR probe: 2 rounds' excess
     s = slow.score(1, poor, 0, lambda p: True)
     assert slow.hold_limit(s, poor, slow._ar_probe_score(1, poor, 0)) == round(2 / kb.PROBE_SHARE)
-    assert slow.hold_limit(s, poor) == kb.LONG_HOLD                     # the B=4 probe's 3.8 rounds alone
-    sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0], builds=(4,)), decide="sync")
+    assert slow.hold_limit(s, poor) == kb.LONG_HOLD                     # the B=8 probe's 3.85 rounds alone
+    # B=4 makes 0.5 tokens a second against the AR probe's 1/3, for 10 rounds' excess against 2
+    rich = kb.Policy(plans, _costs(2.0, [1.0, 30.0, 18.0, 18.0], builds=(4, 8)))
+    tall = np.array([[1.0, 10.0, 10.0, 10.0]])
+    assert [rich.before(1, tall, 0) for _ in range(2)] == [0, 0] and rich.ar_probe
+    sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)), decide="sync")
     assert sync.after(1, poor, 0, 4, ar=True) == 0 and sync.after(1, poor, 0, 4) == 2
-    good = np.array([[1.0, 3.0, 4.0]])
+    good = np.array([[1.0, 3.0, 4.0, 4.5]])
     assert sync.after(1, good, 0, 4, ar=True) == 2
 
 
@@ -368,8 +373,28 @@ def test_forced_plans_serve_their_blocks(pair):
             assert names[lag] == "AR" and 1 <= probes <= math.log2(len(names)) + 1, names
 
 
-@pytest.mark.parametrize("ar_probes", [False, True])
-def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair, ar_probes):
+def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
+    """Engine._rounds_left: the longest request's tokens left less one a round launched and not landed
+    (ahead: one more), at least 1; None while a request waits or with makespan off."""
+    t, d = pair
+    prompts = random_prompts(t.args, 3, seed=5, min_len=6, max_len=9)
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4,), max_batch=2, max_len=256)
+    for p in prompts:
+        e.add_request(p, 40)
+    e.step()
+    assert e.waiting and e._rounds_left() is None
+    while e.waiting:
+        e.step()
+    e.step(overlap=True)
+    assert e._flight is not None and e._launched - e.rounds == 1
+    left = max(r.max_new - len(r.result.tokens) for r in e.active)
+    assert e._rounds_left() == left - 1 and e._rounds_left(ahead=True) == left - 2
+    e.makespan = False
+    assert e._rounds_left() is None
+
+
+@pytest.mark.parametrize("ar_probes,decide", [(False, "previous"), (True, "previous"), (True, "sync")])
+def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair, ar_probes, decide):
     """Forced AR holds: an AR plan's round leaves its row's features in `pend` (the drafter's context is
     not extended), and the next drafting round extends the context first, so after it the context equals
     that of an engine extending every AR round (pend off), and so do the plans and tokens; probes that
@@ -379,7 +404,8 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
     prompt = random_prompts(t.args, 1, seed=12, min_len=20, max_len=20)[0]
 
     def forced():
-        e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=1, max_len=256)
+        e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=1, max_len=256,
+                   decide=decide)
         for key in list(e.costs.back):
             e.costs.back[key] = 1e-6 if key[1] == 0 else 1.0
         for key in e.costs.front:
@@ -401,6 +427,8 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
         L, n = int(e.lens[0]), int(e.pend_n[0])
         rows = [(a[0, :, :L - n], b[0, :, :L - n]) for a, b in zip(e.ctx.k + e.ctx.v, ref.ctx.k + ref.ctx.v)]
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in rows)
+        if e.auto.history[-1][2] == kb.AR_PROBE:   # caught up before its draft; only its own row waits
+            assert n == 1, n
         if n:   # held rows: not in the context yet
             held += 1
             assert not torch.allclose(e.ctx.k[0][0, :, L - n:L], ref.ctx.k[0][0, :, L - n:L])
