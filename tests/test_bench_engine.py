@@ -1,5 +1,6 @@
 """kdtree.bench.engine's CPU parts: the decode weight-bytes floor, the stage profile of an auto round."""
 import pytest
+import torch
 
 from kdtree.bench.engine import decode_weight_bytes
 from kdtree.config import TINY_A, TINY_B, load_config
@@ -52,7 +53,7 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     d = weights.load_drafter("data/trained/drafter", t)
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=1, max_len=256)
     p = heldout_prompts(1, 24)[0]
-    with pytest.raises(ValueError, match=r"plan='B=32': expected one of the engine's tree plans"):
+    with pytest.raises(ValueError, match=r"plan='B=32': expected 'AR' or one of the engine's tree plans"):
         stage_kernels(e, p, plan="B=32")
     assert not e.active and not e.waiting and e.rounds == 0
     out = stage_kernels(e, p, rounds=2, plan="B=8")
@@ -68,6 +69,37 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     fixed = Engine(t, d, mode="ddtree", budget=8, max_batch=1, max_len=256)
     with pytest.raises(ValueError, match="only a budget='auto' engine takes a plan"):
         stage_kernels(fixed, p, plan="B=8")
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_stage_kernels_profiles_the_ar_plan_at_a_batch():
+    """plan "AR" at batch 2: no front (its draft and build stages call no op), the verify, walk and commit
+    do; the deferred-context counts, lengths and roots are as before, so the requests served after it match
+    the oracle; a batch beyond max_batch is refused before anything runs."""
+    from kdtree import weights
+    from kdtree.bench.engine import heldout_prompts, stage_kernels
+    from kdtree.engine import Engine
+    from kdtree.oracle import oracle_ar
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=2, max_len=256)
+    p = heldout_prompts(1, 24)[0]
+    with pytest.raises(ValueError, match=r"batch=3: expected an int in \[1, 2\]"):
+        stage_kernels(e, p, plan="AR", batch=3)
+    assert not e.active and not e.waiting and e.rounds == 0
+    seen, step, run = [], e.step, e.run
+    e.step = lambda *a, **k: (step(*a, **k), seen.append(e.pend_n.clone()))[0]
+    e.run = lambda *a, **k: (seen.append(e.pend_n.clone()), run(*a, **k))[1]
+    out = stage_kernels(e, p, rounds=2, plan="AR", batch=2)
+    del e.step, e.run
+    assert len(seen) >= 3 and torch.equal(seen[1], seen[2]), seen   # the profiled AR rounds' rows undone
+    assert out["plan"] == "AR" and out["build_nodes"] is None
+    assert out["draft"]["ops"] == out["build"]["ops"] == 0, out
+    assert all(out[st]["ops"] > 0 for st in ("verify", "walk", "commit")), out
+    assert not e.active and e.free_pages == e.pages.capacity and not e.pend_n.any()
+    ids = [e.add_request(p, 20), e.add_request(p[:-3], 20)]
+    res = e.run()
+    assert [res[i].tokens for i in ids] == [oracle_ar(t, p, 20).tokens, oracle_ar(t, p[:-3], 20).tokens]
 
 
 def test_stage_by_markers_places_every_kernel_between_its_stage_markers():

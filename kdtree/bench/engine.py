@@ -135,8 +135,8 @@ def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
             "top": sorted(top.items(), key=lambda kv: -kv[1])[:15]}
 
 
-def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25, plan: str | None = None
-                  ) -> dict:
+def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25, plan: str | None = None,
+                  batch: int = 1, **add) -> dict:
     """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
     "gpu_s", "ops" (torch ops called from the stage's code)}} plus the totals and "top_kernels" (the
@@ -147,21 +147,27 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     (each torch op's own kernels) where no marker was seen. budget="auto": the round of tree plan `plan`
     (a plan name such as "B=16"; default the largest tree), its front phase (draft; build = the tree of
     the plan's build size, the plans' expected tokens and the block's copies) then its back phase (verify,
-    walk, commit); "plan" and "build_nodes" say which."""
+    walk, commit); "plan" and "build_nodes" say which; plan "AR": the AR plan's round (no front: its draft
+    and build stages stay empty), as an AR hold serves it. batch: that many requests of the prompt (seeds
+    0 ...; at most the engine's max_batch), each added with `add` (add_request keywords, e.g.
+    synthetic_context), so the round runs at that batch bucket."""
     from torch.profiler import ProfilerActivity, profile, record_function
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= engine.max_batch:
+        raise ValueError(f"batch={batch!r}: expected an int in [1, {engine.max_batch}] (max_batch)")
     phases = None
     if engine.auto is not None:
         names = [p.name for p in engine.plans]
         trees = [p.name for p in engine.plans if p.kind == "tree"]
         name = trees[-1] if plan is None else plan
-        if name not in trees:
-            raise ValueError(f"plan={plan!r}: expected one of the engine's tree plans {trees}")
+        if name not in trees and not (name == "AR" and names[0] == "AR"):
+            raise ValueError(f"plan={plan!r}: expected 'AR' or one of the engine's tree plans {trees}")
         i = names.index(name)
-        phases = (engine.auto.build(engine._bucket(1), i), engine.plans[i])
+        phases = (engine.auto.build(engine._bucket(batch), i), engine.plans[i])
     elif plan is not None:
         raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
-    room = engine.max_len - len(prompt) - engine.lookahead
-    engine.add_request(prompt, min(3 * engine.max_accept + 2, room))
+    room = engine.max_len - len(prompt) - engine.lookahead - int(add.get("synthetic_context", 0) or 0)
+    for s in range(batch):
+        engine.add_request(prompt, max(1, min(3 * engine.max_accept + 2, room)), seed=s, **add)
     engine.step()
     engine.step()
     order = list(STAGES)
@@ -184,20 +190,28 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
                 self.cur.__enter__()
 
     b = engine._bucket(len(engine.active))
-    snapshot = [t.clone() for t in (engine.lens, engine.root)]
+    state = [t for t in (engine.lens, engine.root, engine.pend_n) if t is not None]
+    snapshot = [t.clone() for t in state]
+
+    def restore():
+        for t, v in zip(state, snapshot):
+            t.copy_(v)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):  # the same round repeated from the same state
-            engine.lens.copy_(snapshot[0])
-            engine.root.copy_(snapshot[1])
+            restore()
             if phases is None:
                 engine._round(b, False, Marks())
+            elif phases[0] is None:   # the AR plan: no front, its stages empty
+                marks = Marks()
+                marks("draft")
+                marks("build")
+                engine._round(b, False, marks, plan=phases[1])
             else:   # one Marks over both phases: draft, build in the front; verify, walk, commit after
                 marks = Marks()
                 engine._front(b, phases[0], marks)
                 engine._round(b, False, marks, plan=phases[1])
         _sync()
-    engine.lens.copy_(snapshot[0])
-    engine.root.copy_(snapshot[1])
+    restore()
 
     def kernels(ev):
         ks = [(k.duration, k.name) for k in ev.kernels]

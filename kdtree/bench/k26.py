@@ -209,6 +209,10 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 out = {} if budget == "auto" else measure_routing(e, prompts, **add)
                 if gpu and (mode == "dflash" or (first and budget == max(budgets))):
                     out["stages"] = stage_kernels(e, prompts[0])
+                if gpu and first and batch > 1 and (mode == "ar" or budget == "auto"):
+                    # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
+                    out["ar_stages"] = stage_kernels(e, prompts[0], batch=batch, **add,
+                                                     plan="AR" if budget == "auto" else None)
                 if queue and batch > 1:   # the same seeds in every plan of the cell: the same texts
                     h0 = len(e.auto.history) if e.auto is not None else 0
                     q = run_engine(e, [prompts[i % batch] for i in range(queue * batch)], max_new(batch),
