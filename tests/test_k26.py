@@ -136,6 +136,11 @@ def test_bench_k26_smoke_on_a_cpu():
     assert all(0 < c["queued"]["full_rounds"] <= c["queued"]["rounds"] for c in cells)
     assert "plan_counts" in cells[-1]["queued"] and "plan_counts" not in cells[0]["queued"]
     assert sum("queue of 4 (full-batch rounds)" in n for n in names) == 2
+    # an AR round's stage profile at the cell's batch, for the AR engine and auto's AR plan
+    ar, auto = cells[0], cells[-1]
+    assert "plan" not in ar["ar_stages"] and auto["ar_stages"]["plan"] == "AR"
+    assert auto["ar_stages"]["draft"]["ops"] == 0 < auto["ar_stages"]["verify"]["ops"]
+    assert all("ar_stages" not in c for c in cells[1:-1])
 
 
 def test_staged_sweeps_merge_into_one_record():

@@ -209,7 +209,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 out = {} if budget == "auto" else measure_routing(e, prompts, **add)
                 if gpu and (mode == "dflash" or (first and budget == max(budgets))):
                     out["stages"] = stage_kernels(e, prompts[0])
-                if gpu and first and batch > 1 and (mode == "ar" or budget == "auto"):
+                if first and batch > 1 and (mode == "ar" or budget == "auto"):
                     # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
                     out["ar_stages"] = stage_kernels(e, prompts[0], batch=batch, **add,
                                                      plan="AR" if budget == "auto" else None)
@@ -349,7 +349,8 @@ def cell_targets(cells) -> list:
     for (C, b), rows in sorted(by_cell.items()):
         if len({c["layers"] for c in rows}) > 1:
             raise ValueError(f"merge: cell {C}:{b} would mix {sorted({c['layers'] for c in rows})} MoE "
-                             "layers (run the whole cell again)")
+                             "layers (run the whole cell again, or combine runs that measure every "
+                             "profile of it at one count: python -m kdtree.bench.k26_record)")
         targets += _targets(rows, C, b, rows[0]["layers"])
     return targets
 
