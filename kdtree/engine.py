@@ -1410,16 +1410,19 @@ class Engine:
         est = self._capped(reqs, est)
         if not self.makespan or self.waiting or len(reqs) < 2:
             return est
-        left = np.array([max(r.max_new - len(r.result.tokens), 1) for r in reqs], np.float64)
-        return auto_budget.drain(est, left, self._longest)
+        return auto_budget.drain(est, Engine._left(reqs), self._longest)
+
+    @staticmethod
+    def _left(reqs: list) -> np.ndarray:
+        """[n] each request's tokens left: max_new less those emitted as of the last landed round, at
+        least 1."""
+        return np.array([max(r.max_new - len(r.result.tokens), 1) for r in reqs], np.float64)
 
     @staticmethod
     def _capped(reqs: list, est: np.ndarray) -> np.ndarray:
-        """est [n, P] with request i's row capped at its tokens left (max_new less those emitted as of the
-        last landed round, at least 1): tokens past a request's end are not emitted, so near its end a
-        smaller plan (or AR) loses nothing of what it counts."""
-        left = np.array([max(r.max_new - len(r.result.tokens), 1) for r in reqs], np.float64)
-        return np.minimum(est, left[:, None])
+        """est [n, P] with request i's row capped at its tokens left (`_left`): tokens past a request's end
+        are not emitted, so near its end a smaller plan (or AR) loses nothing of what it counts."""
+        return np.minimum(est, Engine._left(reqs)[:, None])
 
     def _take_estimates(self, reqs: list, rows: np.ndarray) -> None:
         """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch); a request
@@ -1466,7 +1469,7 @@ class Engine:
         if not self.makespan or self.waiting or not self.active:
             return None
         unlanded = self._launched - self.rounds + int(ahead)
-        return max(max(r.max_new - len(r.result.tokens) for r in self.active) - unlanded, 1)
+        return max(int(self._left(self.active).max()) - unlanded, 1)
 
     def _auto_round(self, b: int, n: int, sampling: bool, clock):
         """Decide (kdtree.budget), then the round's phases. Returns (logits, plan index, info for

@@ -140,9 +140,9 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     """Per stage of one round: kernels launched and their summed GPU time (torch.profiler, the round's own
     code run eagerly, so the same kernels a graph replays; launch gaps excluded). {stage: {"kernels",
     "gpu_s", "ops" (torch ops called from the stage's code)}} plus the totals and "top_kernels" (the
-    costliest kernels by name: stage, launches and GPU seconds a round); the engine must be idle (one
-    request is served and finished here). On a GPU each stage opens with a marker kernel on the stream
-    (`MARK_KERNEL`, and one closes the round), so every kernel between two markers in GPU order is the
+    costliest kernels by name: stage, launches and GPU seconds a round); the engine must be idle (the
+    `batch` requests are served and finished here). On a GPU each stage opens with a marker kernel on the
+    stream (`MARK_KERNEL`, and one closes the round), so every kernel between two markers in GPU order is the
     stage's, CuPy's too (their launches sit under no torch op); "attributed" says "markers", or "ops"
     (each torch op's own kernels) where no marker was seen. budget="auto": the round of tree plan `plan`
     (a plan name such as "B=16"; default the largest tree), its front phase (draft; build = the tree of
