@@ -1078,15 +1078,16 @@ class Engine:
         next catch-up), the round's output row per request (acc_len, finite, emitted tokens), lengths and
         roots advanced. Returns the accepted features [b, A, F] for a host drafter (else None)."""
         lens, root = self.lens[:b], self.root[:b]
+        if feats is not None and self.batched_drafter and defer:
+            # AR's block: its one row (the root, always accepted) a request; padding slots do not count it
+            slot = torch.arange(b, device=feats.device)
+            self.pend[slot, self.pend_n[:b]] = feats[:, 0].to(self.pend.dtype)
+            self.pend_n[:b] += self.live[:b]
+            feats = None
         if feats is not None:
             rows = acc.long().clamp_min(0)
             feats = feats.gather(1, rows[..., None].expand(-1, -1, feats.shape[-1]))          # [b, A, F]
-            if self.batched_drafter and defer:   # one row a request; padding slots do not count it
-                slot = torch.arange(b, device=feats.device)
-                self.pend[slot, self.pend_n[:b]] = feats[:, 0].to(self.pend.dtype)
-                self.pend_n[:b] += self.live[:b]
-                feats = None
-            elif self.batched_drafter:
+            if self.batched_drafter:
                 self.drafter.extend(self.ctx, feats, lens, acc_len)
                 feats = None
         A = self.max_accept

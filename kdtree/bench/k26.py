@@ -38,6 +38,7 @@ from ..engine import Engine
 from ..simulate import Profile
 from .e2e import _cell
 from .engine import run_engine, stage_kernels, write_record
+from .clocks import gpu_state
 from .goals import target as _goal
 
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
@@ -225,6 +226,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 return out
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
+            st0 = gpu_state(device) if gpu else None
             try:
                 c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after,
                           warm_new=max_new(batch) // 4, reseed=True)
@@ -235,6 +237,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 ka = k26.target_args(1)
                 c.update(peak_bytes=torch.cuda.max_memory_allocated() - weights,
                          estimate_bytes=cell_bytes(ka, k26.drafter_args(ka), batch, context, rows, n))
+            if gpu:   # the clock state at the engine's start and end (a power cap would slow later engines)
+                c["gpu_state"] = [st0, gpu_state(device)]
             c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=run_id,
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
