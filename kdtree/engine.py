@@ -801,7 +801,7 @@ class Engine:
             if finish(r.result.tokens, [tok], r.max_new, r.stop):
                 leave.append(r)
         self.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
-        for r in leave:  # slots move only now
+        for r in sorted(leave, key=lambda r: -r.slot):  # slots move only now, the highest first
             self._release(r)
         self.prefill_s += time.perf_counter() - t0 - synth
 
@@ -1262,6 +1262,7 @@ class Engine:
             plan = self.plans[f.i]
             self._auto_take(f, stages["round"])
         self.rounds += 1
+        leaving = []
         for i, (r, row) in enumerate(zip(f.reqs, host)):
             if r.slot < 0:   # finished or failed in the round before f
                 continue
@@ -1273,7 +1274,7 @@ class Engine:
             if not ok:
                 self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) of this round: "
                                                 "the target's weights or inputs are not finite")
-                self._release(r)
+                leaving.append(r)
                 continue
             if self._features is not None and r.session is not None:
                 r.session.accept(self._features[i, :k])
@@ -1285,7 +1286,11 @@ class Engine:
             done = finish(res.tokens, new, r.max_new, r.stop)
             emitted.setdefault(r.rid, []).extend(res.tokens[before:])   # up to max_new and a stop token
             if done:
-                self._release(r)
+                leaving.append(r)
+        # the highest slot first: requests ending together (a static batch's end) move no slot's state (the
+        # drafter's context, pend) into the slot of one that leaves after it
+        for r in sorted(leaving, key=lambda r: -r.slot):
+            self._release(r)
         self._features = None
         if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now

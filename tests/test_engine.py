@@ -327,6 +327,28 @@ def test_padding_slots_do_not_advance(tiny):
     assert e.rounds == 3 * 99
 
 
+def test_requests_ending_together_leave_from_the_highest_slot(pair, monkeypatch):
+    """A static batch ending in one round: its requests leave from the highest slot down, so no slot's state
+    (page table row, drafter context, pend) is copied into a freed slot; the outputs equal the oracle's."""
+    t, d = pair
+    prompts = random_prompts(t.args, 4, seed=8, min_len=12, max_len=12)
+    e = Engine(t, d, mode="ddtree", budget="auto", max_budget=16, max_batch=4, max_len=256, graphs=False)
+    moves, real = [], Engine._release
+
+    def spy(self, r):
+        moves.append(r.slot != len(self.active) - 1)
+        real(self, r)
+    monkeypatch.setattr(Engine, "_release", spy)
+    out = [r.tokens for r in e.generate(prompts, 1)]   # every request ends with its prefill's token
+    assert out == [oracle_ar(t, p, 1).tokens for p in prompts]
+    assert len(moves) == 4 and not any(moves)
+    moves.clear()
+    e = Engine(t, mode="ar", max_batch=4, max_len=256, graphs=False)
+    out = [r.tokens for r in e.generate(prompts, 6)]   # AR: all four end in the same round
+    assert out == [oracle_ar(t, p, 6).tokens for p in prompts]
+    assert len(moves) == 4 and not any(moves)
+
+
 def _logit_trace(engine, reqs):
     """Run (prompt, max_new) requests; the verify logits of the first request, round by round (copies)."""
     ids = [engine.add_request(p, n) for p, n in reqs]

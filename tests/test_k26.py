@@ -208,3 +208,35 @@ def test_fit_layers_keeps_twelve_layers_at_batch_8_and_room_for_the_largest_tree
     assert fit_layers(free, 32, 4096, 129, 16) <= 10
     assert fit_layers(free, 8, 32768, 129, 16) <= fit_layers(free, 8, 4096, 129, 16)
     assert fit_layers(2**30, 1, 4096, 129, 16) == 0
+
+
+def test_autos_overhead_splits_into_its_parts():
+    """bench.steps.overhead: auto's decode seconds beyond AR's, split into drafted rounds beyond AR's median
+    step, catch-up steps, the last step and the per-round rest (which sum to the total)."""
+    from kdtree.bench.steps import overhead
+    auto = {"by_plan": {"AR": [10, 0.1], "B=4": [2, 0.05], "AR+draft": [1, 0.03]}, "catchups": 1,
+            "catchup_s": 0.012, "last_s": 0.02, "decode_s": 0.25}
+    o = overhead(auto, ar=0.15, ar_median=0.01)
+    want = {"total_s": 0.1, "probes_s": 0.05, "catchup_s": 0.002, "last_s": 0.01, "rest_s": 0.038}
+    assert all(abs(o[k] - v) < 1e-12 for k, v in want.items()), o
+
+
+def test_step_trace_on_a_cpu():
+    """bench.steps.compare at small dimensions: AR, auto and AR again traced step by step; AR lands no plans
+    and no catch-ups, auto's plans cover its rounds, each overhead's parts sum to its total."""
+    from kdtree.bench import steps
+    small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=48, intermediate_size=128)
+    rec = steps.compare(context=96, batch=2, layers=2, profiles=[(4.0, 8)], repeats=1, budgets=(4, 16),
+                        device="cpu", args=SMALL, dargs=small, new=6, progress=False)
+    row = rec["profiles"][0]
+    assert rec["label"].startswith("K2.6 shape, random weights, SIMULATED") and set(row["engines"]) == {
+        "ar", "auto", "ar_again"}
+    for name, (s,) in row["engines"].items():
+        assert s["prefill_s"] > 0 and s["decode_s"] > 0 and s["wall_s"] >= s["decode_s"], name
+    ar, auto = row["engines"]["ar"][0], row["engines"]["auto"][0]
+    assert ar["by_plan"] == {} and ar["catchups"] == 0 and ar["steps"] == 6   # the first token from prefill
+    assert 1 <= sum(n for n, _ in auto["by_plan"].values()) <= 5
+    (o,) = row["overhead"]
+    assert abs(sum(o[k] for k in ("probes_s", "catchup_s", "last_s", "rest_s")) - o["total_s"]) < 1e-12
+    assert 0 < row["auto_over_ar_wall"][0] < 100

@@ -1,0 +1,164 @@
+"""Where a run's wall time goes, step by step: budget="auto" against the AR engine at K2.6 shape.
+
+`trace(engine, prompts, max_new, **add)`: the prompts through the engine as `run_engine` serves them
+(overlapped steps), each step's wall time (less its prefill and synthetic fill), the plan of the round it
+landed and whether the drafter's deferred context caught up in the round it launched. `summary(run)`: the
+run's wall, prefill and decode seconds, the median step, the seconds of the steps that landed each plan,
+of the catch-up steps and of the last step (which waits for the last round with nothing to overlap it).
+
+`compare(...)` (`python -m kdtree.bench.steps --out DIR`): at one (context, batch) cell and simulated
+profile, the AR engine, budget="auto" and the AR engine again (the same engine twice brackets any drift of
+the GPU), each a warm-up run then `repeats` runs with the same request seeds across engines; writes
+DIR/steps_k26.json with every run's summary and `overhead`: auto's decode seconds beyond the mean of the
+two AR engines' in the same repeat, split into its probe rounds (drafted rounds beyond the AR median step),
+catch-up steps, last step and the rest (per round). SIMULATED acceptance (`kdtree.simulate`), random
+weights, the long context synthetic, as `bench.k26`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import k26
+from ..engine import Engine
+from ..simulate import Profile
+from .engine import _sync
+from .k26 import PROMPT, _with_block, max_new as k26_max_new
+
+
+def trace(engine: Engine, prompts, max_new: int, seed0: int = 0, **add) -> dict:
+    """One run (every prompt at once; request i seeded seed0 + i): {"wall_s", "prefill_s", "steps": [...]},
+    each step {"s": wall less prefill and fill, "prefill_s", "plan" (of the round it landed; None: none
+    landed, or not budget="auto"), "catchup" (the drafter's deferred context caught up)}."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, max_new, 0.0, seed=seed0 + i, **add)
+    _sync()
+    steps, s0, p0 = [], engine.synthetic_s, engine.prefill_s
+    t0 = time.perf_counter()
+    while engine.waiting or engine.active or engine.in_flight:
+        pend, rounds, syn, pre = engine._pending, engine.rounds, engine.synthetic_s, engine.prefill_s
+        ts = time.perf_counter()
+        engine.step(overlap=True)
+        dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
+        landed = engine.last_round if engine.rounds > rounds else {}
+        steps.append({"s": dt - (engine.prefill_s - pre), "prefill_s": engine.prefill_s - pre,
+                      "plan": landed.get("plan"), "catchup": engine._pending < pend})
+    _sync()
+    wall = time.perf_counter() - t0 - (engine.synthetic_s - s0)
+    engine.run()   # hands out (and clears) the finished results
+    return {"wall_s": wall, "prefill_s": engine.prefill_s - p0, "steps": steps}
+
+
+def summary(run: dict) -> dict:
+    """A traced run in numbers (module docstring): decode_s is the steps' wall less prefill; by_plan
+    {plan: [steps, seconds]}; catchup_s the steps with a catch-up; last_s the last step."""
+    st = run["steps"]
+    by_plan: dict = {}
+    for x in st:
+        if x["plan"] is not None:
+            n, s = by_plan.get(x["plan"], (0, 0.0))
+            by_plan[x["plan"]] = [n + 1, s + x["s"]]
+    return {"wall_s": run["wall_s"], "prefill_s": run["prefill_s"], "decode_s": sum(x["s"] for x in st),
+            "steps": len(st), "step_median_s": statistics.median(x["s"] for x in st) if st else None,
+            "by_plan": by_plan, "catchups": sum(x["catchup"] for x in st),
+            "catchup_s": sum(x["s"] for x in st if x["catchup"]), "last_s": st[-1]["s"] if st else 0.0}
+
+
+def overhead(auto: dict, ar: float, ar_median: float) -> dict:
+    """auto's summary against the AR engines' decode seconds `ar` and median step `ar_median` of the same
+    repeat: {"total_s", "probes_s", "catchup_s", "last_s", "rest_s"} (rest: the per-round remainder)."""
+    drafted = [v for k, v in auto["by_plan"].items() if k != "AR"]
+    probes = sum(s - n * ar_median for n, s in drafted)
+    catch = auto["catchup_s"] - auto["catchups"] * ar_median
+    last = auto["last_s"] - ar_median
+    total = auto["decode_s"] - ar
+    return {"total_s": total, "probes_s": probes, "catchup_s": catch, "last_s": last,
+            "rest_s": total - probes - catch - last}
+
+
+def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3.0, 8),), repeats: int = 3,
+            budgets=(4, 8, 16, 32, 64, 128), device="cuda", args=None, dargs=None, new: int | None = None,
+            progress: bool = True, on_profile=None) -> dict:
+    """The cell's AR / auto / AR engines per profile ((chain tau, block) or a `Profile`), traced (module
+    docstring). args / dargs: smaller dimensions (a CPU test); on_profile(record so far): after each
+    profile."""
+    t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
+    d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
+    new = new or k26_max_new(batch)
+    rows = max(budgets) + 1
+    rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance: auto's overhead against AR, per step",
+           "context": context, "batch": batch, "layers": layers, "max_new": new, "repeats": repeats,
+           "profiles": []}
+    add = dict(synthetic_context=context - PROMPT)
+    for spec in profiles:
+        prof = spec if isinstance(spec, Profile) else Profile(spec[0], depth=spec[1] - 1, K=2 * max(budgets))
+        engines = {}
+        for name in ("ar", "auto", "ar_again"):
+            kw = dict(max_batch=batch, buckets=(batch,), graph_sampling=False, simulate=prof,
+                      max_len=context + PROMPT + new + rows + 64)
+            if name == "auto":
+                kw.update(mode="ddtree", budget="auto", budgets=tuple(budgets))
+            e = Engine(t, _with_block(d, prof.depth + 1) if name == "auto" else None, **kw)
+            trace(e, prompts, max(new // 4, 2), **add)   # warm-up
+            engines[name] = [summary(trace(e, prompts, new, seed0=1000 * (k + 1), **add))
+                             for k in range(repeats)]
+            del e
+            gc.collect()   # the engine's graphs and pools go before the next one's
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+        over = []
+        for k in range(repeats):
+            a, b = engines["ar"][k], engines["ar_again"][k]
+            over.append(overhead(engines["auto"][k], (a["decode_s"] + b["decode_s"]) / 2,
+                                 (a["step_median_s"] + b["step_median_s"]) / 2))
+        ar_wall = [(a["wall_s"] + b["wall_s"]) / 2 for a, b in zip(engines["ar"], engines["ar_again"])]
+        row = {"profile": prof.name, "engines": engines, "overhead": over,
+               "auto_over_ar_wall": [x["wall_s"] / w for x, w in zip(engines["auto"], ar_wall)]}
+        rec["profiles"].append(row)
+        if on_profile is not None:   # a sweep cut off keeps the profiles it measured
+            on_profile(rec)
+        if progress:
+            for k, o in enumerate(over):
+                print(f"{prof.name}  repeat {k}: auto / AR wall {row['auto_over_ar_wall'][k]:.3f}; decode "
+                      + "  ".join(f"{key[:-2]} {v * 1e3:+.1f} ms" for key, v in o.items()), flush=True)
+    return rec
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.steps", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder of steps_k26.json")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=10, help="MoE layers (bench.k26's count at the cell)")
+    ap.add_argument("--profiles", nargs="+", default=["3:8"],
+                    help="chain tau:block[:ratio] (`Profile`), e.g. 3:8 2.72:16:0.9")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    if not a.out.is_dir():
+        raise SystemExit(f"--out {a.out}: not a folder")
+    try:
+        parts = [p.split(":") for p in a.profiles]
+        profs = [Profile(float(x[0]), depth=int(x[1]) - 1, ratio=float(x[2]) if len(x) > 2 else 0.5, K=256)
+                 for x in parts if len(x) in (2, 3)]
+        if len(profs) != len(parts):
+            raise ValueError("tau:block[:ratio]")
+    except ValueError as e:
+        raise SystemExit(f"--profiles {a.profiles}: expected chain tau:block[:ratio] items, e.g. 3:8 ({e})") \
+            from None
+    if not torch.cuda.is_available():
+        raise SystemExit("kdtree.bench.steps: needs a CUDA device (K2.6 shape)")
+    out = a.out / "steps_k26.json"
+    compare(a.context, a.batch, a.layers, profs, a.repeats,
+            on_profile=lambda rec: out.write_text(json.dumps(rec, indent=1) + "\n"))
+    print(f"wrote {a.out / 'steps_k26.json'}")
+
+
+if __name__ == "__main__":
+    main()
