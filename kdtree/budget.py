@@ -27,10 +27,12 @@ block within that tree from them. AR is a candidate only before drafting: when A
 rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe) to refresh
 the estimates: its best drafting plan, or AR's block after the draft (`ar_probe`: the estimates come from the
 draft alone) where that costs less beyond AR's rounds for its tokens, as where a tree's verify is dear and a
-probe would cost several AR rounds. Holds stop doubling at MAX_HOLD, or, where a probe costs more than that
-many AR rounds can hide, at the hold over which the probe's seconds beyond AR's for its tokens stay within
-PROBE_SHARE of the hold's (at most LONG_HOLD). A probe whose estimates would serve fewer rounds than the hold
-it ends (the batch ends first: `rounds_left`) is not run: AR serves on to the batch's end.
+probe would cost several AR rounds, and always while a static batch's end is in view for several requests
+(the batch ends on its slowest request, so a drafted block's uneven tokens shorten nothing). Holds stop
+doubling at MAX_HOLD, or, where a probe costs more than that many AR rounds can hide, at the hold over which
+the probe's seconds beyond AR's for its tokens stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A
+probe whose estimates would serve fewer rounds than the hold it ends (the batch ends first: `rounds_left`) is
+not run: AR serves on to the batch's end.
 """
 from __future__ import annotations
 
@@ -352,7 +354,7 @@ class Policy:
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = 1
                 return self._best_draft(s)
-            limit = self.hold_limit(s, est, self._ar_probe_score(b, est, ctx))
+            limit = self.hold_limit(s, est, self._ar_probe_score(b, est, ctx), rounds_left is not None)
             self.hold, self.backoff = self.backoff, min(2 * self.backoff, limit)
             self.served = self.hold
         if self.hold > 0:
@@ -363,12 +365,17 @@ class Policy:
             return 0
         self.probe = False
         s = self.score(b, est, ctx, lambda p: True)
-        j = self._best_draft(s)
-        x = self._excess(s, est, self._ar_probe_score(b, est, ctx))
-        if x[1] < x[0]:
-            self.ar_probe = True
-            return 0
-        return j
+        self.ar_probe = self._probe_is_ar(s, est, self._ar_probe_score(b, est, ctx), rounds_left is not None)
+        return 0 if self.ar_probe else self._best_draft(s)
+
+    def _probe_is_ar(self, s: np.ndarray, est: np.ndarray, ar_probe: float, static: bool) -> bool:
+        """Whether a hold's probe verifies AR's block after its draft (else the best drafting plan): where
+        that costs less beyond AR's rounds (`_excess`), and always where a static batch's end is in view
+        (static: `rounds_left` known) for several requests. There the batch ends on its slowest request: a
+        drafted block's tokens land unevenly across the requests and AR serves on after it, so its tokens
+        beyond the slowest request's shorten nothing (the estimates assume the plan serves on, `drain`)."""
+        xj, xa = self._excess(s, est, ar_probe)
+        return xa < xj or (static and len(est) > 1 and math.isfinite(xa))
 
     def _excess(self, s: np.ndarray, est: np.ndarray, ar_probe: float) -> tuple[float, float]:
         """(the best drafting plan's, an AR probe's) round seconds beyond AR's for the same tokens, in AR
@@ -400,12 +407,14 @@ class Policy:
         tot = float(np.asarray(est, np.float64)[:, 0].sum())
         return tot / c if 0 < c < math.inf else -math.inf
 
-    def hold_limit(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf) -> int:
+    def hold_limit(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf,
+                   static: bool = False) -> int:
         """The longest AR hold when AR scores best (`s`, tokens per second per plan; est [n, P]; ar_probe:
-        an AR probe's score, `_ar_probe_score`): MAX_HOLD, or the hold whose AR rounds make the probe's
-        excess (`_excess`: that of the probe `before` runs, the one of less excess) at most PROBE_SHARE of
-        their seconds, up to LONG_HOLD."""
-        need = min(self._excess(s, est, ar_probe)) / PROBE_SHARE
+        an AR probe's score, `_ar_probe_score`; static: a static batch's end in view): MAX_HOLD, or the hold
+        whose AR rounds make the probe's excess (`_excess`, of the probe `before` runs: `_probe_is_ar`) at
+        most PROBE_SHARE of their seconds, up to LONG_HOLD."""
+        xj, xa = self._excess(s, est, ar_probe)
+        need = (xa if self._probe_is_ar(s, est, ar_probe, static) else xj) / PROBE_SHARE
         if not math.isfinite(need):
             return MAX_HOLD
         return int(min(LONG_HOLD, max(MAX_HOLD, math.ceil(need))))

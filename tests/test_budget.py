@@ -606,3 +606,23 @@ def test_the_engines_policy_input_drains_only_a_batch_nothing_waits_to_join():
         Engine(t, d, mode="ddtree", budget="auto", makespan="yes", max_len=128)
     with pytest.raises(ValueError, match="makespan: only budget='auto' takes them"):
         Engine(t, d, mode="ddtree", budget=8, makespan=False, max_len=128)
+
+
+def test_a_static_batchs_probe_verifies_ars_block():
+    """Where a drafted probe costs less beyond AR than an AR probe (by the estimates, which assume the plan
+    serves on), it still verifies AR's block while a static batch's end is in view (rounds_left) for several
+    requests: AR serves on after the probe and the batch ends on its slowest request, so the drafted block's
+    uneven tokens would shorten nothing. With requests waiting (None) or one request, the drafted probe; the
+    hold limit takes the probe that runs."""
+    plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
+    costs = _costs(2.0, [1.0] * 4, builds=(4, 8))     # B=8's excess 1.85 AR rounds, an AR probe's 2
+    two = np.array([[1.0, 1.05, 1.1, 1.15]] * 2)
+    for left, est, want in ((None, two, False), (100, two[:1], False), (100, two, True)):
+        pol = kb.Policy(plans, costs)
+        got = [pol.before(1, est, 0, left) for _ in range(2)]
+        assert got == [0, 0 if want else 3] and pol.ar_probe is want, (left, len(est), got)
+        s = pol.score(1, est, 0, lambda p: True)
+        xj, xa = pol._excess(s, est, pol._ar_probe_score(1, est, 0))
+        assert xj < xa
+        limit = pol.hold_limit(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)
+        assert limit == math.ceil((xa if want else xj) / kb.PROBE_SHARE) in (185, 200)
