@@ -240,3 +240,16 @@ def test_step_trace_on_a_cpu():
     (o,) = row["overhead"]
     assert abs(sum(o[k] for k in ("probes_s", "catchup_s", "last_s", "rest_s")) - o["total_s"]) < 1e-12
     assert 0 < row["auto_over_ar_wall"][0] < 100
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch", "0"], "batch=0"), (["--context", "8"], "context=8"), (["--layers", "61"], "layers=61"),
+    (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0")])
+def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
+    """bench.steps' command line names the bad argument before building anything (and writes nothing)."""
+    from kdtree.bench import steps
+    with pytest.raises(SystemExit) as e:
+        steps.main(["--out", str(tmp_path)] + argv)
+    assert needle in str(e.value) and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit, match="not a folder"):
+        steps.main(["--out", str(tmp_path / "none")])

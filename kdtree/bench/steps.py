@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .. import k26
+from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
 from .engine import _sync
@@ -82,12 +82,21 @@ def overhead(auto: dict, ar: float, ar_median: float) -> dict:
             "rest_s": total - probes - catch - last}
 
 
+def check_cell(context, batch, layers, repeats) -> None:
+    """compare's arguments, each named in its ValueError."""
+    checks.int_in("context", context, PROMPT + 1, note=f" (the prompt's {PROMPT} rows come first)")
+    checks.positive_int("batch", batch)
+    checks.int_in("layers", layers, 1, k26.FULL_LAYERS - 1)
+    checks.positive_int("repeats", repeats)
+
+
 def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3.0, 8),), repeats: int = 3,
             budgets=(4, 8, 16, 32, 64, 128), device="cuda", args=None, dargs=None, new: int | None = None,
             progress: bool = True, on_profile=None) -> dict:
     """The cell's AR / auto / AR engines per profile ((chain tau, block) or a `Profile`), traced (module
     docstring). args / dargs: smaller dimensions (a CPU test); on_profile(record so far): after each
     profile."""
+    check_cell(context, batch, layers, repeats)
     t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
     d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
@@ -143,6 +152,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not a.out.is_dir():
         raise SystemExit(f"--out {a.out}: not a folder")
+    try:
+        check_cell(a.context, a.batch, a.layers, a.repeats)
+    except ValueError as e:
+        raise SystemExit(f"kdtree.bench.steps: {e}") from None
     try:
         parts = [p.split(":") for p in a.profiles]
         profs = [Profile(float(x[0]), depth=int(x[1]) - 1, ratio=float(x[2]) if len(x) > 2 else 0.5, K=256)
