@@ -47,7 +47,7 @@ def _sync():
 
 
 def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, seed0: int = 0,
-               **add) -> dict:
+               steps: list | None = None, **add) -> dict:
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole
     run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
@@ -59,7 +59,9 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     full_tok_per_s: the tokens of the steps whose landed round had every slot of max_batch live (their
     admissions included) over those steps' wall time, `full_rounds` of them; with more prompts than
     max_batch the engine admits each waiting request as a slot frees (a queue), and this is its steady
-    state."""
+    state. steps: a list that takes each step's {"s": wall less its prefill and fill, "prefill_s", "plan"
+    (of the round it landed; None: none landed, or not budget="auto"), "catchup" (the drafter's deferred
+    context caught up in the round it launched)} (`bench.steps`)."""
     rounds, spans, by_plan = [], [], {}
     full_tok, full_s, n_full = 0, 0.0, 0
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
@@ -67,9 +69,14 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     p0, f0, r0, s0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays, engine.synthetic_s
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
-        before, syn, ts = engine.rounds, engine.synthetic_s, time.perf_counter()
+        before, syn, pre, pend = engine.rounds, engine.synthetic_s, engine.prefill_s, engine._pending
+        ts = time.perf_counter()
         got = engine.step(overlap=True)
         dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
+        if steps is not None:
+            landed = engine.last_round if engine.rounds > before else {}
+            steps.append({"s": dt - (engine.prefill_s - pre), "prefill_s": engine.prefill_s - pre,
+                          "plan": landed.get("plan"), "catchup": engine._pending < pend})
         if engine.rounds > before:
             lr = engine.last_round
             if lr["batch"] == engine.max_batch:

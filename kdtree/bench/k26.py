@@ -36,9 +36,9 @@ import torch
 from .. import k26
 from ..engine import Engine
 from ..simulate import Profile
+from .clocks import gpu_state
 from .e2e import _cell
 from .engine import run_engine, stage_kernels, write_record
-from .clocks import gpu_state
 from .goals import target as _goal
 
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)

@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -28,31 +27,16 @@ import torch
 from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
-from .engine import _sync
+from .engine import run_engine
 from .k26 import PROMPT, _with_block, max_new as k26_max_new
 
 
 def trace(engine: Engine, prompts, max_new: int, seed0: int = 0, **add) -> dict:
-    """One run (every prompt at once; request i seeded seed0 + i): {"wall_s", "prefill_s", "steps": [...]},
-    each step {"s": wall less prefill and fill, "prefill_s", "plan" (of the round it landed; None: none
-    landed, or not budget="auto"), "catchup" (the drafter's deferred context caught up)}."""
-    for i, p in enumerate(prompts):
-        engine.add_request(p, max_new, 0.0, seed=seed0 + i, **add)
-    _sync()
-    steps, s0, p0 = [], engine.synthetic_s, engine.prefill_s
-    t0 = time.perf_counter()
-    while engine.waiting or engine.active or engine.in_flight:
-        pend, rounds, syn, pre = engine._pending, engine.rounds, engine.synthetic_s, engine.prefill_s
-        ts = time.perf_counter()
-        engine.step(overlap=True)
-        dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
-        landed = engine.last_round if engine.rounds > rounds else {}
-        steps.append({"s": dt - (engine.prefill_s - pre), "prefill_s": engine.prefill_s - pre,
-                      "plan": landed.get("plan"), "catchup": engine._pending < pend})
-    _sync()
-    wall = time.perf_counter() - t0 - (engine.synthetic_s - s0)
-    engine.run()   # hands out (and clears) the finished results
-    return {"wall_s": wall, "prefill_s": engine.prefill_s - p0, "steps": steps}
+    """One run (`run_engine`: every prompt at once, request i seeded seed0 + i): {"wall_s", "prefill_s",
+    "steps": its `steps` list}."""
+    steps: list = []
+    r = run_engine(engine, prompts, max_new, seed0=seed0, steps=steps, **add)
+    return {"wall_s": r["wall_s"], "prefill_s": r["prefill_s"], "steps": steps}
 
 
 def summary(run: dict) -> dict:
