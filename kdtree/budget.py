@@ -24,7 +24,7 @@ Decisions (`Policy`): "previous" decides before the round from the estimates the
 back with their output (no extra host sync); "sync" decides from the previous rounds which tree to build (or
 AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and picks the
 block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine serves AR
-rounds for a hold that doubles (1, 2, 4, ...) each time AR wins again, then drafts once (the probe) to refresh
+rounds for a hold that doubles each time AR wins again, then drafts once (the probe) to refresh
 the estimates: its best drafting plan, or AR's block after the draft (`ar_probe`: the estimates come from the
 draft alone) where that costs less beyond AR's rounds for its tokens, as where a tree's verify is dear and a
 probe would cost several AR rounds, and always while a static batch's end is in view for several requests
@@ -32,7 +32,10 @@ probe would cost several AR rounds, and always while a static batch's end is in 
 doubling at MAX_HOLD, or, where a probe costs more than that many AR rounds can hide, at the hold over which
 the probe's seconds beyond AR's for its tokens stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A
 probe whose estimates would serve fewer rounds than the hold it ends (the batch ends first: `rounds_left`) is
-not run: AR serves on to the batch's end.
+not run: AR serves on to the batch's end. A hold lasts at least the rounds over which its probe's excess is
+FIRST_SHARE of their seconds (at most MAX_HOLD; 1 where the probe costs nothing beyond AR), so that the probes
+of a cell where AR wins throughout cost at most that share of the first hold and less of each later one; a
+drafted round halves the next hold (a lone drafted round between holds does not restart the doubling).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its f
 MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred context holds this many rows)
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
+FIRST_SHARE = 0.1      # ... and at most this share of any hold (the shortest hold: `hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
@@ -314,12 +318,17 @@ class Policy:
         self.plans, self.costs, self.decide = tuple(plan_list), costs, decide
         self.builds = builds(self.plans)   # per plan: the tree its round builds (`widen` per batch bucket)
         self._builds: dict = {}
+        self.restart()
+        self.history: list = []
+
+    def restart(self) -> None:
+        """No hold, and the next one the shortest (`hold_floor`): at the start, and whenever the engine falls
+        idle (a batch that starts then is not bound by the holds that its predecessor's end decided)."""
         self.hold = 0        # AR rounds left before the next draft round
-        self.backoff = 1     # the next AR hold's length
+        self.backoff = 1     # the next AR hold's length (at least `hold_floor`)
         self.probe = False   # the next round drafts whatever the estimates say
         self.served = 0      # the current (or last) hold's length
         self.ar_probe = False  # the last decision: AR's block after a draft (a probe of less excess)
-        self.history: list = []
 
     def widen(self, buckets) -> None:
         """After the start-up cost table: each batch bucket's builds (`wider_builds`)."""
@@ -352,10 +361,12 @@ class Policy:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
-                self.backoff = 1
+                self.backoff = max(self.backoff // 2, 1)
                 return self._best_draft(s)
-            limit = self.hold_limit(s, est, self._ar_probe_score(b, est, ctx), rounds_left is not None)
-            self.hold, self.backoff = self.backoff, min(2 * self.backoff, limit)
+            ar_probe, static = self._ar_probe_score(b, est, ctx), rounds_left is not None
+            limit = self.hold_limit(s, est, ar_probe, static)
+            self.hold = min(max(self.backoff, self.hold_floor(s, est, ar_probe, static)), limit)
+            self.backoff = min(2 * self.hold, limit)
             self.served = self.hold
         if self.hold > 0:
             self.hold -= 1
@@ -413,11 +424,25 @@ class Policy:
         an AR probe's score, `_ar_probe_score`; static: a static batch's end in view): MAX_HOLD, or the hold
         whose AR rounds make the probe's excess (`_excess`, of the probe `before` runs: `_probe_is_ar`) at
         most PROBE_SHARE of their seconds, up to LONG_HOLD."""
-        xj, xa = self._excess(s, est, ar_probe)
-        need = (xa if self._probe_is_ar(s, est, ar_probe, static) else xj) / PROBE_SHARE
+        need = self._probe_excess(s, est, ar_probe, static) / PROBE_SHARE
         if not math.isfinite(need):
             return MAX_HOLD
         return int(min(LONG_HOLD, max(MAX_HOLD, math.ceil(need))))
+
+    def hold_floor(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf,
+                   static: bool = False) -> int:
+        """The shortest AR hold (`hold_limit`'s arguments): the rounds over which the excess of the probe
+        that ends it is FIRST_SHARE of their seconds, from 1 (a probe at AR's cost, or no finite excess) to
+        MAX_HOLD."""
+        need = self._probe_excess(s, est, ar_probe, static) / FIRST_SHARE
+        if not math.isfinite(need):
+            return 1
+        return int(min(MAX_HOLD, max(1, math.ceil(need - 1e-9))))
+
+    def _probe_excess(self, s: np.ndarray, est: np.ndarray, ar_probe: float, static: bool) -> float:
+        """The excess (`_excess`, in AR rounds) of the probe a hold ends with (`_probe_is_ar`)."""
+        xj, xa = self._excess(s, est, ar_probe)
+        return xa if self._probe_is_ar(s, est, ar_probe, static) else xj
 
     def after(self, b: int, est: np.ndarray, ctx: int, built: int, ar: bool = False) -> int:
         """"sync": the block, once the round has built a tree of `built` nodes: the best plan other than AR

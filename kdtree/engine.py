@@ -1295,6 +1295,7 @@ class Engine:
         if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now
             self._ahead = None
+            self.auto.restart()  # the next batch's holds start over (its estimates: the requests' mean)
         if self.debug:
             self.check_state()
 

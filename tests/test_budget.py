@@ -203,33 +203,67 @@ def test_expected_tokens_are_capped_at_the_tokens_left():
 
 
 def test_ar_holds_double_and_each_ends_with_one_draft_round():
-    """Drafts that do not pay: AR for 1 round, a probe draft, AR for 2, a probe, AR for 4, ... up to the hold
-    limit; once drafting pays again the next decision drafts and the hold starts over at 1."""
+    """Drafts that do not pay, at a probe that costs little beyond AR (its shortest hold is 1): AR for 1
+    round, a probe draft, AR for 2, a probe, AR for 4, ... up to the hold limit; once drafting pays again
+    the next decision drafts, and each drafted round halves the next hold."""
     plans = kb.plans(7, (4,))
-    t = _costs(1.0, [1.0, 1.0, 1.0], builds=(4,))
+    t = _costs(0.05, [1.0, 1.0, 1.0], builds=(4,))
     pol = kb.Policy(plans, t)
-    poor = np.array([[1.0, 1.1, 1.2]])               # AR 1/1, draft plans <= 1.2 / 2
+    poor = np.array([[1.0, 1.02, 1.03]])             # AR 1/1, draft plans <= 1.03 / 1.05
+    s = pol.score(1, poor, 0, lambda p: True)
+    assert pol.hold_floor(s, poor, pol._ar_probe_score(1, poor, 0)) == 1
     seq = [pol.before(1, poor, 0) for _ in range(1 + 1 + 2 + 1 + 4 + 1)]
     assert seq == [0, 2, 0, 0, 2, 0, 0, 0, 0, 2]
     for _ in range(2000):
         pol.before(1, poor, 0)
-    assert pol.backoff == pol.hold_limit(pol.score(1, poor, 0, lambda p: True), poor) > kb.MAX_HOLD
+    assert pol.backoff == pol.hold_limit(s, poor) == kb.MAX_HOLD
     while pol.hold:
         pol.before(1, poor, 0)
     good = np.array([[1.0, 3.0, 4.0]])
     assert pol.before(1, good, 0) == 2            # the probe
-    assert pol.before(1, good, 0) == 2 and pol.backoff == 1
+    halves = []
+    for _ in range(7):
+        assert pol.before(1, good, 0) == 2
+        halves.append(pol.backoff)
+    assert halves == [16, 8, 4, 2, 1, 1, 1]
     sync = kb.Policy(plans, t, decide="sync")
     assert sync.before(1, good, 0) == 2             # draft B=4's tree, then the block from fresh estimates
     assert sync.after(1, good, 0, 4) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0, 4) == 1
+
+
+def test_a_dear_probe_sets_the_shortest_hold():
+    """Where the probe costs 0.8 AR rounds beyond AR for its tokens, the holds start at 0.8 / FIRST_SHARE
+    = 8 rounds (the probe at most a tenth of the hold) and double from there to the hold limit (0.8 /
+    PROBE_SHARE = 80); a lone drafted round between holds halves the next hold instead of starting over,
+    and the shortest hold is capped at MAX_HOLD."""
+    plans = kb.plans(7, (4,))
+    pol = kb.Policy(plans, _costs(1.0, [1.0, 1.0, 1.0], builds=(4,)))
+    poor = np.array([[1.0, 1.1, 1.2]])               # B=4: 1.2 tokens for 2 AR rounds' seconds
+    s = pol.score(1, poor, 0, lambda p: True)
+    assert pol._probe_excess(s, poor, pol._ar_probe_score(1, poor, 0), False) == pytest.approx(0.8)
+    assert pol.hold_floor(s, poor, pol._ar_probe_score(1, poor, 0)) == 8
+    seq = [pol.before(1, poor, 0) for _ in range(8 + 1 + 16 + 1)]
+    assert seq == [0] * 8 + [2] + [0] * 16 + [2]
+    assert pol.backoff == 32
+    good = np.array([[1.0, 3.0, 4.0]])
+    assert pol.before(1, good, 0) == 2 and pol.backoff == 16          # a lone drafted round
+    seq = [pol.before(1, poor, 0) for _ in range(16 + 1)]
+    assert seq == [0] * 16 + [2] and pol.backoff == 32
+    for _ in range(500):
+        pol.before(1, poor, 0)
+    assert pol.backoff == pol.hold_limit(s, poor) == 80
+    dear = kb.Policy(plans, _costs(9.0, [1.0, 1.0, 1.0], builds=(4,)))   # a probe of 8.2 rounds' excess
+    s = dear.score(1, poor, 0, lambda p: True)
+    assert dear.hold_floor(s, poor, dear._ar_probe_score(1, poor, 0)) == kb.MAX_HOLD
+    assert dear.hold_floor(np.array([1.0, -np.inf, -np.inf]), poor) == 1   # no finite excess
 
 
 def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
     """A hold of h rounds ends with a probe only while more than h rounds follow it: with the batch's end in
     view (rounds_left) AR serves on to the end; without it (None: requests wait) the probe runs."""
     plans = kb.plans(7, (4,))
-    t = _costs(1.0, [1.0, 1.0, 1.0], builds=(4,))
-    poor = np.array([[1.0, 1.1, 1.2]])
+    t = _costs(0.05, [1.0, 1.0, 1.0], builds=(4,))   # a cheap probe: holds of 1, 2, ...
+    poor = np.array([[1.0, 1.02, 1.03]])
     for left, want in ((None, [0, 2, 0, 0, 2]), (100, [0, 2, 0, 0, 2]), (5, [0, 2, 0, 0, 0]),
                        (2, [0, 0, 0, 0, 0])):
         pol = kb.Policy(plans, t)
@@ -253,11 +287,13 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
     pol = kb.Policy(plans, _costs(0.2, [1.0] * 4, builds=(4, 8)))   # B=8 excess 0.05 rounds, AR probe 0.2
     assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 3] and not pol.ar_probe
     dear = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)))   # B=8 excess 2.05 rounds
-    assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the hold
+    s = dear.score(1, poor, 0, lambda p: True)
+    assert dear.hold_floor(s, poor, dear._ar_probe_score(1, poor, 0)) == 2     # the AR probe's 0.2 / 0.1
+    for _ in range(2):
+        assert dear.before(1, poor, 0) == 0 and not dear.ar_probe     # the hold
     assert dear.before(1, poor, 0) == 0 and dear.ar_probe and dear.round_build(1, 0, True) == 4
     assert dear.round_build(1, 0, False) is None and dear.round_build(1, 3, False) == 8
     assert dear.before(1, poor, 0) == 0 and not dear.ar_probe         # the next hold's first round
-    s = dear.score(1, poor, 0, lambda p: True)
     assert dear.hold_limit(s, poor, dear._ar_probe_score(1, poor, 0)) == kb.MAX_HOLD   # excess 0.2 rounds
     slow = kb.Policy(plans, _costs(2.0, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)))   # AR probe: 2 rounds' excess
     s = slow.score(1, poor, 0, lambda p: True)
@@ -266,7 +302,8 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
     # B=4 makes 0.5 tokens a second against the AR probe's 1/3, for 10 rounds' excess against 2
     rich = kb.Policy(plans, _costs(2.0, [1.0, 30.0, 18.0, 18.0], builds=(4, 8)))
     tall = np.array([[1.0, 10.0, 10.0, 10.0]])
-    assert [rich.before(1, tall, 0) for _ in range(2)] == [0, 0] and rich.ar_probe
+    got = [rich.before(1, tall, 0) for _ in range(21)]   # a hold of 2 / FIRST_SHARE rounds, then the probe
+    assert got == [0] * 21 and rich.ar_probe and rich.served == 20
     sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)), decide="sync")
     assert sync.after(1, poor, 0, 4, ar=True) == 0 and sync.after(1, poor, 0, 4) == 2
     good = np.array([[1.0, 3.0, 4.0, 4.5]])
@@ -393,6 +430,35 @@ def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
     assert e._rounds_left() is None
 
 
+def test_an_idle_engine_starts_the_next_batchs_holds_over(pair):
+    """Where AR wins throughout (forced costs), the holds grow while a batch runs; once the engine falls idle
+    the policy is restarted (no hold, the next one the shortest), so the next batch's first rounds are not
+    bound by the holds its predecessor's end decided; its outputs equal the oracle's."""
+    t, d = pair
+    prompts = random_prompts(t.args, 2, seed=12, min_len=6, max_len=12)
+    e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=2, max_len=256)
+    for key in list(e.costs.back):
+        e.costs.back[key] = 1e-6 if key[1] == 0 else 1.0
+    for key in e.costs.front:
+        e.costs.front[key] = 0.0
+    e.costs.update = lambda *a: None
+    e.auto.hold_floor = lambda *a, **k: 1
+    for p in prompts:
+        e.add_request(p, 40)
+    grown = 0
+    while e.waiting or e.active or e.in_flight:
+        e.step(overlap=True)
+        grown = max(grown, e.auto.backoff)
+    assert grown >= 8, grown                               # the holds doubled while the batch ran
+    pol = e.auto
+    assert (pol.hold, pol.backoff, pol.probe, pol.served) == (0, 1, False, 0)
+    n0 = len(pol.history)
+    out = [r.tokens for r in e.generate(prompts, 12)]
+    assert out == [oracle_ar(t, p, 12).tokens for p in prompts]
+    names = [h[2] for h in pol.history[n0:]]
+    assert names[:5] == ["AR", "AR+draft", "AR", "AR", "AR+draft"], names   # holds of 1, 2: afresh
+
+
 @pytest.mark.parametrize("ar_probes,decide", [(False, "previous"), (True, "previous"), (True, "sync")])
 def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair, ar_probes, decide):
     """Forced AR holds: an AR plan's round leaves its row's features in `pend` (the drafter's context is
@@ -413,6 +479,7 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
         e.costs.update = lambda *a: None
         if not ar_probes:
             e.auto._ar_probe_score = lambda *a: -math.inf
+        e.auto.hold_floor = lambda *a, **k: 1   # holds of 1, 2, 4, ...: several catch-ups in 60 tokens
         e.add_request(prompt, 60)
         return e
     e, ref = forced(), forced()
@@ -619,10 +686,12 @@ def test_a_static_batchs_probe_verifies_ars_block():
     two = np.array([[1.0, 1.05, 1.1, 1.15]] * 2)
     for left, est, want in ((None, two, False), (100, two[:1], False), (100, two, True)):
         pol = kb.Policy(plans, costs)
-        got = [pol.before(1, est, 0, left) for _ in range(2)]
-        assert got == [0, 0 if want else 3] and pol.ar_probe is want, (left, len(est), got)
         s = pol.score(1, est, 0, lambda p: True)
         xj, xa = pol._excess(s, est, pol._ar_probe_score(1, est, 0))
         assert xj < xa
+        h = pol.hold_floor(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)
+        assert h == math.ceil((xa if want else xj) / kb.FIRST_SHARE)   # the first hold: 19 or 20 rounds
+        got = [pol.before(1, est, 0, left) for _ in range(h + 1)]
+        assert got == [0] * h + [0 if want else 3] and pol.ar_probe is want, (left, len(est), got)
         limit = pol.hold_limit(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)
         assert limit == math.ceil((xa if want else xj) / kb.PROBE_SHARE) in (185, 200)
