@@ -143,6 +143,24 @@ def test_bench_k26_smoke_on_a_cpu():
     assert all("ar_stages" not in c for c in cells[1:-1])
 
 
+def test_routing_is_measured_on_each_requests_own_simulated_text():
+    """bench.k26.measure_routing seeds prompt i's request i, as run_engine seeds the measured runs: under a
+    simulated profile each request then reads its own text, so the measured rounds route distinct tokens
+    (one seed for all fed every request the same tokens: fewer experts than the runs read)."""
+    from kdtree.bench.k26 import measure_routing
+    from kdtree.engine import Engine
+    from kdtree.simulate import Profile
+    m = k26.build_target(2, device="cpu", seed=1, args=SMALL, kernel_only=False)
+    e = Engine(m, mode="ar", max_batch=4, max_len=128, simulate=Profile(3.0, 7, K=64))
+    seen, run = [], e.run
+    e.run = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
+    prompts = [[11 + i, 12, 13, 14] for i in range(4)]
+    got = measure_routing(e, prompts)
+    assert got["experts_touched"] > 0 and not e.active and not e.waiting
+    texts = {tuple(r.tokens) for r in seen[0].values()}
+    assert len(seen[0]) == 4 and len(texts) == 4, texts
+
+
 def test_staged_sweeps_merge_into_one_record():
     """A later sweep's profile rows replace that profile's rows of the cell, other profiles and cells stay,
     each profile's ratios use the AR row of its own run, and targets are formed again from the rows; mixing

@@ -109,15 +109,18 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     """The engine's real routing, from `rounds` eager rounds of every prompt at once (graph replays run no
     hooks): {"experts_touched": distinct routed experts one MoE layer reads per verify forward,
     "moe_kernel_s": the routed experts' kernels (moe_*) seconds per MoE layer and round, torch.profiler's
-    kernel times}. The engine must be idle; the requests are served to the end (a few rounds each)."""
+    kernel times}. Prompt i's request is seeded i, as `run_engine` seeds the measured runs: a simulated
+    profile's text is the seed's, so one seed for all would feed every request the same tokens (fewer
+    experts read than the runs read). The engine must be idle; the requests are served to the end (a few
+    rounds each)."""
     from torch.profiler import ProfilerActivity, profile
     from ..model import MoE
     moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
     seen = []
     hooks = [m.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel())) for m in moe]
     try:
-        for p in prompts:
-            engine.add_request(p, 3 * engine.max_accept + 2, **add)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, 3 * engine.max_accept + 2, seed=i, **add)
         engine.step()
         engine.step()
         b = engine._bucket(len(engine.active))
