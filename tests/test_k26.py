@@ -236,7 +236,9 @@ def test_autos_overhead_splits_into_its_parts():
             "catchup_s": 0.012, "last_s": 0.02, "decode_s": 0.25}
     o = overhead(auto, ar=0.15, ar_median=0.01)
     want = {"total_s": 0.1, "probes_s": 0.05, "catchup_s": 0.002, "last_s": 0.01, "rest_s": 0.038}
-    assert all(abs(o[k] - v) < 1e-12 for k, v in want.items()), o
+    assert all(abs(o[k] - v) < 1e-12 for k, v in want.items()) and "prefill_s" not in o, o
+    o = overhead({**auto, "prefill_s": 0.07}, ar=0.15, ar_median=0.01, ar_prefill=0.05)
+    assert abs(o["prefill_s"] - 0.02) < 1e-12 and abs(o["total_s"] - 0.1) < 1e-12   # decode apart
 
 
 def test_step_trace_on_a_cpu():
@@ -257,12 +259,21 @@ def test_step_trace_on_a_cpu():
     assert 1 <= sum(n for n, _ in auto["by_plan"].values()) <= 5
     (o,) = row["overhead"]
     assert abs(sum(o[k] for k in ("probes_s", "catchup_s", "last_s", "rest_s")) - o["total_s"]) < 1e-12
+    assert abs(o["prefill_s"] - (auto["prefill_s"] - (ar["prefill_s"] + row["engines"]["ar_again"][0][
+        "prefill_s"]) / 2)) < 1e-12
     assert 0 < row["auto_over_ar_wall"][0] < 100
+    assert ar["admissions"] == 1 and rec["queue"] == 1 and rec["requests"] == 2   # one prefill: the batch
+    # a queue of 2 x batch: the AR engine's batch ends at once and refills in one more admission
+    rec = steps.compare(context=96, batch=2, layers=2, profiles=[(4.0, 8)], repeats=1, budgets=(4, 16),
+                        device="cpu", args=SMALL, dargs=small, new=6, progress=False, queue=2)
+    ar = rec["profiles"][0]["engines"]["ar"][0]
+    assert rec["requests"] == 4 and ar["admissions"] == 2 and ar["admission_s"] > 0
+    assert ar["steps"] == 11, ar["steps"]   # the refill's step lands the first batch's last round
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--batch", "0"], "batch=0"), (["--context", "8"], "context=8"), (["--layers", "61"], "layers=61"),
-    (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0")])
+    (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0"), (["--queue", "0"], "queue=0")])
 def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
     """bench.steps' command line names the bad argument before building anything (and writes nothing)."""
     from kdtree.bench import steps

@@ -4,15 +4,18 @@
 (overlapped steps), each step's wall time (less its prefill and synthetic fill), the plan of the round it
 landed and whether the drafter's deferred context caught up in the round it launched. `summary(run)`: the
 run's wall, prefill and decode seconds, the median step, the seconds of the steps that landed each plan,
-of the catch-up steps and of the last step (which waits for the last round with nothing to overlap it).
+of the catch-up steps and of the last step (which waits for the last round with nothing to overlap it),
+and the admissions (the steps that prefilled a request, and their prefill seconds).
 
 `compare(...)` (`python -m kdtree.bench.steps --out DIR`): at one (context, batch) cell and simulated
 profile, the AR engine, budget="auto" and the AR engine again (the same engine twice brackets any drift of
 the GPU), each a warm-up run then `repeats` runs with the same request seeds across engines; writes
 DIR/steps_k26.json with every run's summary and `overhead`: auto's decode seconds beyond the mean of the
 two AR engines' in the same repeat, split into its probe rounds (drafted rounds beyond the AR median step),
-catch-up steps, last step and the rest (per round). SIMULATED acceptance (`kdtree.simulate`), random
-weights, the long context synthetic, as `bench.k26`.
+catch-up steps, last step and the rest (per round), and its prefill seconds beyond theirs. queue: queue x
+batch requests through the engine's waiting queue (1: a static batch), as `bench.k26`'s queue serves them,
+where requests that end apart are admitted apart. SIMULATED acceptance (`kdtree.simulate`), random weights,
+the long context synthetic, as `bench.k26`.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def summary(run: dict) -> dict:
     """A traced run in numbers (module docstring): decode_s is the steps' wall less prefill; by_plan
     {plan: [steps, seconds]}; catchup_s the steps with a catch-up; last_s the last step."""
     st = run["steps"]
+    adm = [x["prefill_s"] for x in st if x["prefill_s"] > 0]
     by_plan: dict = {}
     for x in st:
         if x["plan"] is not None:
@@ -51,44 +55,51 @@ def summary(run: dict) -> dict:
     return {"wall_s": run["wall_s"], "prefill_s": run["prefill_s"], "decode_s": sum(x["s"] for x in st),
             "steps": len(st), "step_median_s": statistics.median(x["s"] for x in st) if st else None,
             "by_plan": by_plan, "catchups": sum(x["catchup"] for x in st),
-            "catchup_s": sum(x["s"] for x in st if x["catchup"]), "last_s": st[-1]["s"] if st else 0.0}
+            "catchup_s": sum(x["s"] for x in st if x["catchup"]), "last_s": st[-1]["s"] if st else 0.0,
+            "admissions": len(adm), "admission_s": sum(adm)}
 
 
-def overhead(auto: dict, ar: float, ar_median: float) -> dict:
+def overhead(auto: dict, ar: float, ar_median: float, ar_prefill: float | None = None) -> dict:
     """auto's summary against the AR engines' decode seconds `ar` and median step `ar_median` of the same
-    repeat: {"total_s", "probes_s", "catchup_s", "last_s", "rest_s"} (rest: the per-round remainder)."""
+    repeat: {"total_s", "probes_s", "catchup_s", "last_s", "rest_s"} (rest: the per-round remainder; the
+    five are decode seconds), and with the AR engines' prefill seconds `ar_prefill` "prefill_s", auto's
+    prefill beyond it."""
     drafted = [v for k, v in auto["by_plan"].items() if k != "AR"]
     probes = sum(s - n * ar_median for n, s in drafted)
     catch = auto["catchup_s"] - auto["catchups"] * ar_median
     last = auto["last_s"] - ar_median
     total = auto["decode_s"] - ar
-    return {"total_s": total, "probes_s": probes, "catchup_s": catch, "last_s": last,
-            "rest_s": total - probes - catch - last}
+    out = {"total_s": total, "probes_s": probes, "catchup_s": catch, "last_s": last,
+           "rest_s": total - probes - catch - last}
+    if ar_prefill is not None:
+        out["prefill_s"] = auto["prefill_s"] - ar_prefill
+    return out
 
 
-def check_cell(context, batch, layers, repeats) -> None:
+def check_cell(context, batch, layers, repeats, queue=1) -> None:
     """compare's arguments, each named in its ValueError."""
     checks.int_in("context", context, PROMPT + 1, note=f" (the prompt's {PROMPT} rows come first)")
     checks.positive_int("batch", batch)
     checks.int_in("layers", layers, 1, k26.FULL_LAYERS - 1)
     checks.positive_int("repeats", repeats)
+    checks.positive_int("queue", queue)
 
 
 def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3.0, 8),), repeats: int = 3,
             budgets=(4, 8, 16, 32, 64, 128), device="cuda", args=None, dargs=None, new: int | None = None,
-            progress: bool = True, on_profile=None) -> dict:
+            progress: bool = True, on_profile=None, queue: int = 1) -> dict:
     """The cell's AR / auto / AR engines per profile ((chain tau, block) or a `Profile`), traced (module
     docstring). args / dargs: smaller dimensions (a CPU test); on_profile(record so far): after each
     profile."""
-    check_cell(context, batch, layers, repeats)
+    check_cell(context, batch, layers, repeats, queue)
     t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
     d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
-    prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
+    prompts = [[(7 * (i % batch) + j) % 1000 + 10 for j in range(PROMPT)] for i in range(queue * batch)]
     new = new or k26_max_new(batch)
     rows = max(budgets) + 1
     rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance: auto's overhead against AR, per step",
            "context": context, "batch": batch, "layers": layers, "max_new": new, "repeats": repeats,
-           "profiles": []}
+           "queue": queue, "requests": len(prompts), "profiles": []}
     add = dict(synthetic_context=context - PROMPT)
     for spec in profiles:
         prof = spec if isinstance(spec, Profile) else Profile(spec[0], depth=spec[1] - 1, K=2 * max(budgets))
@@ -99,7 +110,7 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
             if name == "auto":
                 kw.update(mode="ddtree", budget="auto", budgets=tuple(budgets))
             e = Engine(t, _with_block(d, prof.depth + 1) if name == "auto" else None, **kw)
-            trace(e, prompts, max(new // 4, 2), **add)   # warm-up
+            trace(e, prompts[:batch], max(new // 4, 2), **add)   # warm-up
             engines[name] = [summary(trace(e, prompts, new, seed0=1000 * (k + 1), **add))
                              for k in range(repeats)]
             del e
@@ -110,7 +121,8 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
         for k in range(repeats):
             a, b = engines["ar"][k], engines["ar_again"][k]
             over.append(overhead(engines["auto"][k], (a["decode_s"] + b["decode_s"]) / 2,
-                                 (a["step_median_s"] + b["step_median_s"]) / 2))
+                                 (a["step_median_s"] + b["step_median_s"]) / 2,
+                                 (a["prefill_s"] + b["prefill_s"]) / 2))
         ar_wall = [(a["wall_s"] + b["wall_s"]) / 2 for a, b in zip(engines["ar"], engines["ar_again"])]
         row = {"profile": prof.name, "engines": engines, "overhead": over,
                "auto_over_ar_wall": [x["wall_s"] / w for x, w in zip(engines["auto"], ar_wall)]}
@@ -133,11 +145,13 @@ def main(argv=None) -> None:
     ap.add_argument("--profiles", nargs="+", default=["3:8"],
                     help="chain tau:block[:ratio] (`Profile`), e.g. 3:8 2.72:16:0.9")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--queue", type=int, default=1,
+                    help="QUEUE x batch requests through the waiting queue (1: a static batch)")
     a = ap.parse_args(argv)
     if not a.out.is_dir():
         raise SystemExit(f"--out {a.out}: not a folder")
     try:
-        check_cell(a.context, a.batch, a.layers, a.repeats)
+        check_cell(a.context, a.batch, a.layers, a.repeats, a.queue)
     except ValueError as e:
         raise SystemExit(f"kdtree.bench.steps: {e}") from None
     try:
@@ -152,7 +166,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("kdtree.bench.steps: needs a CUDA device (K2.6 shape)")
     out = a.out / "steps_k26.json"
-    compare(a.context, a.batch, a.layers, profs, a.repeats,
+    compare(a.context, a.batch, a.layers, profs, a.repeats, queue=a.queue,
             on_profile=lambda rec: out.write_text(json.dumps(rec, indent=1) + "\n"))
     print(f"wrote {a.out / 'steps_k26.json'}")
 
