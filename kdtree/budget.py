@@ -33,9 +33,11 @@ doubling at MAX_HOLD, or, where a probe costs more than that many AR rounds can 
 the probe's seconds beyond AR's for its tokens stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A
 probe whose estimates would serve fewer rounds than the hold it ends (the batch ends first: `rounds_left`) is
 not run: AR serves on to the batch's end. A hold lasts at least the rounds over which its probe's excess is
-FIRST_SHARE of their seconds (at most MAX_HOLD; 1 where the probe costs nothing beyond AR), so that the probes
-of a cell where AR wins throughout cost at most that share of the first hold and less of each later one; a
-drafted round halves the next hold (a lone drafted round between holds does not restart the doubling).
+FIRST_SHARE of their seconds (at most MAX_HOLD; 1 where the probe costs nothing beyond AR), so that in a cell
+where AR wins throughout no probe costs more than that share of the hold before it (unless the cap binds: a
+probe dearer than MAX_HOLD x FIRST_SHARE AR rounds), and the doubling makes the probes' share fall from there
+to the hold limit's; a drafted round halves the next hold (a lone drafted round between holds does not start
+the doubling over). The policy restarts (no hold, the next the shortest) when the engine falls idle.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its f
 MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred context holds this many rows)
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
-FIRST_SHARE = 0.1      # ... and at most this share of any hold (the shortest hold: `hold_floor`)
+FIRST_SHARE = 0.1      # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
@@ -325,7 +327,7 @@ class Policy:
         """No hold, and the next one the shortest (`hold_floor`): at the start, and whenever the engine falls
         idle (a batch that starts then is not bound by the holds that its predecessor's end decided)."""
         self.hold = 0        # AR rounds left before the next draft round
-        self.backoff = 1     # the next AR hold's length (at least `hold_floor`)
+        self.backoff = 1     # the next AR hold's length before `hold_floor` and the hold limit apply
         self.probe = False   # the next round drafts whatever the estimates say
         self.served = 0      # the current (or last) hold's length
         self.ar_probe = False  # the last decision: AR's block after a draft (a probe of less excess)

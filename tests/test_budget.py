@@ -252,6 +252,10 @@ def test_a_dear_probe_sets_the_shortest_hold():
     for _ in range(500):
         pol.before(1, poor, 0)
     assert pol.backoff == pol.hold_limit(s, poor) == 80
+    while pol.hold or pol.probe:
+        pol.before(1, poor, 0)
+    pol.backoff = 10_000                                           # a backoff from a larger limit
+    assert pol.before(1, poor, 0) == 0 and pol.served == 80           # the hold stays within the limit
     dear = kb.Policy(plans, _costs(9.0, [1.0, 1.0, 1.0], builds=(4,)))   # a probe of 8.2 rounds' excess
     s = dear.score(1, poor, 0, lambda p: True)
     assert dear.hold_floor(s, poor, dear._ar_probe_score(1, poor, 0)) == kb.MAX_HOLD
