@@ -52,6 +52,7 @@ def test_notebook_01_smoke_run_on_a_cpu(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+@pytest.mark.slow   # the whole notebook: make test runs it, make test-fast leaves it out
 def test_notebook_02_smoke_run_on_a_cpu(tmp_path):
     """The end-to-end notebook's CPU smoke set: the committed trained pair on held-out prompts (lossless), the
     projection from the committed GPU record of notebook 01, the cost-aware budget's section and the K2.6
