@@ -54,6 +54,19 @@ def max_new(batch: int) -> int:
 MIN_LAYERS = 12   # asked for at batch 1 and 8, context 4K
 
 
+def cell_prompts(n: int, batch: int) -> list[list[int]]:
+    """n prompts of PROMPT tokens for a cell of `batch`: request i's prompt is request i % batch's (a queue
+    of n > batch requests serves the batch's prompts again)."""
+    return [[(7 * (i % batch) + j) % 1000 + 10 for j in range(PROMPT)] for i in range(n)]
+
+
+def cell_engine(context: int, batch: int, new: int, rows: int) -> dict:
+    """The Engine keywords every engine of a cell shares: one batch bucket, sampling outside the graphs, room
+    for the context, the prompt, `new` tokens and a round of `rows` verified rows."""
+    return dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
+                max_len=context + PROMPT + new + rows + 64)
+
+
 def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> int:
     """Memory of one engine beyond the weights: the page pool, the drafter's context, the verify logits of
     its graphs (24 bytes an element: the float32 logits, their bf16 source, copies and scratch), and a
@@ -184,10 +197,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         if n == 0:
             continue
         t, d = _first_layers(target, drafter, n)
-        prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT)] for i in range(batch)]
+        prompts = cell_prompts(batch, batch)
         rows_cell = []
-        common = dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
-                      max_len=context + PROMPT + max_new(batch) + rows + 64)
+        common = cell_engine(context, batch, max_new(batch), rows)
         specs = []
         for i, spec in enumerate(profiles):   # AR too reads the profile's text: every mode the same tokens
             prof = (spec if isinstance(spec, Profile) else
@@ -219,8 +231,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                                                      plan="AR" if budget == "auto" else None)
                 if queue and batch > 1:   # the same seeds in every plan of the cell: the same texts
                     h0 = len(e.auto.history) if e.auto is not None else 0
-                    q = run_engine(e, [prompts[i % batch] for i in range(queue * batch)], max_new(batch),
-                                   seed0=9000, **add)
+                    q = run_engine(e, cell_prompts(queue * batch, batch), max_new(batch), seed0=9000, **add)
                     out["queued"] = {k: q[k] for k in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds",
                                                        "tokens", "tau")}
                     out["queued"]["requests"] = queue * batch

@@ -31,7 +31,7 @@ from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
 from .engine import run_engine
-from .k26 import PROMPT, _with_block, max_new as k26_max_new
+from .k26 import PROMPT, _with_block, cell_engine, cell_prompts, max_new as k26_max_new
 
 
 def trace(engine: Engine, prompts, max_new: int, seed0: int = 0, **add) -> dict:
@@ -94,7 +94,7 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
     check_cell(context, batch, layers, repeats, queue)
     t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
     d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
-    prompts = [[(7 * (i % batch) + j) % 1000 + 10 for j in range(PROMPT)] for i in range(queue * batch)]
+    prompts = cell_prompts(queue * batch, batch)
     new = new or k26_max_new(batch)
     rows = max(budgets) + 1
     rec = {"label": "K2.6 shape, random weights, SIMULATED acceptance: auto's overhead against AR, per step",
@@ -105,8 +105,7 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
         prof = spec if isinstance(spec, Profile) else Profile(spec[0], depth=spec[1] - 1, K=2 * max(budgets))
         engines = {}
         for name in ("ar", "auto", "ar_again"):
-            kw = dict(max_batch=batch, buckets=(batch,), graph_sampling=False, simulate=prof,
-                      max_len=context + PROMPT + new + rows + 64)
+            kw = dict(cell_engine(context, batch, new, rows), simulate=prof)
             if name == "auto":
                 kw.update(mode="ddtree", budget="auto", budgets=tuple(budgets))
             e = Engine(t, _with_block(d, prof.depth + 1) if name == "auto" else None, **kw)
