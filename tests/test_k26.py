@@ -1,5 +1,8 @@
 """The K2.6-shape builders (kdtree.k26) and INT4 experts kept in one copy, at small dimensions on the CPU."""
 import dataclasses
+import json
+
+import types
 
 import pytest
 import torch
@@ -135,6 +138,7 @@ def test_bench_k26_smoke_on_a_cpu():
                for c in cells)
     assert all(0 < c["queued"]["full_rounds"] <= c["queued"]["rounds"] for c in cells)
     assert "plan_counts" in cells[-1]["queued"] and "plan_counts" not in cells[0]["queued"]
+    assert all(c["queued"]["full_tok_per_s_repeats"] == [c["queued"]["full_tok_per_s"]] for c in cells)
     assert sum("queue of 4 (full-batch rounds)" in n for n in names) == 2
     # an AR round's stage profile at the cell's batch, for the AR engine and auto's AR plan
     ar, auto = cells[0], cells[-1]
@@ -282,3 +286,42 @@ def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
     assert needle in str(e.value) and not any(tmp_path.iterdir())
     with pytest.raises(SystemExit, match="not a folder"):
         steps.main(["--out", str(tmp_path / "none")])
+
+
+def test_a_queue_is_measured_after_a_warm_up_as_the_median_of_its_repeats(monkeypatch):
+    """measure_queue: one short warm-up run (its own seeds), then `repeats` runs with seeds 9000 + 1000 k; the
+    run of median full-batch tok/s is the row's, every run's listed."""
+    calls, full = [], iter([500.0, 900.0, 700.0])
+
+    def fake(e, prompts, new, seed0=0, **add):
+        calls.append((len(prompts), new, seed0, add))
+        f = 1.0 if seed0 == 8000 else next(full)
+        return {"tok_per_s": f / 2, "full_tok_per_s": f, "full_rounds": 3, "rounds": 4, "tokens": 8,
+                "tau": 1.0, "prefill_s": 0.1, "outputs": [[1]]}
+    from kdtree.bench import k26 as bench_k26
+    monkeypatch.setattr(bench_k26, "run_engine", fake)
+    e = types.SimpleNamespace(auto=None)
+    q = bench_k26.measure_queue(e, 8, 2, 3, synthetic_context=5)
+    new = bench_k26.max_new(8)
+    assert calls == [(16, new // 4, 8000, {"synthetic_context": 5})] + [
+        (16, new, 9000 + 1000 * k, {"synthetic_context": 5}) for k in range(3)]
+    assert q["full_tok_per_s"] == 700.0 and q["tok_per_s"] == 350.0 and q["requests"] == 16
+    assert q["full_tok_per_s_repeats"] == [500.0, 900.0, 700.0] and "outputs" not in q
+
+
+def test_the_trained_curve_is_read_from_either_record(tmp_path):
+    """bench.k26 --trained: an e2e_auto.json's trained.calibration_check or the lab's e2e.json's
+    auto.calibration_check; anything else a SystemExit that names the file and what it lacks."""
+    from kdtree.bench import k26 as bench_k26
+    cc = {"budgets": [1, 4], "realized": [1.5, 2.4]}
+    for key in ("trained", "auto"):
+        f = tmp_path / f"{key}.json"
+        f.write_text(json.dumps({key: {"calibration_check": cc}}))
+        assert bench_k26.trained_curve(f) == cc
+    bad = tmp_path / "bad.json"
+    for text in ('{"auto": {"calibration_check": {"budgets": []}}}', "[1]", "not json"):
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match="--trained .*bad.json"):
+            bench_k26.trained_curve(bad)
+    with pytest.raises(SystemExit, match="not a readable"):
+        bench_k26.trained_curve(tmp_path / "missing.json")

@@ -17,8 +17,9 @@ independent across repeats): median per-round latency and GPU span, per-user and
 requests of `max_new(batch)` tokens after their prefill of a short prompt; the long context is synthetic,
 `Engine.add_request(synthetic_context=)`, its fill left out of the times), tau (of the median repeat;
 `tau_repeats` all); from batch 2 on, `queued`: the same engine serving `queue` x batch requests through its
-waiting queue, whose full-batch rounds are a serving queue's steady state (a static batch ends on its
-slowest request). A top-level `targets` list (the static batch's and the queue's).
+waiting queue (`measure_queue`: a warm-up run, then the median of `repeats`), whose full-batch rounds are a
+serving queue's steady state (a static batch ends on its slowest request). A top-level `targets` list (the
+static batch's and the queue's).
 """
 from __future__ import annotations
 
@@ -229,14 +230,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                     # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
                     out["ar_stages"] = stage_kernels(e, prompts[0], batch=batch, **add,
                                                      plan="AR" if budget == "auto" else None)
-                if queue and batch > 1:   # the same seeds in every plan of the cell: the same texts
-                    h0 = len(e.auto.history) if e.auto is not None else 0
-                    q = run_engine(e, cell_prompts(queue * batch, batch), max_new(batch), seed0=9000, **add)
-                    out["queued"] = {k: q[k] for k in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds",
-                                                       "tokens", "tau")}
-                    out["queued"]["requests"] = queue * batch
-                    if e.auto is not None:
-                        out["queued"]["plan_counts"] = dict(Counter(h[2] for h in e.auto.history[h0:]))
+                if queue and batch > 1:
+                    out["queued"] = measure_queue(e, batch, queue, repeats, **add)
                 return out
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
@@ -278,6 +273,32 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         rec["cells"] += rows_cell
         rec["targets"] += _targets(rows_cell, context, batch, n)
     return rec
+
+
+def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dict:
+    """Engine e serving queue x batch requests through its waiting queue (`run_engine`): a warm-up run of
+    max_new(batch) // 4 tokens a request (requests that end apart are admitted apart, and a prefill group
+    size seen first is captured then, out of the timed runs), then `repeats` runs, run k's request i seeded
+    9000 + 1000 k + i in every plan of the cell (the same texts). The run of median full-batch tok/s gives
+    {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau", "prefill_s", "plan_counts"
+    (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs', "requests"."""
+    prompts = cell_prompts(queue * batch, batch)
+    run_engine(e, prompts, max(max_new(batch) // 4, 2), seed0=8000, **add)
+    runs = []
+    for k in range(repeats):
+        h0 = len(e.auto.history) if e.auto is not None else 0
+        q = run_engine(e, prompts, max_new(batch), seed0=9000 + 1000 * k, **add)
+        q.pop("outputs")
+        if e.auto is not None:
+            q["plan_counts"] = dict(Counter(h[2] for h in e.auto.history[h0:]))
+        runs.append(q)
+    key = (lambda q: q["full_tok_per_s"] or 0.0)
+    med = sorted(runs, key=key)[(len(runs) - 1) // 2]
+    out = {k: med[k] for k in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
+                               "prefill_s", "plan_counts") if k in med}
+    out.update(full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
+               tok_per_s_repeats=[q["tok_per_s"] for q in runs], requests=len(prompts))
+    return out
 
 
 def _targets(cells, context: int, batch: int, n: int) -> list:
@@ -373,6 +394,21 @@ def cell_targets(cells) -> list:
     return targets
 
 
+def trained_curve(path) -> dict:
+    """The trained pair's calibration_check ({"budgets", "realized", ...}) from an e2e_auto.json (its
+    "trained" section) or the lab's e2e.json (its "auto" section); SystemExit naming what is missing."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_k26: --trained {path}: not a readable JSON file ({e})") from None
+    for key in ("trained", "auto"):
+        cc = (rec.get(key) or {}).get("calibration_check") if isinstance(rec, dict) else None
+        if cc and cc.get("budgets") and cc.get("realized"):
+            return cc
+    raise SystemExit(f"bench_k26: --trained {path}: no trained.calibration_check or auto.calibration_check "
+                     "with budgets and realized (the lab's notebook 02, stage auto, writes it)")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kdtree.bench.k26",
                                  description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
@@ -386,8 +422,8 @@ def main(argv=None) -> None:
     ap.add_argument("--routing", choices=k26.ROUTINGS, default="model",
                     help="the random router as it is, or uniform (DIR/e2e_k26_uniform.json)")
     ap.add_argument("--trained", default=None,
-                    help="an e2e_auto.json whose calibration_check (the trained pair's realized tokens per "
-                    "truncation) becomes one more profile (Profile.fit, block 16)")
+                    help="an e2e_auto.json (or the lab's e2e.json) whose calibration_check (the trained "
+                    "pair's realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
@@ -401,7 +437,7 @@ def main(argv=None) -> None:
     cells = [pair(s, (int, int), "--cells") for s in a.cells]
     profiles = [pair(s, (float, int), "--profiles") for s in a.profiles]
     if a.trained:
-        cc = json.loads(Path(a.trained).read_text())["trained"]["calibration_check"]
+        cc = trained_curve(a.trained)
         profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
