@@ -275,6 +275,20 @@ def test_step_trace_on_a_cpu():
     assert ar["steps"] == 11, ar["steps"]   # the refill's step lands the first batch's last round
 
 
+def test_prefill_profile_on_a_cpu():
+    """bench.steps.compare_prefill at small dimensions: each engine's admissions timed, then profiled, and
+    served to their end (the engine idle after)."""
+    from kdtree.bench import steps
+    small = dict(num_hidden_layers=2, hidden_size=SMALL.hidden_size, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=48, intermediate_size=128)
+    rec = steps.compare_prefill(context=96, batch=2, layers=2, repeats=2, device="cpu", args=SMALL,
+                                dargs=small)
+    assert set(rec["engines"]) == {"ar", "ddtree"} and rec["batch"] == 2
+    for name, r in rec["engines"].items():
+        assert len(r["prefill_s"]) == 2 and all(x > 0 for x in r["prefill_s"]) and r["profiled_prefill_s"] > 0
+        assert r["host_ops"] and all(n > 0 and t >= 0 for _, n, t in r["host_ops"]), name
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--batch", "0"], "batch=0"), (["--context", "8"], "context=8"), (["--layers", "61"], "layers=61"),
     (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0"), (["--queue", "0"], "queue=0")])

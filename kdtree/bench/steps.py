@@ -76,6 +76,41 @@ def overhead(auto: dict, ar: float, ar_median: float, ar_prefill: float | None =
     return out
 
 
+def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **add) -> dict:
+    """Where one admission's prefill goes: the prompts admitted together `repeats` times (each then served to
+    its end, one new token a request), the engine's prefill seconds of each (synthetic fill left out), then
+    once more under torch.profiler: the costliest CUDA kernels and host ops of that admission (its synthetic
+    fill included, under its own kernel names). The engine must be idle."""
+    from torch.profiler import ProfilerActivity, profile
+    secs = []
+    for k in range(repeats + 1):
+        for i, p in enumerate(prompts):
+            engine.add_request(p, 2, seed=77 + i, **add)
+        p0 = engine.prefill_s
+        if k < repeats:
+            engine._admit({})
+            secs.append(engine.prefill_s - p0)
+        else:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                engine._admit({})
+                _sync()
+        engine.run()
+    ev = prof.key_averages()
+    dev = (lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
+    kern = sorted((e for e in ev if dev(e) > 0), key=dev, reverse=True)[:top]
+    host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"prefill_s": secs, "profiled_prefill_s": engine.prefill_s - p0,
+            "kernels": [[e.key[:90], e.count, dev(e) * 1e-6] for e in kern],
+            "host_ops": [[e.key[:90], e.count, e.self_cpu_time_total * 1e-6] for e in host],
+            "device_s": sum(dev(e) for e in ev) * 1e-6}
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def check_cell(context, batch, layers, repeats, queue=1) -> None:
     """compare's arguments, each named in its ValueError."""
     checks.int_in("context", context, PROMPT + 1, note=f" (the prompt's {PROMPT} rows come first)")
@@ -135,6 +170,32 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
     return rec
 
 
+def compare_prefill(context: int = 4096, batch: int = 32, layers: int = 10, profile=(3.0, 8),
+                    repeats: int = 3, device="cuda", args=None, dargs=None) -> dict:
+    """`prefill_profile` of one admission of the cell's batch for the AR engine and DDTree at B = 4 (the
+    drafter's context prefill beside the target's), SIMULATED acceptance as `compare`."""
+    check_cell(context, batch, layers, repeats)
+    t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
+    d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
+    prof = Profile(profile[0], depth=profile[1] - 1, K=256)
+    new = k26_max_new(batch)
+    rec = {"label": "K2.6 shape, random weights: one admission's prefill, AR against DDTree (B = 4)",
+           "context": context, "batch": batch, "layers": layers, "engines": {}}
+    add = dict(synthetic_context=context - PROMPT)
+    for name in ("ar", "ddtree"):
+        kw = dict(cell_engine(context, batch, new, 5), simulate=prof, mode=name)
+        if name == "ddtree":
+            kw["budget"] = 4
+        e = Engine(t, _with_block(d, prof.depth + 1) if name == "ddtree" else None, **kw)
+        trace(e, cell_prompts(batch, batch), 4, **add)   # warm-up: the prefill shape's graph
+        rec["engines"][name] = prefill_profile(e, cell_prompts(batch, batch), repeats, **add)
+        del e
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return rec
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kdtree.bench.steps", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder of steps_k26.json")
@@ -146,6 +207,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--queue", type=int, default=1,
                     help="QUEUE x batch requests through the waiting queue (1: a static batch)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile one admission's prefill instead (AR and B = 4: DIR/prefill_k26.json)")
     a = ap.parse_args(argv)
     if not a.out.is_dir():
         raise SystemExit(f"--out {a.out}: not a folder")
@@ -164,6 +227,14 @@ def main(argv=None) -> None:
             from None
     if not torch.cuda.is_available():
         raise SystemExit("kdtree.bench.steps: needs a CUDA device (K2.6 shape)")
+    if a.prefill:
+        rec = compare_prefill(a.context, a.batch, a.layers, (profs[0].tau_chain, profs[0].depth + 1))
+        (a.out / "prefill_k26.json").write_text(json.dumps(rec, indent=1) + "\n")
+        for name, r in rec["engines"].items():
+            print(name, "prefill s", [round(x, 4) for x in r["prefill_s"]], "device s", round(r["device_s"], 4))
+            for row in r["kernels"][:12] + [["--- host", 0, 0]] + r["host_ops"][:12]:
+                print(f"  {row[0][:70]:70s} {row[1]:6d} {row[2] * 1e3:9.3f} ms")
+        return
     out = a.out / "steps_k26.json"
     compare(a.context, a.batch, a.layers, profs, a.repeats, queue=a.queue,
             on_profile=lambda rec: out.write_text(json.dumps(rec, indent=1) + "\n"))
