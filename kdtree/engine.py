@@ -361,7 +361,9 @@ class Engine:
     simulate: a `kdtree.simulate.Profile`: simulated acceptance (random-weight shapes; module simulate): the
     round runs every kernel at its real shape, the tree is built from the profile's drafter and the target's
     choices are drawn from the profile, so the tokens are not the model's (`simulated` names the profile).
-    The simulated text is keyed by request seed and position: every mode (AR too) emits the same tokens."""
+    The simulated text is keyed by request seed and position: every mode (AR too) emits the same tokens. An
+    admission tabulates its requests' texts in one pass, timed alone into `synthetic_s` (a benchmark
+    device, as the synthetic context's fill: not in prefill_s)."""
 
     def __init__(self, model: Transformer, drafter=None, *, mode: str = "ar", budget: int | None = None,
                  max_batch: int = 8, max_len: int | None = None, max_tokens: int | None = None,
@@ -505,7 +507,7 @@ class Engine:
         self.errors: dict[int, Exception] = {}
         self.prefill_forwards = 0   # target forwards spent on prompts (same-length chunks share one)
         self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
-        self.synthetic_s = 0.0      # wall seconds filling synthetic context rows (left out of prefill_s)
+        self.synthetic_s = 0.0      # wall seconds of synthetic rows' fill and simulated texts (not prefill_s)
         self.prefill_replays = 0    # prefill forwards that replayed a graph
         self._pg: dict = {}         # prefill graphs: (requests, rows) -> CUDAGraph, or False (capture failed)
         self._pg_pool = self._side = None
@@ -788,8 +790,6 @@ class Engine:
                                                                                      r.seed, 1)
             r.length = P
             r.committed.append(tok)
-            if self.sim is not None:
-                self.sim.write(s, r.seed)
             if r.synthetic:   # timed alone: the device idle before and after
                 self._sync()
                 ts = time.perf_counter()
@@ -800,6 +800,12 @@ class Engine:
             emitted[r.rid] = [tok]
             if finish(r.result.tokens, [tok], r.max_new, r.stop):
                 leave.append(r)
+        if self.sim is not None and ok:   # the simulated texts, timed alone as the fill is (set-up, not work)
+            self._sync()
+            ts = time.perf_counter()
+            self.sim.write([r.slot for r in ok], [r.seed for r in ok])
+            self._sync()
+            synth += time.perf_counter() - ts
         self.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
         for r in sorted(leave, key=lambda r: -r.slot):  # slots move only now, the highest first
             self._release(r)
@@ -1366,8 +1372,7 @@ class Engine:
         V = self.model.args.vocab_size
         self._spread_roots = (torch.arange(B, device=self.device) * 7919 + 11) % V   # set by _median_time
         if self.sim is not None and not getattr(self, "_spread_texts", False):   # once: no request yet
-            for s in range(B):
-                self.sim.write(s, seed=1_000_003 + s)
+            self.sim.write(list(range(B)), [1_000_003 + s for s in range(B)])
             self._spread_texts = True
 
     def _reset_state(self) -> None:

@@ -132,18 +132,27 @@ class Simulation:
         return torch.searchsorted(self.cdf, self._draws(seed, pos, 0x51AD), right=True)
 
     def tokens(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """int64 [b, n]: the true tokens at positions pos [b, n] (`none`: a rank beyond the list)."""
+        """int64 [b, n]: the true tokens at positions pos [b, n] (`none`: a rank beyond the list): `ids`'
+        entry at the rank, computed without listing the K candidates."""
         r = self.ranks(seed, pos)
-        t = self.ids(seed, pos).gather(2, r.clamp(max=self.K - 1)[..., None])[..., 0]
+        t = (self._base(seed, pos) + r.clamp(max=self.K - 1) * self.stride) % self.V
         return torch.where(r < self.K, t, self.none)
 
     # the engine's side: per slot, tabulated once, gathered by the rounds (capturable, a few kernels)
-    def write(self, slot: int, seed: int) -> None:
-        """Slot `slot`'s text for a request of seed `seed` (at admission; `move` when its slot changes)."""
-        sd = torch.tensor([seed], dtype=torch.int64, device=self.text.device)
-        pos = torch.arange(self.length, device=self.text.device)[None]
-        self.text[slot] = self.tokens(sd, pos)[0]
-        self.base[slot] = self._base(sd, pos)[0]
+    def write(self, slot, seed) -> None:
+        """The texts of requests of seeds `seed` in slots `slot` (ints, or equal-length lists: one pass for a
+        whole admission), at admission; `move` when a slot changes."""
+        slots, seeds = ([slot], [seed]) if isinstance(slot, int) else (list(slot), list(seed))
+        if len(slots) != len(seeds):
+            raise ValueError(f"write: {len(slots)} slots for {len(seeds)} seeds")
+        if not slots:
+            return
+        dev = self.text.device
+        sd = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        pos = torch.arange(self.length, device=dev)[None].expand(len(seeds), -1)
+        idx = torch.tensor(slots, dtype=torch.int64, device=dev)
+        self.text[idx] = self.tokens(sd, pos)
+        self.base[idx] = self._base(sd, pos)
 
     def move(self, src: int, dst: int) -> None:
         self.text[dst], self.base[dst] = self.text[src], self.base[src]

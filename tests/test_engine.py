@@ -421,6 +421,27 @@ def test_synthetic_context_rows_sit_before_the_root(pair):
 
 
 
+def test_simulated_texts_are_left_out_of_prefill(pair, monkeypatch):
+    """simulate=: an admission tabulates its requests' texts in one call (`Simulation.write`), timed into
+    `synthetic_s`, not prefill_s; a slow write shows it (0.3 s an admission)."""
+    import time
+
+    from kdtree.bench.engine import run_engine
+    from kdtree.simulate import Profile, Simulation
+    t, _ = pair
+    prompts = random_prompts(t.args, 3, seed=5, min_len=6, max_len=9)
+    e = Engine(t, None, mode="ar", max_batch=3, max_len=128, simulate=Profile(2.0, depth=7, K=16))
+    run_engine(e, prompts, 3)   # warm
+    write, calls = Simulation.write, []
+    monkeypatch.setattr(Simulation, "write", lambda self, slot, seed: (
+        calls.append(list(slot)), time.sleep(0.3), write(self, slot, seed)))
+    t0 = time.perf_counter()
+    r = run_engine(e, prompts, 3)
+    outside = time.perf_counter() - t0
+    assert calls == [[0, 1, 2]] and r["synthetic_s"] >= 0.3 and r["prefill_s"] < 0.3
+    assert outside - r["wall_s"] >= 0.3 and len(r["outputs"]) == 3
+
+
 def test_synthetic_fill_is_left_out_of_prefill_and_the_run_wall(pair, monkeypatch):
     """The synthetic rows' fill (a benchmark device) is timed alone into `synthetic_s`: not in prefill_s,
     the request's prefill stage time, or run_engine's wall; a slow fill shows it (0.3 s a request)."""

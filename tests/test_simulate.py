@@ -90,6 +90,13 @@ def test_draws_are_per_position_common_to_every_plan():
     seed, s = torch.tensor([3, 9, 2**40 + 1, 77]), torch.randint(0, 500, (4,))
     for slot, sd in enumerate(seed.tolist()):
         sim.write(slot, sd)
+    one = (sim.text.clone(), sim.base.clone())
+    sim.text.fill_(-1)
+    sim.base.fill_(-1)
+    sim.write([3, 0, 2, 1], [seed[3].item(), seed[0].item(), seed[2].item(), seed[1].item()])  # one pass
+    assert torch.equal(sim.text, one[0]) and torch.equal(sim.base, one[1])
+    with pytest.raises(ValueError, match="2 slots for 1 seeds"):
+        sim.write([0, 1], [5])
     a, b2, c = (sim.truth(s + k, 8) for k in range(3))
     assert torch.equal(a[:, 1:], b2[:, :-1])
     assert not torch.equal(a[:, 1:], c[:, :-1])      # the check can fail
@@ -98,6 +105,8 @@ def test_draws_are_per_position_common_to_every_plan():
     r = sim.ranks(seed, pos)
     assert (r == 0).float().mean() > 0.3 and (r > 0).any()   # both ranks occur: not a constant stream
     ids = sim.ids(seed, pos)                                                             # [4, 8, K]
+    listed = ids.gather(2, r.clamp(max=prof.K - 1)[..., None])[..., 0]   # the true token: the rank's id
+    assert torch.equal(a, torch.where(r < prof.K, listed, sim.none))
     assert all(len(set(row.tolist())) == prof.K for row in ids.view(-1, prof.K))   # distinct per position
     assert len(set(ids[:, :, 0].reshape(-1).tolist())) > 16   # rank 0's token: by position and request
     d = sim.draft(s)                                                                     # [4, 7, V]

@@ -231,7 +231,8 @@ def main(argv=None) -> None:
         rec = compare_prefill(a.context, a.batch, a.layers, (profs[0].tau_chain, profs[0].depth + 1))
         (a.out / "prefill_k26.json").write_text(json.dumps(rec, indent=1) + "\n")
         for name, r in rec["engines"].items():
-            print(name, "prefill s", [round(x, 4) for x in r["prefill_s"]], "device s", round(r["device_s"], 4))
+            print(name, "prefill s", [round(x, 4) for x in r["prefill_s"]], "device s",
+                  round(r["device_s"], 4))
             for row in r["kernels"][:12] + [["--- host", 0, 0]] + r["host_ops"][:12]:
                 print(f"  {row[0][:70]:70s} {row[1]:6d} {row[2] * 1e3:9.3f} ms")
         return
