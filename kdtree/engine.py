@@ -237,7 +237,7 @@ class Request:
     slot: int = -1
     session: object = None            # a host drafter's session
     t0: float = 0.0
-    syn0: float = 0.0                 # the engine's synthetic_s at t0 (fills are left out of wall_time)
+    syn0: float = 0.0                 # synthetic_s at t0 (fills, simulated texts: not in wall_time)
     est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
     synthetic: int = 0                # random context rows inserted before the root after prefill
 
@@ -509,6 +509,8 @@ class Engine:
         self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
         self.synthetic_s = 0.0      # wall seconds of synthetic rows' fill and simulated texts (not prefill_s)
         self.prefill_replays = 0    # prefill forwards that replayed a graph
+        self.prefill_phases = None  # {phase: seconds} when set to a dict (`_prefill_mark`; benchmarks)
+        self._mark_t = 0.0
         self._pg: dict = {}         # prefill graphs: (requests, rows) -> CUDAGraph, or False (capture failed)
         self._pg_pool = self._side = None
         self._next_id = 0
@@ -740,6 +742,7 @@ class Engine:
         request alone, keeping a request's arithmetic independent of its batch mates), then each request's
         first token from one batched choice. A request that fails (its pages, or non-finite logits) leaves
         alone; the others' slots stay put until every prefill forward is done."""
+        self._prefill_mark(None)
         t0 = time.perf_counter()
         dev, leave, ok, synth = self.device, [], [], 0.0
         for r in reqs:
@@ -752,6 +755,7 @@ class Engine:
                 continue
             r.committed = list(r.prompt)
             ok.append(r)
+        self._prefill_mark("pages")
         feats = {r.rid: [] for r in ok}
         last = {}
         for c0 in range(0, max((len(r.prompt) for r in ok), default=0), self.prefill_chunk):
@@ -776,6 +780,7 @@ class Engine:
                            torch.tensor([r.seed for r in ok], device=dev), pos,
                            any(r.temperature > 0 for r in ok))[:, -1]
             both = torch.stack([finite.long(), first]).tolist()                             # one host read
+            self._prefill_mark("first")
         for i, r in enumerate(ok):
             if not both[0][i]:
                 self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of the "
@@ -791,25 +796,45 @@ class Engine:
             r.length = P
             r.committed.append(tok)
             if r.synthetic:   # timed alone: the device idle before and after
+                self._prefill_mark("requests")
                 self._sync()
                 ts = time.perf_counter()
                 self._synthesize(r)
                 self._sync()
                 synth += time.perf_counter() - ts
+                self._prefill_mark(None)
             r.result.stage_times["prefill"] += time.perf_counter() - t0 - synth
             emitted[r.rid] = [tok]
             if finish(r.result.tokens, [tok], r.max_new, r.stop):
                 leave.append(r)
+        self._prefill_mark("requests")
         if self.sim is not None and ok:   # the simulated texts, timed alone as the fill is (set-up, not work)
             self._sync()
             ts = time.perf_counter()
-            self.sim.write([r.slot for r in ok], [r.seed for r in ok])
+            live = [r for r in ok if r.rid not in self.errors]
+            self.sim.write([r.slot for r in live], [r.seed for r in live])
             self._sync()
             synth += time.perf_counter() - ts
+            self._prefill_mark(None)
         self.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
         for r in sorted(leave, key=lambda r: -r.slot):  # slots move only now, the highest first
             self._release(r)
+        self._prefill_mark("release")
         self.prefill_s += time.perf_counter() - t0 - synth
+
+    def _prefill_mark(self, phase: str | None) -> None:
+        """With `prefill_phases` a dict: synchronize the device, then add the seconds since the last mark to
+        `phase` (None: a start, or the end of an untimed span such as the synthetic fill). The phases:
+        pages, forward (the target's prompt forwards), drafter (its context from their features), first
+        (the first tokens' choice and host read), requests (the per-request bookkeeping), release. Off (None,
+        the default) it does nothing: no synchronization is added."""
+        if self.prefill_phases is None:
+            return
+        self._sync()
+        now = time.perf_counter()
+        if phase is not None:
+            self.prefill_phases[phase] = self.prefill_phases.get(phase, 0.0) + now - self._mark_t
+        self._mark_t = now
 
     def _prefill_chunk(self, group: list[Request], c0: int, feats: dict, last: dict) -> None:
         """Prompt rows [c0, c0 + T) of every request in `group` (all of one chunk length T) in one forward."""
@@ -824,6 +849,7 @@ class Engine:
             if c0 + T == len(r.prompt):
                 last[r.rid] = logits[i].clone()
         self.prefill_forwards += 1
+        self._prefill_mark("forward")
         if f is None:
             return
         count = torch.full((n,), T, device=dev)
@@ -837,6 +863,7 @@ class Engine:
         else:
             for i, r in enumerate(group):
                 feats[r.rid].append(f[i].clone())
+        self._prefill_mark("drafter")
 
     def _prefill_eager(self, tokens, page_table, start):
         """tokens [n, T] at positions start[b] + j written into the pool through page_table [n, P]; returns

@@ -140,19 +140,29 @@ class Simulation:
 
     # the engine's side: per slot, tabulated once, gathered by the rounds (capturable, a few kernels)
     def write(self, slot, seed) -> None:
-        """The texts of requests of seeds `seed` in slots `slot` (ints, or equal-length lists: one pass for a
-        whole admission), at admission; `move` when a slot changes."""
-        slots, seeds = ([slot], [seed]) if isinstance(slot, int) else (list(slot), list(seed))
+        """The texts of requests of seeds `seed` in slots `slot` (ints, or equal-length lists of ints, the
+        slots distinct: one pass for a whole admission), at admission; `move` when a slot changes."""
+        one = isinstance(slot, (int, np.integer)) and not isinstance(slot, bool)
+        slots, seeds = ([slot], [seed]) if one else (slot, seed)
+        try:
+            slots, seeds = [int(x) for x in slots], [int(x) for x in seeds]
+        except (TypeError, ValueError):
+            raise ValueError(f"write: slot={slot!r}, seed={seed!r}: expected two ints or two equal-length "
+                             "lists of ints") from None
         if len(slots) != len(seeds):
             raise ValueError(f"write: {len(slots)} slots for {len(seeds)} seeds")
+        if len(set(slots)) != len(slots) or not all(0 <= x < self.text.shape[0] for x in slots):
+            raise ValueError(f"write: slot={slots}: expected distinct slots in [0, {self.text.shape[0]})")
         if not slots:
             return
         dev = self.text.device
         sd = torch.tensor(seeds, dtype=torch.int64, device=dev)
         pos = torch.arange(self.length, device=dev)[None].expand(len(seeds), -1)
         idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        self.text[idx] = self.tokens(sd, pos)
-        self.base[idx] = self._base(sd, pos)
+        base, r = self._base(sd, pos), self.ranks(sd, pos)                                 # [n, length]
+        t = (base + r.clamp(max=self.K - 1) * self.stride) % self.V                        # `tokens`
+        self.text[idx] = torch.where(r < self.K, t, self.none)
+        self.base[idx] = base
 
     def move(self, src: int, dst: int) -> None:
         self.text[dst], self.base[dst] = self.text[src], self.base[src]

@@ -442,6 +442,33 @@ def test_simulated_texts_are_left_out_of_prefill(pair, monkeypatch):
     assert outside - r["wall_s"] >= 0.3 and len(r["outputs"]) == 3
 
 
+def test_prefill_phases_split_an_admissions_prefill(pair, monkeypatch):
+    """prefill_phases (a dict): an admission's prefill seconds by phase, which sum to its prefill_s (the
+    synthetic fill, made slow here, left out of both); the AR engine has no drafter phase; off (None) nothing
+    is recorded."""
+    import time
+    fill = Engine._synthesize
+    monkeypatch.setattr(Engine, "_synthesize", lambda self, r: (time.sleep(0.1), fill(self, r)))
+    t, d = pair
+    prompts = random_prompts(t.args, 2, seed=3, min_len=10, max_len=14)
+    for mode, drafter in (("ddtree", d), ("ar", None)):
+        e = Engine(t, drafter, mode=mode, max_batch=2, max_len=256, **({"budget": 4} if drafter else {}))
+        e.generate(prompts, 2)   # warm
+        e.prefill_phases = {}
+        p0 = e.prefill_s
+        for p in prompts:
+            e.add_request(p, 2, synthetic_context=40)
+        e.step()
+        ph, spent = e.prefill_phases, e.prefill_s - p0
+        want = {"pages", "forward", "first", "requests", "release"} | ({"drafter"} if drafter else set())
+        assert set(ph) == want and all(v >= 0 for v in ph.values()), (mode, ph)
+        assert sum(ph.values()) == pytest.approx(spent, rel=0.05, abs=2e-3), (mode, ph, spent)
+        e.prefill_phases = None
+        e.run()
+        e.generate(prompts, 2)
+        assert e.prefill_phases is None
+
+
 def test_synthetic_fill_is_left_out_of_prefill_and_the_run_wall(pair, monkeypatch):
     """The synthetic rows' fill (a benchmark device) is timed alone into `synthetic_s`: not in prefill_s,
     the request's prefill stage time, or run_engine's wall; a slow fill shows it (0.3 s a request)."""

@@ -287,11 +287,13 @@ def test_prefill_profile_on_a_cpu():
     for name, r in rec["engines"].items():
         assert len(r["prefill_s"]) == 2 and all(x > 0 for x in r["prefill_s"]) and r["profiled_prefill_s"] > 0
         assert r["host_ops"] and all(n > 0 and t >= 0 for _, n, t in r["host_ops"]), name
+        assert ("drafter" in r["phases"]) == (name == "ddtree") and r["phases"]["forward"] > 0, r["phases"]
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--batch", "0"], "batch=0"), (["--context", "8"], "context=8"), (["--layers", "61"], "layers=61"),
-    (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0"), (["--queue", "0"], "queue=0")])
+    (["--profiles", "3"], "--profiles"), (["--repeats", "0"], "repeats=0"), (["--queue", "0"], "queue=0"),
+    (["--prefill", "--profiles", "3:8", "5:8"], "--prefill"), (["--prefill", "--queue", "2"], "--prefill")])
 def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
     """bench.steps' command line names the bad argument before building anything (and writes nothing)."""
     from kdtree.bench import steps
@@ -304,13 +306,14 @@ def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
 
 def test_a_queue_is_measured_after_a_warm_up_as_the_median_of_its_repeats(monkeypatch):
     """measure_queue: one short warm-up run (its own seeds), then `repeats` runs with seeds 9000 + 1000 k; the
-    run of median full-batch tok/s is the row's, every run's listed."""
-    calls, full = [], iter([500.0, 900.0, 700.0])
+    run of median full-batch tok/s (not of whole-run tok/s: here they order the runs apart) is the row's,
+    every run's listed; an even count takes the lower median."""
+    calls, full = [], iter([500.0, 900.0, 700.0, 300.0, 600.0])
 
     def fake(e, prompts, new, seed0=0, **add):
         calls.append((len(prompts), new, seed0, add))
         f = 1.0 if seed0 == 8000 else next(full)
-        return {"tok_per_s": f / 2, "full_tok_per_s": f, "full_rounds": 3, "rounds": 4, "tokens": 8,
+        return {"tok_per_s": 1000.0 - f, "full_tok_per_s": f, "full_rounds": 3, "rounds": 4, "tokens": 8,
                 "tau": 1.0, "prefill_s": 0.1, "outputs": [[1]]}
     from kdtree.bench import k26 as bench_k26
     monkeypatch.setattr(bench_k26, "run_engine", fake)
@@ -319,8 +322,11 @@ def test_a_queue_is_measured_after_a_warm_up_as_the_median_of_its_repeats(monkey
     new = bench_k26.max_new(8)
     assert calls == [(16, new // 4, 8000, {"synthetic_context": 5})] + [
         (16, new, 9000 + 1000 * k, {"synthetic_context": 5}) for k in range(3)]
-    assert q["full_tok_per_s"] == 700.0 and q["tok_per_s"] == 350.0 and q["requests"] == 16
+    assert q["full_tok_per_s"] == 700.0 and q["tok_per_s"] == 300.0 and q["requests"] == 16
     assert q["full_tok_per_s_repeats"] == [500.0, 900.0, 700.0] and "outputs" not in q
+    assert q["median_run"] == 2
+    q = bench_k26.measure_queue(e, 8, 2, 2)
+    assert q["full_tok_per_s"] == 300.0 and q["median_run"] == 0
 
 
 def test_the_trained_curve_is_read_from_either_record(tmp_path):
@@ -332,8 +338,12 @@ def test_the_trained_curve_is_read_from_either_record(tmp_path):
         f = tmp_path / f"{key}.json"
         f.write_text(json.dumps({key: {"calibration_check": cc}}))
         assert bench_k26.trained_curve(f) == cc
+    other = {"budgets": [2], "realized": [1.9]}
+    f.write_text(json.dumps({"auto": {"calibration_check": other}, "trained": {"calibration_check": cc}}))
+    assert bench_k26.trained_curve(f) == cc   # an e2e_auto.json's own section first
     bad = tmp_path / "bad.json"
-    for text in ('{"auto": {"calibration_check": {"budgets": []}}}', "[1]", "not json"):
+    for text in ('{"auto": {"calibration_check": {"budgets": []}}}', "[1]", "not json", '{"auto": [1]}',
+                 '{"trained": {"calibration_check": {"budgets": [1, 2], "realized": [1.5]}}}'):
         bad.write_text(text)
         with pytest.raises(SystemExit, match="--trained .*bad.json"):
             bench_k26.trained_curve(bad)

@@ -95,8 +95,12 @@ def test_draws_are_per_position_common_to_every_plan():
     sim.base.fill_(-1)
     sim.write([3, 0, 2, 1], [seed[3].item(), seed[0].item(), seed[2].item(), seed[1].item()])  # one pass
     assert torch.equal(sim.text, one[0]) and torch.equal(sim.base, one[1])
-    with pytest.raises(ValueError, match="2 slots for 1 seeds"):
-        sim.write([0, 1], [5])
+    for args, msg in ((([0, 1], [5]), "2 slots for 1 seeds"), (([0, 0], [5, 6]), "distinct slots"),
+                      (([4], [5]), "distinct slots in"), ((["a"], [5]), "expected two ints"),
+                      (([0, 1], 5), "expected two ints")):
+        with pytest.raises(ValueError, match=msg):
+            sim.write(*args)
+    assert torch.equal(sim.text, one[0])   # a rejected write leaves the texts as they were
     a, b2, c = (sim.truth(s + k, 8) for k in range(3))
     assert torch.equal(a[:, 1:], b2[:, :-1])
     assert not torch.equal(a[:, 1:], c[:, :-1])      # the check can fail
@@ -174,3 +178,19 @@ def test_a_profile_fitted_to_its_own_curve_comes_back():
     assert (flat.tau_chain, flat.ratio) != (p.tau_chain, p.ratio)
     with pytest.raises(ValueError, match="budgets"):
         Profile.fit((1, 4), [2.0], depth=7)
+
+
+def test_a_true_token_beyond_the_list_is_none():
+    """A profile whose ranks often fall beyond its K listed candidates: those positions' true token is
+    `none` (the target's own choice stands in), the others the id of their rank, as the table holds them."""
+    from kdtree.simulate import Simulation
+    prof = Profile(1.5, depth=7, ratio=0.9, K=8)
+    sim = Simulation(prof, 1000, 7, 2, "cpu", length=300)
+    seed = torch.tensor([11, 2**33 + 5])
+    sim.write([1, 0], [int(seed[1]), int(seed[0])])
+    pos = torch.arange(300)[None].expand(2, -1)
+    r = sim.ranks(seed, pos)
+    assert 0.05 < (r >= prof.K).float().mean() < 0.95   # both branches occur
+    want = torch.where(r < prof.K, sim.ids(seed, pos).gather(2, r.clamp(max=prof.K - 1)[..., None])[..., 0],
+                       sim.none)
+    assert torch.equal(sim.tokens(seed, pos), want) and torch.equal(sim.text, want)

@@ -55,7 +55,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
     a round's wall time is then the interval between two rounds landing; budget="auto": `round_wall_by_plan`
     {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
-    synthetic_context: the fill of those rows, `synthetic_s`, is left out of the wall time and prefill_s).
+    synthetic_context: the fill of those rows, `synthetic_s` with a simulated profile's texts, is left out
+    of the wall time and prefill_s).
     full_tok_per_s: the tokens of the steps whose landed round had every slot of max_batch live (their
     admissions included) over those steps' wall time, `full_rounds` of them; with more prompts than
     max_batch the engine admits each waiting request as a slot frees (a queue), and this is its steady

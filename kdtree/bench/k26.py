@@ -277,11 +277,13 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
 
 def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dict:
     """Engine e serving queue x batch requests through its waiting queue (`run_engine`): a warm-up run of
-    max_new(batch) // 4 tokens a request (requests that end apart are admitted apart, and a prefill group
-    size seen first is captured then, out of the timed runs), then `repeats` runs, run k's request i seeded
-    9000 + 1000 k + i in every plan of the cell (the same texts). The run of median full-batch tok/s gives
-    {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau", "prefill_s", "plan_counts"
-    (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs', "requests"."""
+    max(max_new(batch) // 4, 2) tokens a request (requests that end apart are admitted apart, so most prefill
+    group sizes are met and their graphs captured there, out of the timed runs), then `repeats` runs, run
+    k's request i seeded 9000 + 1000 k + i in every plan of the cell (run k reads the same texts in every
+    plan). The run of median full-batch tok/s (the lower median; "median_run": its k, which may differ
+    between plans) gives {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
+    "prefill_s", "plan_counts" (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs',
+    "requests"."""
     prompts = cell_prompts(queue * batch, batch)
     run_engine(e, prompts, max(max_new(batch) // 4, 2), seed0=8000, **add)
     runs = []
@@ -292,11 +294,11 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
         if e.auto is not None:
             q["plan_counts"] = dict(Counter(h[2] for h in e.auto.history[h0:]))
         runs.append(q)
-    key = (lambda q: q["full_tok_per_s"] or 0.0)
-    med = sorted(runs, key=key)[(len(runs) - 1) // 2]
-    out = {k: med[k] for k in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
-                               "prefill_s", "plan_counts") if k in med}
-    out.update(full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
+    order = sorted(range(len(runs)), key=lambda k: runs[k]["full_tok_per_s"] or 0.0)
+    k = order[(len(runs) - 1) // 2]
+    out = {key: runs[k][key] for key in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens",
+                                         "tau", "prefill_s", "plan_counts") if key in runs[k]}
+    out.update(median_run=k, full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
                tok_per_s_repeats=[q["tok_per_s"] for q in runs], requests=len(prompts))
     return out
 
@@ -401,12 +403,14 @@ def trained_curve(path) -> dict:
         rec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"bench_k26: --trained {path}: not a readable JSON file ({e})") from None
-    for key in ("trained", "auto"):
-        cc = (rec.get(key) or {}).get("calibration_check") if isinstance(rec, dict) else None
-        if cc and cc.get("budgets") and cc.get("realized"):
+    for key in ("trained", "auto"):   # an e2e_auto.json's section first
+        sec = rec.get(key) if isinstance(rec, dict) else None
+        cc = sec.get("calibration_check") if isinstance(sec, dict) else None
+        ok = isinstance(cc, dict) and all(isinstance(cc.get(k), list) for k in ("budgets", "realized"))
+        if ok and cc["budgets"] and len(cc["budgets"]) == len(cc["realized"]):
             return cc
     raise SystemExit(f"bench_k26: --trained {path}: no trained.calibration_check or auto.calibration_check "
-                     "with budgets and realized (the lab's notebook 02, stage auto, writes it)")
+                     "with equal-length lists budgets and realized (notebook 02's stage auto writes it)")
 
 
 def main(argv=None) -> None:

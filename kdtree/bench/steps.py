@@ -78,32 +78,54 @@ def overhead(auto: dict, ar: float, ar_median: float, ar_prefill: float | None =
 
 def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **add) -> dict:
     """Where one admission's prefill goes: the prompts admitted together `repeats` times (each then served to
-    its end, one new token a request), the engine's prefill seconds of each (synthetic fill left out), then
-    once more under torch.profiler: the costliest CUDA kernels and host ops of that admission (its synthetic
-    fill included, under its own kernel names). The engine must be idle."""
+    its end, one new token a request), the engine's prefill seconds of each (synthetic fill left out); then
+    `repeats` times with the engine's `prefill_phases` on (a device sync at each phase's end: "phases", each
+    phase's median seconds); then once more under torch.profiler: the costliest CUDA kernels ("kernels",
+    "device_s" their sum) and host ops of that admission (its synthetic fill included, under its own kernel
+    names). The engine must be idle, with room for every prompt at once (ValueError otherwise)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    secs = []
-    for k in range(repeats + 1):
+    checks.positive_int("repeats", repeats)
+    if engine.waiting or engine.active or engine.in_flight:
+        raise ValueError("prefill_profile: the engine is not idle (requests waiting, active or in flight)")
+    if not 0 < len(prompts) <= engine.max_batch:
+        raise ValueError(f"prompts: {len(prompts)} of them, expected 1 to max_batch={engine.max_batch}")
+    secs, phases = [], []
+    for k in range(2 * repeats + 1):
         for i, p in enumerate(prompts):
             engine.add_request(p, 2, seed=77 + i, **add)
         p0 = engine.prefill_s
         if k < repeats:
             engine._admit({})
             secs.append(engine.prefill_s - p0)
+        elif k < 2 * repeats:
+            engine.prefill_phases = {}
+            try:
+                engine._admit({})
+                phases.append(engine.prefill_phases)
+            finally:
+                engine.prefill_phases = None
         else:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
             with profile(activities=acts) as prof:
                 engine._admit({})
                 _sync()
+        if engine.waiting:   # all at once, or the timings are not one admission's
+            raise ValueError(f"prefill_profile: {len(engine.waiting)} of {len(prompts)} prompts found no "
+                             "room (the engine's pages)")
         engine.run()
     ev = prof.key_averages()
     dev = (lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
-    kern = sorted((e for e in ev if dev(e) > 0), key=dev, reverse=True)[:top]
-    host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    kernels = [e for e in ev if e.device_type == DeviceType.CUDA]   # not the ops that launched them
+    kern = sorted(kernels, key=dev, reverse=True)[:top]
+    host = sorted((e for e in ev if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)[:top]
+    names = sorted({n for ph in phases for n in ph})
     return {"prefill_s": secs, "profiled_prefill_s": engine.prefill_s - p0,
+            "phases": {n: statistics.median(ph.get(n, 0.0) for ph in phases) for n in names},
             "kernels": [[e.key[:90], e.count, dev(e) * 1e-6] for e in kern],
             "host_ops": [[e.key[:90], e.count, e.self_cpu_time_total * 1e-6] for e in host],
-            "device_s": sum(dev(e) for e in ev) * 1e-6}
+            "device_s": sum(dev(e) for e in kernels) * 1e-6}
 
 
 def _sync():
@@ -173,11 +195,12 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
 def compare_prefill(context: int = 4096, batch: int = 32, layers: int = 10, profile=(3.0, 8),
                     repeats: int = 3, device="cuda", args=None, dargs=None) -> dict:
     """`prefill_profile` of one admission of the cell's batch for the AR engine and DDTree at B = 4 (the
-    drafter's context prefill beside the target's), SIMULATED acceptance as `compare`."""
+    drafter's context prefill beside the target's), SIMULATED acceptance as `compare` (profile: (chain tau,
+    block) or a `Profile`)."""
     check_cell(context, batch, layers, repeats)
     t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
     d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
-    prof = Profile(profile[0], depth=profile[1] - 1, K=256)
+    prof = profile if isinstance(profile, Profile) else Profile(profile[0], depth=profile[1] - 1, K=256)
     new = k26_max_new(batch)
     rec = {"label": "K2.6 shape, random weights: one admission's prefill, AR against DDTree (B = 4)",
            "context": context, "batch": batch, "layers": layers, "engines": {}}
@@ -225,14 +248,18 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"--profiles {a.profiles}: expected chain tau:block[:ratio] items, e.g. 3:8 ({e})") \
             from None
+    if a.prefill and (len(profs) != 1 or a.queue != 1):
+        raise SystemExit(f"--prefill: expected one profile and no --queue (it profiles one admission of the "
+                         f"batch), got {len(profs)} profiles and --queue {a.queue}")
     if not torch.cuda.is_available():
         raise SystemExit("kdtree.bench.steps: needs a CUDA device (K2.6 shape)")
     if a.prefill:
-        rec = compare_prefill(a.context, a.batch, a.layers, (profs[0].tau_chain, profs[0].depth + 1))
+        rec = compare_prefill(a.context, a.batch, a.layers, profs[0], a.repeats)
         (a.out / "prefill_k26.json").write_text(json.dumps(rec, indent=1) + "\n")
         for name, r in rec["engines"].items():
             print(name, "prefill s", [round(x, 4) for x in r["prefill_s"]], "device s",
-                  round(r["device_s"], 4))
+                  round(r["device_s"], 4), "phases ms",
+                  {k: round(v * 1e3, 2) for k, v in r["phases"].items()})
             for row in r["kernels"][:12] + [["--- host", 0, 0]] + r["host_ops"][:12]:
                 print(f"  {row[0][:70]:70s} {row[1]:6d} {row[2] * 1e3:9.3f} ms")
         return
