@@ -727,14 +727,22 @@ class Engine:
             self._prefill(new, emitted)
 
     def _grow(self, r: Request, rows: int) -> None:
-        """Give request r pages for cache rows [0, rows)."""
-        while len(r.pages) * self.page_size < rows:
-            if len(r.pages) >= r.reserve:
-                raise RuntimeError(f"request {r.rid}: needs page {len(r.pages) + 1} of a reservation of "
-                                   f"{r.reserve}")
-            page = self.pages.take()
-            self.page_table[r.slot, len(r.pages)] = page
-            r.pages.append(page)
+        """Give request r pages for cache rows [0, rows), all or none (RuntimeError beyond its reservation).
+        Their page-table entries go in one copy that does not wait for the device (from pinned memory on a
+        GPU): item assignment of a host number copies it from pageable memory and synchronizes the stream,
+        which under overlap waits for the round in flight."""
+        have = len(r.pages)
+        need = -(-rows // self.page_size) - have
+        if need <= 0:
+            return
+        if have + need > r.reserve:
+            raise RuntimeError(f"request {r.rid}: needs page {r.reserve + 1} of a reservation of {r.reserve}")
+        new = [self.pages.take() for _ in range(need)]
+        src = torch.tensor(new, dtype=self.page_table.dtype)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.page_table[r.slot, have:have + need].copy_(src, non_blocking=True)
+        r.pages += new
 
     def _prefill(self, reqs: list[Request], emitted) -> None:
         """The admitted requests' prompts, chunk by chunk: one forward per chunk for every request whose chunk
@@ -791,8 +799,9 @@ class Engine:
             if self.mode != "ar" and not self.batched_drafter:
                 r.session = self.drafter.session(self.kv_cap)
                 r.session.start(r.prompt, torch.cat(feats[r.rid]) if feats[r.rid] else None)
-            self.root[s], self.lens[s], self.temp[s], self.seed[s], self.live[s] = (tok, P, r.temperature,
-                                                                                     r.seed, 1)
+            for t, v in ((self.root, tok), (self.lens, P), (self.temp, r.temperature), (self.seed, r.seed),
+                         (self.live, 1)):
+                t[s].fill_(v)   # a fill kernel: item assignment would copy from the host and synchronize
             r.length = P
             r.committed.append(tok)
             if r.synthetic:   # timed alone: the device idle before and after
@@ -972,10 +981,10 @@ class Engine:
             m.slot = s
             self.active[s] = m
         self.active.pop()
-        self.page_table[last] = 0
-        self.lens[last], self.root[last], self.temp[last], self.live[last] = 0, 0, 0.0, 0
+        for t in (self.page_table, self.lens, self.root, self.temp, self.live):
+            t[last].fill_(0)   # fill kernels, no host synchronization (as in `_grow`)
         if self.auto is not None and self.pend is not None:
-            self.pend_n[last] = 0
+            self.pend_n[last].fill_(0)
         r.result.wall_time = time.perf_counter() - r.t0 - (self.synthetic_s - r.syn0)
         r.slot = -1
         if r.rid not in self.errors:

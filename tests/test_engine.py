@@ -157,6 +157,28 @@ def test_a_request_the_pool_can_never_hold_is_refused(tiny):
         e.add_request([1] * 100, 60)
 
 
+def test_pages_grow_all_or_none(tiny):
+    """_grow: a request's new pages reach the page table in one write (check_state agrees); a growth beyond
+    its reservation raises before taking any page, leaving the pool, the request and the table as they
+    were."""
+    _, args, model = tiny
+    e = Engine(model, mode="ar", max_batch=2, max_len=512, debug=True)
+    e.add_request([1, 2, 3], 300)
+    e.step()
+    (r,) = e.active
+    assert r.reserve >= 4 and len(r.pages) == 1
+    e._grow(r, 3 * e.page_size + 1)   # three more pages at once
+    assert len(r.pages) == 4 and e.page_table[r.slot, :4].tolist() == r.pages
+    e.check_state()
+    state = (list(r.pages), list(e.pages.free), e.pages.reserved, e.page_table.clone())
+    with pytest.raises(RuntimeError, match=f"needs page {r.reserve + 1} of a reservation of {r.reserve}"):
+        e._grow(r, (r.reserve + 2) * e.page_size)
+    assert (list(r.pages), list(e.pages.free), e.pages.reserved) == state[:3]
+    assert torch.equal(e.page_table, state[3])
+    e.run()
+    assert e.free_pages == e.pages.capacity
+
+
 def test_check_state_finds_a_device_state_that_drifted(tiny):
     """debug=True's checker can fail: a length changed behind the engine's back is named."""
     _, args, model = tiny
