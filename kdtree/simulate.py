@@ -134,9 +134,12 @@ class Simulation:
     def tokens(self, seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """int64 [b, n]: the true tokens at positions pos [b, n] (`none`: a rank beyond the list): `ids`'
         entry at the rank, computed without listing the K candidates."""
-        r = self.ranks(seed, pos)
-        t = (self._base(seed, pos) + r.clamp(max=self.K - 1) * self.stride) % self.V
-        return torch.where(r < self.K, t, self.none)
+        return self._true(self._base(seed, pos), self.ranks(seed, pos))
+
+    def _true(self, base: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """The true tokens from the candidates' base ids and the true ranks (both [b, n])."""
+        t = (base + rank.clamp(max=self.K - 1) * self.stride) % self.V
+        return torch.where(rank < self.K, t, self.none)
 
     # the engine's side: per slot, tabulated once, gathered by the rounds (capturable, a few kernels)
     def write(self, slot, seed) -> None:
@@ -159,9 +162,8 @@ class Simulation:
         sd = torch.tensor(seeds, dtype=torch.int64, device=dev)
         pos = torch.arange(self.length, device=dev)[None].expand(len(seeds), -1)
         idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        base, r = self._base(sd, pos), self.ranks(sd, pos)                                 # [n, length]
-        t = (base + r.clamp(max=self.K - 1) * self.stride) % self.V                        # `tokens`
-        self.text[idx] = torch.where(r < self.K, t, self.none)
+        base = self._base(sd, pos)                                                         # [n, length]
+        self.text[idx] = self._true(base, self.ranks(sd, pos))
         self.base[idx] = base
 
     def move(self, src: int, dst: int) -> None:

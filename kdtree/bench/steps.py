@@ -30,7 +30,7 @@ import torch
 from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
-from .engine import run_engine
+from .engine import _sync, run_engine
 from .k26 import PROMPT, _with_block, cell_engine, cell_prompts, max_new as k26_max_new
 
 
@@ -126,11 +126,6 @@ def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **
             "kernels": [[e.key[:90], e.count, dev(e) * 1e-6] for e in kern],
             "host_ops": [[e.key[:90], e.count, e.self_cpu_time_total * 1e-6] for e in host],
             "device_s": sum(dev(e) for e in kernels) * 1e-6}
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def check_cell(context, batch, layers, repeats, queue=1) -> None:
