@@ -33,9 +33,11 @@ doubling at MAX_HOLD, or, where a probe costs more than that many AR rounds can 
 the probe's seconds beyond AR's for its tokens stay within PROBE_SHARE of the hold's (at most LONG_HOLD). A
 probe whose estimates would serve fewer rounds than the hold it ends (the batch ends first: `rounds_left`) is
 not run: AR serves on to the batch's end. A hold lasts at least the rounds over which its probe's excess is
-FIRST_SHARE of their seconds (at most MAX_HOLD; 1 where the probe costs nothing beyond AR), so that in a cell
-where AR wins throughout no probe costs more than that share of the hold before it (unless the cap binds: a
-probe dearer than MAX_HOLD x FIRST_SHARE AR rounds), and the doubling makes the probes' share fall from there
+FIRST_SHARE of their seconds, longer by AR's lead over the best drafting plan (a lead of LEAD doubles it: a
+close call is worth probing often, a far lead seldom turns), at most MAX_HOLD (1 where the probe costs nothing
+beyond AR), so that in a cell where AR wins throughout no probe costs more than that share of the hold before
+it (unless the cap binds: a probe dearer than MAX_HOLD x FIRST_SHARE AR rounds), and the doubling makes the
+probes' share fall from there
 to the hold limit's; a drafted round halves the next hold (a lone drafted round between holds does not start
 the doubling over). The policy restarts (no hold, the next the shortest) when the engine falls idle.
 """
@@ -55,6 +57,7 @@ MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred 
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
 FIRST_SHARE = 0.1      # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
+LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
 HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
@@ -434,12 +437,21 @@ class Policy:
     def hold_floor(self, s: np.ndarray, est: np.ndarray, ar_probe: float = -math.inf,
                    static: bool = False) -> int:
         """The shortest AR hold (`hold_limit`'s arguments): the rounds over which the excess of the probe
-        that ends it is FIRST_SHARE of their seconds, from 1 (a probe at AR's cost, or no finite excess) to
-        MAX_HOLD."""
-        need = self._probe_excess(s, est, ar_probe, static) / FIRST_SHARE
+        that ends it is FIRST_SHARE of their seconds, times 1 + AR's lead over the best drafting plan
+        (`lead`) / LEAD (a probe pays where the call is close; where AR leads far, fresh estimates seldom
+        overturn it), from 1 (a probe at AR's cost, or no finite excess) to MAX_HOLD."""
+        need = self._probe_excess(s, est, ar_probe, static) / FIRST_SHARE * (1 + self.lead(s) / LEAD)
         if not math.isfinite(need):
             return 1
         return int(min(MAX_HOLD, max(1, math.ceil(need - 1e-9))))
+
+    def lead(self, s: np.ndarray) -> float:
+        """AR's lead over the best drafting plan by the scores s (AR's first): s_AR / s_best - 1, at least 0
+        (0 where a score is missing)."""
+        j = self._best_draft(s)
+        if not (self.plans[0].kind == "ar" and np.isfinite(s[0]) and np.isfinite(s[j]) and s[j] > 0):
+            return 0.0
+        return max(float(s[0] / s[j]) - 1.0, 0.0)
 
     def _probe_excess(self, s: np.ndarray, est: np.ndarray, ar_probe: float, static: bool) -> float:
         """The excess (`_excess`, in AR rounds) of the probe a hold ends with (`_probe_is_ar`)."""

@@ -50,6 +50,8 @@ from .simulate import Simulation
 
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
+ADMISSIONS = ("eager", "grouped")
+ADMIT_FIT = 32   # grouped admission: the recent admissions whose times fit `Engine.admit_cost`
 # an eager round's stages; a graph replay is one "round"
 STAGES = ("draft", "build", "verify", "walk", "commit")
 # The BLAS library torch is asked to prefer for the engine's GEMMs on a GPU, by their rows (batch x block
@@ -350,6 +352,13 @@ class Engine:
     serving driven by step() where requests keep arriving, an empty queue between arrivals is not a batch's
     end).
 
+    admission "eager" (each waiting request as soon as a slot and its pages are free) | "grouped": a freed
+    slot waits for company while the idle slots' lost seconds stay below an admission's fixed cost, fitted
+    from the admissions timed so far (`_due`, `admit_cost`): a MoE prefill forward reads nearly every expert
+    whatever its rows, and speculative rounds end requests apart, so eager admission pays that fixed cost
+    once per request. Grouping trades a waiting request's first token for throughput; refused under tensor
+    parallelism.
+
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
     the previous round's accepted lengths: it grows each request's pages for both rounds' rows, and lands the
@@ -371,10 +380,14 @@ class Engine:
                  prefill_chunk: int = 512, debug: bool = False, buckets=None, graph_sampling: bool = True,
                  compile: bool = False, deterministic: bool = False, moe: str | None = None,
                  max_budget: int | None = None, budgets=None, decide: str = "previous", calibration=None,
-                 simulate=None, overlap: bool = True, makespan: bool = True):
+                 simulate=None, overlap: bool = True, makespan: bool = True, admission: str = "eager"):
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
+        checks.one_of("admission", admission, ADMISSIONS)
+        if admission == "grouped" and getattr(model, "tp", None) is not None:
+            raise ValueError("admission='grouped' under tensor parallelism: each rank times its own "
+                             "admissions, so their decisions could part; use 'eager'")
         dev = model.device
         if backend is None:
             backend = "kernel" if dev.type == "cuda" else "golden"
@@ -510,6 +523,10 @@ class Engine:
         self.synthetic_s = 0.0      # wall seconds of synthetic rows' fill and simulated texts (not prefill_s)
         self.prefill_replays = 0    # prefill forwards that replayed a graph
         self.prefill_phases = None  # {phase: seconds} when set to a dict (`_prefill_mark`; benchmarks)
+        self.admission = admission
+        self.admissions = 0         # admissions (prefills of one or more requests)
+        self._admits: list = []     # grouped: the last ADMIT_FIT clean admissions' (prompt rows, seconds)
+        self._rent = 0.0            # grouped: idle slots' seconds since admission was first deferred
         self._mark_t = 0.0
         self._pg: dict = {}         # prefill graphs: (requests, rows) -> CUDAGraph, or False (capture failed)
         self._pg_pool = self._side = None
@@ -647,7 +664,8 @@ class Engine:
         overlap = overlap and self.overlap
         if self._flight is not None and (not overlap or self._admissible() or not self._can_overlap()):
             self._drain(emitted)
-        self._admit(emitted)
+        if self._due():
+            self._admit(emitted)
         if self.active:
             prev, self._flight = self._flight, self._launch()
             if prev is not None:
@@ -702,7 +720,32 @@ class Engine:
 
     def _admissible(self) -> bool:
         return bool(self.waiting and len(self.active) < self.max_batch
-                    and self.pages.can_reserve(self.waiting[0].reserve))
+                    and self.pages.can_reserve(self.waiting[0].reserve)) and self._due()
+
+    def _due(self) -> bool:
+        """Whether to admit now. "eager": always (each waiting request as soon as a slot and its pages are
+        free). "grouped" (ski rental): an admission costs a fixed time (`admit_cost`; a MoE prefill forward
+        reads the experts its rows touch, nearly all of them at any prompt length) on top of its rows, and
+        stalls every slot meanwhile; a free slot left idle loses its share of a round. So a freed slot waits
+        for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over its
+        live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission they
+        save. It admits at once while no request is active, where every waiting request has a slot already,
+        and until two clean admissions of different sizes have been timed."""
+        free = self.max_batch - len(self.active)
+        if self.admission == "eager" or not self.active or free >= len(self.waiting):
+            return True
+        fit = self.admit_cost()
+        return fit is None or self._rent >= fit[0]
+
+    def admit_cost(self) -> tuple[float, float] | None:
+        """Grouped admission: (fixed seconds, seconds per prompt row) of an admission, least squares over the
+        last ADMIT_FIT admissions that captured no prefill graph (both at least 0); None until two of them
+        differ in rows."""
+        if len({x for x, _ in self._admits}) < 2:
+            return None
+        x, y = np.array(self._admits, np.float64).T
+        (f, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
+        return max(float(f), 0.0), max(float(c), 0.0)
 
     def _can_overlap(self) -> bool:
         """Whether the next round may launch before the one in flight lands: every active request's rows of
@@ -724,7 +767,13 @@ class Engine:
             self.active.append(r)
             new.append(r)
         if new:
+            self._rent = 0.0
+            graphs, t0 = len(self._pg), self.prefill_s
             self._prefill(new, emitted)
+            self.admissions += 1
+            if self.admission == "grouped" and len(self._pg) == graphs:   # a capture's time is not its cost
+                self._admits = (self._admits + [(sum(len(r.prompt) for r in new), self.prefill_s - t0)])
+                self._admits = self._admits[-ADMIT_FIT:]
 
     def _grow(self, r: Request, rows: int) -> None:
         """Give request r pages for cache rows [0, rows), all or none (RuntimeError beyond its reservation).
@@ -1333,6 +1382,8 @@ class Engine:
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
             self._release(r)
+        if self.admission == "grouped" and self.waiting and n < self.max_batch:
+            self._rent += (self.max_batch - n) * stages["round"] / n   # the round's idle slots' share
         self._features = None
         if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now

@@ -231,11 +231,12 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
     assert sync.after(1, good, 0, 4) == 2 and sync.after(1, np.array([[1.0, 3.0, 2.0]]), 0, 4) == 1
 
 
-def test_a_dear_probe_sets_the_shortest_hold():
+def test_a_dear_probe_sets_the_shortest_hold(monkeypatch):
     """Where the probe costs 0.8 AR rounds beyond AR for its tokens, the holds start at 0.8 / FIRST_SHARE
     = 8 rounds (the probe at most a tenth of the hold) and double from there to the hold limit (0.8 /
     PROBE_SHARE = 80); a lone drafted round between holds halves the next hold instead of starting over,
     and the shortest hold is capped at MAX_HOLD."""
+    monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
     plans = kb.plans(7, (4,))
     pol = kb.Policy(plans, _costs(1.0, [1.0, 1.0, 1.0], builds=(4,)))
     poor = np.array([[1.0, 1.1, 1.2]])               # B=4: 1.2 tokens for 2 AR rounds' seconds
@@ -280,12 +281,13 @@ def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
     assert [pol.before(1, poor, 0, None) for _ in range(2)] == [0, 2]   # requests wait again: the probe runs
 
 
-def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
+def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less(monkeypatch):
     """A hold's probe drafts (its estimates come from the draft) and verifies the drafting plan or AR's block,
     whichever costs less beyond AR's rounds for its tokens (not: makes more tokens per second): AR's block
     where a tree's verify is dear ("AR+draft" in the history, the chain's build, the smallest), the plan
     where its tokens pay for its verify; the hold limit takes that probe's excess; "sync" keeps AR a
     candidate after an AR probe's draft."""
+    monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
     plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
     poor = np.array([[1.0, 1.05, 1.1, 1.15]])
     pol = kb.Policy(plans, _costs(0.2, [1.0] * 4, builds=(4, 8)))   # B=8 excess 0.05 rounds, AR probe 0.2
@@ -312,6 +314,25 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less():
     assert sync.after(1, poor, 0, 4, ar=True) == 0 and sync.after(1, poor, 0, 4) == 2
     good = np.array([[1.0, 3.0, 4.0, 4.5]])
     assert sync.after(1, good, 0, 4, ar=True) == 2
+
+
+def test_ars_lead_lengthens_the_shortest_hold():
+    """The shortest hold grows with AR's lead over the best drafting plan: times 1 + lead / LEAD (a close
+    call is probed often, a far lead seldom), within MAX_HOLD; no lead where no drafting plan scores."""
+    plans = kb.plans(7, (4,))
+    pol = kb.Policy(plans, _costs(0.05, [1.0, 1.0, 1.0], builds=(4,)))   # an AR probe of 0.05 rounds
+    for top, lead in ((1.05, 0.0), (0.84, 0.25), (0.525, 1.0), (0.21, 4.0)):   # B=4 costs 1.05 AR rounds
+        est = np.array([[1.0, top * 0.9, top]])
+        s = pol.score(1, est, 0, lambda p: True)
+        assert pol.lead(s) == pytest.approx(lead)
+        x = pol._probe_excess(s, est, pol._ar_probe_score(1, est, 0), False)
+        want = min(kb.MAX_HOLD, max(1, math.ceil(x / kb.FIRST_SHARE * (1 + lead / kb.LEAD) - 1e-9)))
+        assert pol.hold_floor(s, est, pol._ar_probe_score(1, est, 0)) == want
+        assert [pol.before(1, est, 0) for _ in range(want + 1)] == [0] * want + [0 if pol.ar_probe else 2]
+        pol.restart()
+    assert pol.hold_floor(s, est, pol._ar_probe_score(1, est, 0)) > 1   # the lead term counts here
+    assert pol.lead(np.array([1.0, -np.inf, -np.inf])) == 0.0
+    assert pol.lead(np.array([1.0, 2.0, 3.0])) == 0.0                   # a drafting plan leads
 
 
 def test_a_dear_probe_lengthens_the_ar_hold():
@@ -679,12 +700,13 @@ def test_the_engines_policy_input_drains_only_a_batch_nothing_waits_to_join():
         Engine(t, d, mode="ddtree", budget=8, makespan=False, max_len=128)
 
 
-def test_a_static_batchs_probe_verifies_ars_block():
+def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
     """Where a drafted probe costs less beyond AR than an AR probe (by the estimates, which assume the plan
     serves on), it still verifies AR's block while a static batch's end is in view (rounds_left) for several
     requests: AR serves on after the probe and the batch ends on its slowest request, so the drafted block's
     uneven tokens would shorten nothing. With requests waiting (None) or one request, the drafted probe; the
     hold limit takes the probe that runs."""
+    monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
     plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
     costs = _costs(2.0, [1.0] * 4, builds=(4, 8))     # B=8's excess 1.85 AR rounds, an AR probe's 2
     two = np.array([[1.0, 1.05, 1.1, 1.15]] * 2)

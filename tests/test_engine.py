@@ -202,6 +202,7 @@ def test_bad_engine_settings_are_refused(tiny):
                        (dict(max_len=10**7), "max_len="), (dict(page_size=32), "page_size="),
                        (dict(backend="kernel"), "CUDA"), (dict(buckets=(3,), max_batch=4), "buckets="),
                        (dict(buckets="x"), "buckets="), (dict(moe="sparse"), "moe="),
+                       (dict(admission="lazy"), "admission="),
                        (dict(moe="grouped", deterministic=True), "only 'dense' is batch-invariant"),
                        (dict(mode="ddtree", drafter=d, budget=300, max_len=256),
                         "budget: a verify block of 301")):
@@ -557,3 +558,67 @@ def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
     assert q["tokens"] == 40 and 0 < q["full_rounds"] < q["rounds"]
     one = run_engine(Engine(t, None, mode="ar", max_batch=2, max_len=256), prompts[:1], 6)
     assert one["full_rounds"] == 0 and one["full_tok_per_s"] is None   # one request never fills 2 slots
+
+
+def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admission(pair):
+    """The rule (`Engine._due`): "eager" admits whenever a slot is free; "grouped" admits at once with no
+    request active, when every waiting request has a slot, or before two admissions of different sizes
+    are timed, else once the idle slots' seconds reach the fitted fixed cost of an admission."""
+    t, _ = pair
+    e = Engine(t, None, mode="ar", max_batch=4, max_len=128, admission="grouped")
+    e.active, e.waiting = [object()] * 2, [object()] * 5
+    assert e._due() and e.admit_cost() is None                     # nothing timed yet
+    e._admits = [(10, 1.0), (10, 1.2)]
+    assert e._due() and e.admit_cost() is None                     # one size: no fit
+    e._admits = [(10, 1.0), (20, 1.5), (40, 2.5)]                  # 0.5 s fixed + 0.05 s a row
+    assert e.admit_cost() == pytest.approx((0.5, 0.05))
+    e._rent = 0.49
+    assert not e._due()
+    e._rent = 0.501
+    assert e._due()
+    e._rent, e.waiting = 0.0, [object()] * 2                       # every waiting request has a slot
+    assert e._due()
+    e.waiting, e.active = [object()] * 5, []                       # nothing active to wait for
+    assert e._due()
+    e.active, e.admission = [object()] * 2, "eager"
+    assert e._due()
+    e.active, e.waiting = [], []
+
+
+def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admissions(pair, monkeypatch):
+    """A queue of requests of uneven lengths: with an admission's fixed cost beyond any wait (the fit
+    patched), a grouped engine admits only when its batch has emptied or every waiting request has a slot;
+    its outputs equal the oracle's, in fewer admissions than the eager engine's; the idle slots' rent
+    accrues while requests wait and restarts at each admission. Unpatched, each clean admission is timed
+    and fits a cost."""
+    from kdtree.bench.engine import run_engine
+    t, d = pair
+    prompts = random_prompts(t.args, 10, seed=21, min_len=5, max_len=30)
+    lens = [6 + (7 * i) % 19 for i in range(10)]
+    refs = [oracle_ar(t, p, n).tokens for p, n in zip(prompts, lens)]
+    got = {}
+    for admission in ("eager", "grouped"):
+        e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission=admission)
+        if admission == "grouped":
+            monkeypatch.setattr(e, "admit_cost", lambda: (1e9, 0.0))
+            seen = []
+            admit = e._admit
+
+            def spy(emitted, admit=admit, e=e):
+                if e.waiting and e.max_batch > len(e.active):
+                    seen.append((len(e.active), len(e.waiting), e._rent))
+                admit(emitted)
+            monkeypatch.setattr(e, "_admit", spy)
+        ids = [e.add_request(p, n) for p, n in zip(prompts, lens)]
+        res = e.run()
+        assert [res[i].tokens for i in ids] == refs, admission
+        got[admission] = e.admissions
+    assert got["grouped"] < got["eager"]
+    for active, waiting, rent in seen:
+        assert active == 0 or 4 - active >= waiting
+    assert any(rent > 0 for _, _, rent in seen[1:])                # rounds ran with idle slots, waiting
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission="grouped")
+    q = run_engine(e, prompts, 12)
+    assert q["admissions"] == e.admissions >= 2 and 2 <= len(e._admits) <= q["admissions"]
+    f, c = e.admit_cost() or (None, None)
+    assert f is not None and f >= 0 and c >= 0

@@ -63,9 +63,11 @@ def cell_prompts(n: int, batch: int) -> list[list[int]]:
 
 def cell_engine(context: int, batch: int, new: int, rows: int) -> dict:
     """The Engine keywords every engine of a cell shares: one batch bucket, sampling outside the graphs, room
-    for the context, the prompt, `new` tokens and a round of `rows` verified rows."""
+    for the context, the prompt, `new` tokens and a round of `rows` verified rows; grouped admission (a
+    queue's freed slots wait for company while that costs less than the MoE prefill's fixed time:
+    `Engine._due`; a static batch is admitted at once either way)."""
     return dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
-                max_len=context + PROMPT + new + rows + 64)
+                max_len=context + PROMPT + new + rows + 64, admission="grouped")
 
 
 def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> int:
@@ -282,8 +284,8 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
     k's request i seeded 9000 + 1000 k + i in every plan of the cell (run k reads the same texts in every
     plan). The run of median full-batch tok/s (the lower median; "median_run": its k, which may differ
     between plans) gives {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
-    "prefill_s", "plan_counts" (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs',
-    "requests"."""
+    "prefill_s", "admissions", "plan_counts" (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats"
+    all runs', "requests"."""
     prompts = cell_prompts(queue * batch, batch)
     run_engine(e, prompts, max(max_new(batch) // 4, 2), seed0=8000, **add)
     runs = []
@@ -297,7 +299,7 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
     order = sorted(range(len(runs)), key=lambda k: runs[k]["full_tok_per_s"] or 0.0)
     k = order[(len(runs) - 1) // 2]
     out = {key: runs[k][key] for key in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens",
-                                         "tau", "prefill_s", "plan_counts") if key in runs[k]}
+                                         "tau", "prefill_s", "admissions", "plan_counts") if key in runs[k]}
     out.update(median_run=k, full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
                tok_per_s_repeats=[q["tok_per_s"] for q in runs], requests=len(prompts))
     return out
