@@ -525,6 +525,7 @@ class Engine:
         self.prefill_phases = None  # {phase: seconds} when set to a dict (`_prefill_mark`; benchmarks)
         self.admission = admission
         self.admissions = 0         # admissions (prefills of one or more requests)
+        self.last_admission = None  # the last admission's (requests, prompt rows, seconds)
         self._admits: list = []     # grouped: the last ADMIT_FIT clean admissions' (prompt rows, seconds)
         self._rent = 0.0            # grouped: idle slots' seconds since admission was first deferred
         self._mark_t = 0.0
@@ -730,7 +731,7 @@ class Engine:
         for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over its
         live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission they
         save. It admits at once while no request is active, where every waiting request has a slot already,
-        and until two clean admissions of different sizes have been timed."""
+        and until an admission has been timed."""
         free = self.max_batch - len(self.active)
         if self.admission == "eager" or not self.active or free >= len(self.waiting):
             return True
@@ -739,11 +740,13 @@ class Engine:
 
     def admit_cost(self) -> tuple[float, float] | None:
         """Grouped admission: (fixed seconds, seconds per prompt row) of an admission, least squares over the
-        last ADMIT_FIT admissions that captured no prefill graph (both at least 0); None until two of them
-        differ in rows."""
-        if len({x for x, _ in self._admits}) < 2:
+        last ADMIT_FIT admissions that captured no prefill graph (both at least 0); while they all have the
+        same rows, (their median seconds, 0): the fixed cost's bound; None before the first."""
+        if not self._admits:
             return None
         x, y = np.array(self._admits, np.float64).T
+        if len(set(x.tolist())) < 2:
+            return float(np.median(y)), 0.0
         (f, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
         return max(float(f), 0.0), max(float(c), 0.0)
 
@@ -771,6 +774,7 @@ class Engine:
             graphs, t0 = len(self._pg), self.prefill_s
             self._prefill(new, emitted)
             self.admissions += 1
+            self.last_admission = (len(new), sum(len(r.prompt) for r in new), self.prefill_s - t0)
             if self.admission == "grouped" and len(self._pg) == graphs:   # a capture's time is not its cost
                 self._admits = (self._admits + [(sum(len(r.prompt) for r in new), self.prefill_s - t0)])
                 self._admits = self._admits[-ADMIT_FIT:]

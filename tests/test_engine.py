@@ -568,8 +568,10 @@ def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admissio
     e = Engine(t, None, mode="ar", max_batch=4, max_len=128, admission="grouped")
     e.active, e.waiting = [object()] * 2, [object()] * 5
     assert e._due() and e.admit_cost() is None                     # nothing timed yet
-    e._admits = [(10, 1.0), (10, 1.2)]
-    assert e._due() and e.admit_cost() is None                     # one size: no fit
+    e._admits = [(10, 1.0), (10, 1.2), (10, 1.4)]
+    assert e.admit_cost() == pytest.approx((1.2, 0.0)) and not e._due()   # one size: its median bounds it
+    e._rent = 1.2
+    assert e._due()
     e._admits = [(10, 1.0), (20, 1.5), (40, 2.5)]                  # 0.5 s fixed + 0.05 s a row
     assert e.admit_cost() == pytest.approx((0.5, 0.05))
     e._rent = 0.49

@@ -61,7 +61,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     every slot of max_batch live (their admissions included) over those steps' wall time, `full_rounds` of
     them; with more prompts than max_batch the engine admits waiting requests as slots free (a queue), and
     this is its steady state (with grouped admission, the rounds whose freed slots wait for company count;
-    `admissions`: the prefills of the run). steps: a list that takes each step's {"s": wall less its
+    `admissions`: the prefills of the run, `admitted` their [requests, prompt rows, seconds], `admit_cost`
+    the grouped engine's fit at the end). steps: a list that takes each step's {"s": wall less its
     prefill and fill, "prefill_s", "plan" (of the round it landed; None: none landed, or not budget="auto"),
     "catchup" (the drafter's deferred context caught up in the round it launched)} (`bench.steps`)."""
     rounds, spans, by_plan = [], [], {}
@@ -69,14 +70,16 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
     _sync()
     p0, f0, r0, s0 = engine.prefill_s, engine.prefill_forwards, engine.prefill_replays, engine.synthetic_s
-    a0 = engine.admissions
+    a0, admits = engine.admissions, []
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
         before, syn, pre, pend = engine.rounds, engine.synthetic_s, engine.prefill_s, engine._pending
-        queued = bool(engine.waiting)
+        queued, na = bool(engine.waiting), engine.admissions
         ts = time.perf_counter()
         got = engine.step(overlap=True)
         dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
+        if engine.admissions > na:
+            admits.append(list(engine.last_admission))
         if steps is not None:
             landed = engine.last_round if engine.rounds > before else {}
             steps.append({"s": dt - (engine.prefill_s - pre), "prefill_s": engine.prefill_s - pre,
@@ -103,7 +106,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "per_user_tok_per_s": toks / wall / len(prompts) if engine.max_batch >= len(prompts) else None,
             "prefill_s": prefill, "synthetic_s": synthetic,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
-            "admissions": engine.admissions - a0,
+            "admissions": engine.admissions - a0, "admitted": admits,
+            "admit_cost": list(engine.admit_cost() or ()) if engine.admission == "grouped" else None,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "full_tok_per_s": full_tok / full_s if full_s > 0 else None, "full_rounds": n_full,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,

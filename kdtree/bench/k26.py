@@ -284,8 +284,8 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
     k's request i seeded 9000 + 1000 k + i in every plan of the cell (run k reads the same texts in every
     plan). The run of median full-batch tok/s (the lower median; "median_run": its k, which may differ
     between plans) gives {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
-    "prefill_s", "admissions", "plan_counts" (budget="auto")}; "full_tok_per_s_repeats" / "tok_per_s_repeats"
-    all runs', "requests"."""
+    "prefill_s", "admissions", "admitted", "admit_cost", "plan_counts" (budget="auto")};
+    "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs', "requests"."""
     prompts = cell_prompts(queue * batch, batch)
     run_engine(e, prompts, max(max_new(batch) // 4, 2), seed0=8000, **add)
     runs = []
@@ -299,7 +299,8 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
     order = sorted(range(len(runs)), key=lambda k: runs[k]["full_tok_per_s"] or 0.0)
     k = order[(len(runs) - 1) // 2]
     out = {key: runs[k][key] for key in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens",
-                                         "tau", "prefill_s", "admissions", "plan_counts") if key in runs[k]}
+                                         "tau", "prefill_s", "admissions", "admitted", "admit_cost",
+                                         "plan_counts") if key in runs[k]}
     out.update(median_run=k, full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
                tok_per_s_repeats=[q["tok_per_s"] for q in runs], requests=len(prompts))
     return out
