@@ -300,8 +300,12 @@ def test_step_trace_cli_refuses_bad_arguments(tmp_path, argv, needle):
     with pytest.raises(SystemExit) as e:
         steps.main(["--out", str(tmp_path)] + argv)
     assert needle in str(e.value) and not any(tmp_path.iterdir())
+    (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit, match="not a folder"):
-        steps.main(["--out", str(tmp_path / "none")])
+        steps.main(["--out", str(tmp_path / "file")])
+    with pytest.raises(SystemExit, match="repeats=0"):   # a folder to be made is made only once checked
+        steps.main(["--out", str(tmp_path / "new"), "--repeats", "0"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_queue_is_measured_after_a_warm_up_as_the_median_of_its_repeats(monkeypatch):

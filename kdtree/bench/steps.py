@@ -216,7 +216,7 @@ def compare_prefill(context: int = 4096, batch: int = 32, layers: int = 10, prof
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kdtree.bench.steps", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder of steps_k26.json")
+    ap.add_argument("--out", type=Path, required=True, help="folder of steps_k26.json (made if missing)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layers", type=int, default=10, help="MoE layers (bench.k26's count at the cell)")
@@ -228,7 +228,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="profile one admission's prefill instead (AR and B = 4: DIR/prefill_k26.json)")
     a = ap.parse_args(argv)
-    if not a.out.is_dir():
+    if a.out.exists() and not a.out.is_dir():
         raise SystemExit(f"--out {a.out}: not a folder")
     try:
         check_cell(a.context, a.batch, a.layers, a.repeats, a.queue)
@@ -248,6 +248,7 @@ def main(argv=None) -> None:
                          f"batch), got {len(profs)} profiles and --queue {a.queue}")
     if not torch.cuda.is_available():
         raise SystemExit("kdtree.bench.steps: needs a CUDA device (K2.6 shape)")
+    a.out.mkdir(parents=True, exist_ok=True)   # made once every argument is checked
     if a.prefill:
         rec = compare_prefill(a.context, a.batch, a.layers, profs[0], a.repeats)
         (a.out / "prefill_k26.json").write_text(json.dumps(rec, indent=1) + "\n")
