@@ -354,10 +354,10 @@ class Engine:
 
     admission "eager" (each waiting request as soon as a slot and its pages are free) | "grouped": a freed
     slot waits for company while the idle slots' lost seconds stay below an admission's fixed cost, fitted
-    from the admissions timed so far (`_due`, `admit_cost`): a MoE prefill forward reads nearly every expert
-    whatever its rows, and speculative rounds end requests apart, so eager admission pays that fixed cost
-    once per request. Grouping trades a waiting request's first token for throughput; refused under tensor
-    parallelism.
+    from the admissions timed so far (`_due`, `admit_cost`): a MoE prefill forward reads every expert its
+    rows route to, most of them once a few requests are in it, and speculative rounds end requests apart, so
+    eager admission pays that fixed cost over and over. Grouping trades a waiting request's first token for
+    throughput; refused under tensor parallelism.
 
     overlap: run() (and generate) launches each round before the previous round's bookkeeping (its one host
     copy read, stop checks, outputs), so that host work runs while the GPU computes. The launch cannot know
@@ -726,12 +726,12 @@ class Engine:
     def _due(self) -> bool:
         """Whether to admit now. "eager": always (each waiting request as soon as a slot and its pages are
         free). "grouped" (ski rental): an admission costs a fixed time (`admit_cost`; a MoE prefill forward
-        reads the experts its rows touch, nearly all of them at any prompt length) on top of its rows, and
-        stalls every slot meanwhile; a free slot left idle loses its share of a round. So a freed slot waits
-        for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over its
-        live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission they
-        save. It admits at once while no request is active, where every waiting request has a slot already,
-        and until an admission has been timed."""
+        reads every expert its rows route to, most of them once a few requests are in it) on top of its rows,
+        and stalls every slot meanwhile; a free slot left idle loses its share of a round. So a freed slot
+        waits for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over
+        its live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission
+        they save. It admits at once while no request is active, where every waiting request has a slot
+        already, and until an admission has been timed."""
         free = self.max_batch - len(self.active)
         if self.admission == "eager" or not self.active or free >= len(self.waiting):
             return True
@@ -773,11 +773,11 @@ class Engine:
             self._rent = 0.0
             graphs, t0 = len(self._pg), self.prefill_s
             self._prefill(new, emitted)
+            rows, secs = sum(len(r.prompt) for r in new), self.prefill_s - t0
             self.admissions += 1
-            self.last_admission = (len(new), sum(len(r.prompt) for r in new), self.prefill_s - t0)
+            self.last_admission = (len(new), rows, secs)
             if self.admission == "grouped" and len(self._pg) == graphs:   # a capture's time is not its cost
-                self._admits = (self._admits + [(sum(len(r.prompt) for r in new), self.prefill_s - t0)])
-                self._admits = self._admits[-ADMIT_FIT:]
+                self._admits = (self._admits + [(rows, secs)])[-ADMIT_FIT:]
 
     def _grow(self, r: Request, rows: int) -> None:
         """Give request r pages for cache rows [0, rows), all or none (RuntimeError beyond its reservation).
