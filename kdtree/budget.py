@@ -37,9 +37,9 @@ FIRST_SHARE of their seconds, longer by AR's lead over the best drafting plan (a
 close call is worth probing often, a far lead seldom turns), at most MAX_HOLD (1 where the probe costs nothing
 beyond AR), so that in a cell where AR wins throughout no probe costs more than that share of the hold before
 it (unless the cap binds: a probe dearer than MAX_HOLD x FIRST_SHARE AR rounds), and the doubling makes the
-probes' share fall from there
-to the hold limit's; a drafted round halves the next hold (a lone drafted round between holds does not start
-the doubling over). The policy restarts (no hold, the next the shortest) when the engine falls idle.
+probes' share fall from there to the hold limit's; a drafted round halves the next hold (a lone drafted round
+between holds does not start the doubling over). The policy restarts (no hold, the next the shortest) when
+the engine falls idle.
 """
 from __future__ import annotations
 

@@ -527,6 +527,7 @@ class Engine:
         self.admissions = 0         # admissions (prefills of one or more requests)
         self.last_admission = None  # the last admission's (requests, prompt rows, seconds)
         self._admits: list = []     # grouped: the last ADMIT_FIT clean admissions' (prompt rows, seconds)
+        self._fit = None            # grouped: admit_cost's fit of _admits (None: not fitted since a change)
         self._rent = 0.0            # grouped: idle slots' seconds since admission was first deferred
         self._mark_t = 0.0
         self._pg: dict = {}         # prefill graphs: (requests, rows) -> CUDAGraph, or False (capture failed)
@@ -731,24 +732,31 @@ class Engine:
         waits for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over
         its live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission
         they save. It admits at once while no request is active, where every waiting request has a slot
-        already, and until an admission has been timed."""
+        already, until an admission has been timed, and in a deterministic engine (each request prefills
+        alone: grouping saves no forward). The saving assumes the group's prompts share their chunks'
+        forwards (same-length chunks, `_prefill`), as a benchmark's equal prompts do."""
         free = self.max_batch - len(self.active)
-        if self.admission == "eager" or not self.active or free >= len(self.waiting):
+        if (self.admission == "eager" or self.deterministic or not self.active
+                or free >= len(self.waiting)):
             return True
         fit = self.admit_cost()
         return fit is None or self._rent >= fit[0]
 
     def admit_cost(self) -> tuple[float, float] | None:
         """Grouped admission: (fixed seconds, seconds per prompt row) of an admission, least squares over the
-        last ADMIT_FIT admissions that captured no prefill graph (both at least 0); while they all have the
-        same rows, (their median seconds, 0): the fixed cost's bound; None before the first."""
+        last ADMIT_FIT admissions that captured no prefill graph and lost no request (both at least 0); while
+        they all have the same rows, (their median seconds, 0): the fixed cost's bound; None before the
+        first."""
         if not self._admits:
             return None
-        x, y = np.array(self._admits, np.float64).T
-        if len(set(x.tolist())) < 2:
-            return float(np.median(y)), 0.0
-        (f, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
-        return max(float(f), 0.0), max(float(c), 0.0)
+        if self._fit is None:   # refitted only when an admission was added
+            x, y = np.array(self._admits, np.float64).T
+            if len(set(x.tolist())) < 2:
+                self._fit = float(np.median(y)), 0.0
+            else:
+                (f, c), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
+                self._fit = max(float(f), 0.0), max(float(c), 0.0)
+        return self._fit
 
     def _can_overlap(self) -> bool:
         """Whether the next round may launch before the one in flight lands: every active request's rows of
@@ -776,8 +784,10 @@ class Engine:
             rows, secs = sum(len(r.prompt) for r in new), self.prefill_s - t0
             self.admissions += 1
             self.last_admission = (len(new), rows, secs)
-            if self.admission == "grouped" and len(self._pg) == graphs:   # a capture's time is not its cost
-                self._admits = (self._admits + [(rows, secs)])[-ADMIT_FIT:]
+            # a capture's time is not an admission's cost, nor is a failed request's cut-short prefill
+            if (self.admission == "grouped" and len(self._pg) == graphs
+                    and not any(r.rid in self.errors for r in new)):
+                self._admits, self._fit = (self._admits + [(rows, secs)])[-ADMIT_FIT:], None
 
     def _grow(self, r: Request, rows: int) -> None:
         """Give request r pages for cache rows [0, rows), all or none (RuntimeError beyond its reservation).
@@ -1342,6 +1352,7 @@ class Engine:
         if f.done is not None:
             f.done.synchronize()
         n = len(f.reqs)
+        live = sum(r.slot >= 0 for r in f.reqs)   # rows of requests not ended before f (grouped admission)
         host = self.out_host[f.buf, :n].tolist()
         stages = f.clock.times()
         now = time.perf_counter()
@@ -1386,8 +1397,9 @@ class Engine:
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
             self._release(r)
-        if self.admission == "grouped" and self.waiting and n < self.max_batch:
-            self._rent += (self.max_batch - n) * stages["round"] / n   # the round's idle slots' share
+        if self.admission == "grouped" and self.waiting and live < self.max_batch:
+            # the round's idle slots' share of its seconds (a round of none live: all of them, at once)
+            self._rent += (self.max_batch - live) * stages["round"] / max(live, 1)
         self._features = None
         if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now

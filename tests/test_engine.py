@@ -547,7 +547,8 @@ def test_overlapped_serving_equals_the_oracle_with_tight_pages(pair, mode):
 def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
     """AR's static batch has every round full (its requests end together); a queue of twice max_batch keeps
     the batch full while requests wait, then drains: its full rounds are fewer than its rounds; the whole
-    run's tokens are every request's."""
+    run's tokens are every request's; a lone request's rounds are never full, with rounds overlapped or
+    not (its admission step begins with it waiting, behind no active request)."""
     from kdtree.bench.engine import run_engine
     t, d = pair
     prompts = random_prompts(t.args, 4, seed=14, min_len=8, max_len=12)
@@ -556,14 +557,17 @@ def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=256)
     q = run_engine(e, prompts, 10)
     assert q["tokens"] == 40 and 0 < q["full_rounds"] < q["rounds"]
-    one = run_engine(Engine(t, None, mode="ar", max_batch=2, max_len=256), prompts[:1], 6)
-    assert one["full_rounds"] == 0 and one["full_tok_per_s"] is None   # one request never fills 2 slots
+    for overlap in (True, False):   # the first step's admission: requests wait, none is active yet
+        e1 = Engine(t, None, mode="ar", max_batch=2, max_len=256, overlap=overlap)
+        one = run_engine(e1, prompts[:1], 6)
+        assert one["full_rounds"] == 0 and one["full_tok_per_s"] is None   # one request never fills 2 slots
 
 
 def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admission(pair):
     """The rule (`Engine._due`): "eager" admits whenever a slot is free; "grouped" admits at once with no
-    request active, when every waiting request has a slot, or before two admissions of different sizes
-    are timed, else once the idle slots' seconds reach the fitted fixed cost of an admission."""
+    request active, when every waiting request has a slot, before any admission is timed, or in a
+    deterministic engine, else once the idle slots' seconds reach the fitted fixed cost of an admission
+    (one size timed: its median bounds it; refitted when an admission is added)."""
     t, _ = pair
     e = Engine(t, None, mode="ar", max_batch=4, max_len=128, admission="grouped")
     e.active, e.waiting = [object()] * 2, [object()] * 5
@@ -572,7 +576,7 @@ def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admissio
     assert e.admit_cost() == pytest.approx((1.2, 0.0)) and not e._due()   # one size: its median bounds it
     e._rent = 1.2
     assert e._due()
-    e._admits = [(10, 1.0), (20, 1.5), (40, 2.5)]                  # 0.5 s fixed + 0.05 s a row
+    e._admits, e._fit = [(10, 1.0), (20, 1.5), (40, 2.5)], None    # 0.5 s fixed + 0.05 s a row
     assert e.admit_cost() == pytest.approx((0.5, 0.05))
     e._rent = 0.49
     assert not e._due()
@@ -582,7 +586,9 @@ def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admissio
     assert e._due()
     e.waiting, e.active = [object()] * 5, []                       # nothing active to wait for
     assert e._due()
-    e.active, e.admission = [object()] * 2, "eager"
+    e.active, e.deterministic = [object()] * 2, True              # each request prefills alone
+    assert e._due()
+    e.deterministic, e.admission = False, "eager"
     assert e._due()
     e.active, e.waiting = [], []
 
@@ -591,8 +597,9 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
     """A queue of requests of uneven lengths: with an admission's fixed cost beyond any wait (the fit
     patched), a grouped engine admits only when its batch has emptied or every waiting request has a slot;
     its outputs equal the oracle's, in fewer admissions than the eager engine's; the idle slots' rent
-    accrues while requests wait and restarts at each admission. Unpatched, each clean admission is timed
-    and fits a cost."""
+    accrues while requests wait and restarts at each admission. With a fixed cost of a nanosecond it admits
+    mid-batch, once a round's idle slots have billed it. Unpatched, each clean admission is timed and fits a
+    cost; an admission whose request failed is left out of the fit."""
     from kdtree.bench.engine import run_engine
     t, d = pair
     prompts = random_prompts(t.args, 10, seed=21, min_len=5, max_len=30)
@@ -610,6 +617,7 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
                 if e.waiting and e.max_batch > len(e.active):
                     seen.append((len(e.active), len(e.waiting), e._rent))
                 admit(emitted)
+                assert e._rent == 0.0 or not seen     # an admission restarts the rent
             monkeypatch.setattr(e, "_admit", spy)
         ids = [e.add_request(p, n) for p, n in zip(prompts, lens)]
         res = e.run()
@@ -620,7 +628,32 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
         assert active == 0 or 4 - active >= waiting
     assert any(rent > 0 for _, _, rent in seen[1:])                # rounds ran with idle slots, waiting
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission="grouped")
+    monkeypatch.setattr(e, "admit_cost", lambda: (1e-9, 0.0))
+    mid = []
+    admit = e._admit
+
+    def spy2(emitted, admit=admit, e=e):
+        if e.active and e.waiting and 4 - len(e.active) < len(e.waiting):
+            mid.append(e._rent)
+        admit(emitted)
+    monkeypatch.setattr(e, "_admit", spy2)
+    ids = [e.add_request(p, n) for p, n in zip(prompts, lens)]
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs
+    assert mid and all(r >= 1e-9 for r in mid)                    # admitted mid-batch, the rent billed
+    e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission="grouped")
     q = run_engine(e, prompts, 12)
     assert q["admissions"] == e.admissions >= 2 and 2 <= len(e._admits) <= q["admissions"]
-    f, c = e.admit_cost() or (None, None)
-    assert f is not None and f >= 0 and c >= 0
+    assert q["admit_cost"] == list(e.admit_cost()) and min(q["admit_cost"]) >= 0
+    grow = e._grow
+
+    def fail(r, rows):
+        if r.prompt == [3, 5, 7]:
+            raise RuntimeError("no page")
+        grow(r, rows)
+    monkeypatch.setattr(e, "_grow", fail)
+    n0 = len(e._admits)
+    bad = e.add_request([3, 5, 7], 4)
+    with pytest.raises(ValueError, match="no page"):
+        e.run()
+    assert e.admissions == q["admissions"] + 1 and len(e._admits) == n0 and bad not in e.finished

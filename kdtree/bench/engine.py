@@ -57,14 +57,15 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
     synthetic_context: the fill of those rows, `synthetic_s` with a simulated profile's texts, is left out
     of the wall time and prefill_s).
-    full_tok_per_s: the tokens of the steps that began with a request waiting or whose landed round had
-    every slot of max_batch live (their admissions included) over those steps' wall time, `full_rounds` of
-    them; with more prompts than max_batch the engine admits waiting requests as slots free (a queue), and
-    this is its steady state (with grouped admission, the rounds whose freed slots wait for company count;
-    `admissions`: the prefills of the run, `admitted` their [requests, prompt rows, seconds], `admit_cost`
-    the grouped engine's fit at the end). steps: a list that takes each step's {"s": wall less its
-    prefill and fill, "prefill_s", "plan" (of the round it landed; None: none landed, or not budget="auto"),
-    "catchup" (the drafter's deferred context caught up in the round it launched)} (`bench.steps`)."""
+    full_tok_per_s: the tokens of the steps that began with a request waiting behind active ones or whose
+    landed round had every slot of max_batch live (their admissions included) over those steps' wall time,
+    `full_rounds` of them; with more prompts than max_batch the engine admits waiting requests as slots
+    free (a queue), and this is its steady state (with grouped admission, the rounds whose freed slots wait
+    for company count; `admissions`: the prefills of the run, `admitted` their [requests, prompt rows,
+    seconds], `admit_cost` the grouped engine's fit at the end, None without one). steps: a list that takes
+    each step's {"s": wall less its prefill and fill, "prefill_s", "plan" (of the round it landed; None: none
+    landed, or not budget="auto"), "catchup" (the drafter's deferred context caught up in the round it
+    launched)} (`bench.steps`)."""
     rounds, spans, by_plan = [], [], {}
     full_tok, full_s, n_full = 0, 0.0, 0
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
@@ -74,7 +75,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
         before, syn, pre, pend = engine.rounds, engine.synthetic_s, engine.prefill_s, engine._pending
-        queued, na = bool(engine.waiting), engine.admissions
+        queued, na = bool(engine.waiting and engine.active), engine.admissions
         ts = time.perf_counter()
         got = engine.step(overlap=True)
         dt = time.perf_counter() - ts - (engine.synthetic_s - syn)
@@ -107,7 +108,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "prefill_s": prefill, "synthetic_s": synthetic,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "admissions": engine.admissions - a0, "admitted": admits,
-            "admit_cost": list(engine.admit_cost() or ()) if engine.admission == "grouped" else None,
+            "admit_cost": list(engine.admit_cost()) if engine.admit_cost() is not None else None,
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "full_tok_per_s": full_tok / full_s if full_s > 0 else None, "full_rounds": n_full,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
