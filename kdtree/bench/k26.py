@@ -263,7 +263,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
             if progress:
                 what = c.get("error") or f"{c['tok_per_s']:8.1f} tok/s  tau {c['tau'] or 0:.2f}"
                 if _queued(c):
-                    what += f"  queue {_queued(c):8.1f} tok/s (full batch)"
+                    what += (f"  queue {_queued(c):8.1f} tok/s (full batch, "
+                             f"{c['queued'].get('admissions', '?')} admissions)")
                 print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
                       f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
