@@ -102,13 +102,13 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     outs = [res[i] for i in ids]
     toks = sum(len(r.tokens) for r in outs)
     acc = [a for r in outs for a in r.accept_lengths]
-    prefill = engine.prefill_s - p0
+    prefill, fit = engine.prefill_s - p0, engine.admit_cost()
     return {"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall,
             "per_user_tok_per_s": toks / wall / len(prompts) if engine.max_batch >= len(prompts) else None,
             "prefill_s": prefill, "synthetic_s": synthetic,
             "prefill_forwards": engine.prefill_forwards - f0, "prefill_replays": engine.prefill_replays - r0,
             "admissions": engine.admissions - a0, "admitted": admits,
-            "admit_cost": list(engine.admit_cost()) if engine.admit_cost() is not None else None,
+            "admit_cost": None if fit is None else list(fit),
             "decode_tok_per_s": (toks - len(outs)) / (wall - prefill) if wall > prefill else None,
             "full_tok_per_s": full_tok / full_s if full_s > 0 else None, "full_rounds": n_full,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,

@@ -128,6 +128,12 @@ def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **
             "device_s": sum(dev(e) for e in kernels) * 1e-6}
 
 
+def _pair(layers: int, device, args, dargs):
+    """The K2.6-shape target of `layers` MoE layers and its drafter (args / dargs: smaller shapes, tests)."""
+    t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
+    return t, k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
+
+
 def check_cell(context, batch, layers, repeats, queue=1) -> None:
     """compare's arguments, each named in its ValueError."""
     checks.int_in("context", context, PROMPT + 1, note=f" (the prompt's {PROMPT} rows come first)")
@@ -144,8 +150,7 @@ def compare(context: int = 4096, batch: int = 32, layers: int = 10, profiles=((3
     docstring). args / dargs: smaller dimensions (a CPU test); on_profile(record so far): after each
     profile."""
     check_cell(context, batch, layers, repeats, queue)
-    t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
-    d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
+    t, d = _pair(layers, device, args, dargs)
     prompts = cell_prompts(queue * batch, batch)
     new = new or k26_max_new(batch)
     rows = max(budgets) + 1
@@ -193,8 +198,7 @@ def compare_prefill(context: int = 4096, batch: int = 32, layers: int = 10, prof
     drafter's context prefill beside the target's), SIMULATED acceptance as `compare` (profile: (chain tau,
     block) or a `Profile`)."""
     check_cell(context, batch, layers, repeats)
-    t = k26.build_target(layers, device=device, args=args, kernel_only=torch.device(device).type == "cuda")
-    d = k26.build_drafter(t, args=None if dargs is None else k26.drafter_args(t.args, **dargs))
+    t, d = _pair(layers, device, args, dargs)
     prof = profile if isinstance(profile, Profile) else Profile(profile[0], depth=profile[1] - 1, K=256)
     new = k26_max_new(batch)
     rec = {"label": "K2.6 shape, random weights: one admission's prefill, AR against DDTree (B = 4)",
