@@ -729,8 +729,8 @@ class Engine:
         free). "grouped" (ski rental): an admission costs a fixed time (`admit_cost`; a MoE prefill forward
         reads every expert its rows route to, most of them once a few requests are in it) on top of its rows,
         and stalls every slot meanwhile; a free slot left idle loses its share of a round. So a freed slot
-        waits for company until the idle slots' seconds (`_rent`: each round's idle slots x its wall time over
-        its live slots) reach that fixed time: the rounds lost to waiting never cost more than the admission
+        waits for company until the idle slots' seconds (`_rent`, `_bill`: each round's idle slots' share of
+        its wall time) reach that fixed time: the rounds lost to waiting never cost more than the admission
         they save. It admits at once while no request is active, where every waiting request has a slot
         already, until an admission has been timed, and in a deterministic engine (each request prefills
         alone: grouping saves no forward). The saving assumes the group's prompts share their chunks'
@@ -741,6 +741,12 @@ class Engine:
             return True
         fit = self.admit_cost()
         return fit is None or self._rent >= fit[0]
+
+    def _bill(self, live: int, wall: float) -> None:
+        """Grouped admission: add a round's idle slots' share of its wall time to the rent. A round's time
+        hardly depends on its rows (it streams the weights once), so an idle slot loses 1 / max_batch of a
+        full round's tokens, which a full round makes up in that share of its time."""
+        self._rent += (self.max_batch - live) * wall / self.max_batch
 
     def admit_cost(self) -> tuple[float, float] | None:
         """Grouped admission: (fixed seconds, seconds per prompt row) of an admission, least squares over the
@@ -1397,9 +1403,8 @@ class Engine:
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
             self._release(r)
-        if self.admission == "grouped" and self.waiting and live < self.max_batch:
-            # the round's idle slots' share of its seconds (a round of none live: all of them, at once)
-            self._rent += (self.max_batch - live) * stages["round"] / max(live, 1)
+        if self.admission == "grouped" and self.waiting:
+            self._bill(live, stages["round"])
         self._features = None
         if self.auto is not None and not self.active and self._flight is None:
             self._auto_flush()   # idle: the last round's times into the cost table now

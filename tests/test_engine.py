@@ -584,7 +584,11 @@ def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admissio
     assert e._due()
     e._rent, e.waiting = 0.0, [object()] * 2                       # every waiting request has a slot
     assert e._due()
-    e.waiting, e.active = [object()] * 5, []                       # nothing active to wait for
+    e._bill(1, 0.02)                          # 3 of 4 slots idle: 3/4 of the round, not 3 live-row rounds
+    e._bill(3, 0.02)
+    e._bill(4, 0.02)
+    assert e._rent == pytest.approx(0.015 + 0.005)
+    e._rent, e.waiting, e.active = 0.0, [object()] * 5, []                       # nothing active to wait for
     assert e._due()
     e.active, e.deterministic = [object()] * 2, True              # each request prefills alone
     assert e._due()
