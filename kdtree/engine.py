@@ -270,6 +270,21 @@ def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
     return moe
 
 
+@contextlib.contextmanager
+def _capturing(g: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream"):
+    """`torch.cuda.graph(g, pool=pool, stream=stream)` without what its entry adds: a device synchronization
+    and the emptying of the device and pinned-host caching allocators. A capture in the middle of serving (a
+    prefill shape's first admission) then neither waits for the work in flight nor makes every later
+    allocation pay cudaMalloc / cudaHostAlloc again. The work the capture reads must be ordered before it on
+    `stream` by the caller (stream.wait_stream)."""
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            g.capture_end()
+
+
 def _end_pool(device: torch.device, pool) -> None:
     """After a failed capture: stop routing the stream's allocations to the graph's memory pool (a failed
     capture can leave the allocator recording to it, and the next capture into it would be refused)."""
@@ -997,7 +1012,7 @@ class Engine:
         self._side.wait_stream(cur)
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, pool=self._pg_pool, stream=self._side):
+            with _capturing(g, self._pg_pool, self._side):
                 logits, f = self._prefill_eager(tok, pt, st)
                 self._pg_logits[:n].copy_(logits)
                 if f is not None:

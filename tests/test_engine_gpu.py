@@ -342,3 +342,33 @@ def test_prefill_graphs_replay_the_eager_prefill(pair, mode, budget):
         runs[graphs] = ([r.accept_lengths for r in res], e.prefill_replays, e.capture_retries)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1:] == (5, []) and runs[False][1] == 0
+
+
+def test_a_prefill_capture_mid_serving_keeps_the_allocators_cache(pair):
+    """A prefill shape's first admission captures its graph while requests are served: the capture keeps
+    the caching allocator's free blocks (torch.cuda.graph's own entry empties the cache, so every later
+    allocation would pay cudaMalloc again; shown below, so the check can fail), and the new shape's
+    tokens still equal the oracle's."""
+    t, _ = pair
+    prompts = random_prompts(t.args, 2, seed=43, min_len=30, max_len=30) + \
+        random_prompts(t.args, 1, seed=44, min_len=21, max_len=21)
+    e = Engine(t, mode="ar", max_batch=2, max_len=256)
+    e.generate(prompts[:1], 8)
+    a = e.add_request(prompts[1], 40)
+    e.step()                                                   # a request in flight
+    torch.cuda.synchronize()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x                                                      # a free 64 MiB block in the cache
+    reserved, shapes = torch.cuda.memory_reserved(), sum(1 for v in e._pg.values() if v)
+    b = e.add_request(prompts[2], 8)                           # a new shape: captured at its admission
+    res = e.run()
+    assert sum(1 for v in e._pg.values() if v) == shapes + 1
+    assert torch.cuda.memory_reserved() >= reserved
+    assert res[a].tokens == oracle_ar(t, prompts[1], 40).tokens
+    assert res[b].tokens == oracle_ar(t, prompts[2], 8).tokens
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    reserved, g, y = torch.cuda.memory_reserved(), torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    with torch.cuda.graph(g):
+        y.add_(1)
+    assert torch.cuda.memory_reserved() < reserved             # torch's context: the cache emptied
