@@ -360,12 +360,13 @@ class Engine:
     (default the drafter's stored table, `drafter.calibration`; False: the raw probabilities), cost from a
     table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
-    while no request waits for a slot, plans are scored by the tokens left over the expected time until
-    every active request has ended (`budget.drain`: a batch ends with its slowest request) instead of the
-    round's expected tokens, and an AR hold's probe is not run where the batch ends before its estimates
-    could serve as many rounds as the hold (`budget.Policy.before`); False: the round's tokens always (for
-    serving driven by step() where requests keep arriving, an empty queue between arrivals is not a batch's
-    end).
+    while no request waits for a slot, or under grouped admission (its freed slots wait for company, so the
+    requests admitted together hold their slots much as a static batch does), plans are scored by the tokens
+    left over the expected time until every active request has ended (`budget.drain`: a batch ends with its
+    slowest request) instead of the round's expected tokens; while none waits, an AR hold's probe is not run
+    where the batch ends before its estimates could serve as many rounds as the hold (`budget.Policy.before`);
+    False: the round's tokens always (for serving driven by step() where requests keep arriving, an empty
+    queue between arrivals is not a batch's end).
 
     admission "eager" (each waiting request as soon as a slot and its pages are free) | "grouped": a freed
     slot waits for company while the idle slots' lost seconds stay below an admission's fixed cost, fitted
@@ -1541,9 +1542,10 @@ class Engine:
 
     def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
-        while no request waits for a slot (and makespan is on) the batch's end in view (`budget.drain`)."""
+        with makespan on, while no request waits for a slot or admission is grouped (its freed slots wait for
+        company), the batch's end in view (`budget.drain`)."""
         est = self._capped(reqs, est)
-        if not self.makespan or self.waiting or len(reqs) < 2:
+        if not self.makespan or (self.waiting and self.admission != "grouped") or len(reqs) < 2:
             return est
         return auto_budget.drain(est, Engine._left(reqs), self._longest)
 

@@ -680,9 +680,10 @@ def test_a_plan_that_ties_ar_per_round_loses_to_it_at_a_batchs_end():
     assert s[0] > s[1] > s[2] and pol.before(8, d, 0) == 0
 
 
-def test_the_engines_policy_input_drains_only_a_batch_nothing_waits_to_join():
-    """Engine._expected: capped estimates while a request waits, with makespan off or at one request;
-    drain's otherwise. Bad makespan values are refused, and only budget='auto' takes one."""
+def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_grouped():
+    """Engine._expected: capped estimates while a request waits for eager admission, with makespan off or at
+    one request; drain's otherwise (grouped admission: while requests wait, too). Bad makespan values are
+    refused, and only budget='auto' takes one."""
     from types import SimpleNamespace
 
     class R:
@@ -692,11 +693,14 @@ def test_the_engines_policy_input_drains_only_a_batch_nothing_waits_to_join():
     reqs = [R(100, 10), R(100, 20)]
     est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
     me = SimpleNamespace(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7),
-                         _capped=Engine._capped)
+                         _capped=Engine._capped, admission="eager")
     got = Engine._expected(me, reqs, est)
     assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest)) and not np.allclose(got, est)
-    for other in (dict(waiting=[object()]), dict(makespan=False)):
+    for other in (dict(waiting=[object()]), dict(makespan=False),
+                  dict(makespan=False, waiting=[object()], admission="grouped")):
         assert np.array_equal(Engine._expected(SimpleNamespace(**{**vars(me), **other}), reqs, est), est)
+    grouped = SimpleNamespace(**{**vars(me), "waiting": [object()], "admission": "grouped"})
+    assert np.array_equal(Engine._expected(grouped, reqs, est), got)   # freed slots wait for company
     assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])
     t = weights.load("data/trained/target").eval()
     d = weights.load_drafter("data/trained/drafter", t)
