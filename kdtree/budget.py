@@ -295,17 +295,17 @@ def longest_accepts(plan_list, depth: int) -> np.ndarray:
 
 
 def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
-    """A batch that nothing waits to join ends with its last request. est [n, P] (each plan's expected
-    tokens a round per request, at most its tokens left), left [n] (tokens left), longest [P]
-    (`longest_accepts`) -> est' [n, P], est'[r, i] = left_r / M_i, where M_i is the expected rounds until
-    every request has ended under plan i: sum over k >= 0 of P(some request needs more than k rounds), with
-    P(request r has ended after k rounds) = P(S_k >= left_r), S_k the sum of k independent accept lengths
-    (`_geometric`'s, of the request's mean) taken as normal with a half-token continuity correction. The sum
-    of k lengths, not the round count, is what is near normal: its spread grows with k, giving the count the
-    long right tail that decides the largest of n (a normal count falls short by about half a round at
-    batch 32). A plan's summed est' over its round's cost is then its tokens per second to the batch's end:
-    a plan that ties AR per round but spreads its requests' ends loses. At one request M is that request's
-    expected rounds, est' its tokens left over them."""
+    """A batch that nothing waits to join (or whose freed slots wait for company) ends with its last
+    request. est [n, P] (each plan's expected tokens a round per request, at most its tokens left), left [n]
+    (tokens left), longest [P] (`longest_accepts`) -> est' [n, P], est'[r, i] = left_r / M_i, where M_i is
+    the expected rounds until every request has ended under plan i: sum over k >= 0 of P(some request needs
+    more than k rounds), with P(request r has ended after k rounds) = P(S_k >= left_r), S_k the sum of k
+    independent accept lengths (`_geometric`'s, of the request's mean) taken as normal with a half-token
+    continuity correction. The sum of k lengths, not the round count, is what is near normal: its spread
+    grows with k, giving the count the long right tail that decides the largest of n (a normal count falls
+    short by about half a round at batch 32). A plan's summed est' over its round's cost is then its tokens
+    per second to the batch's end: a plan that ties AR per round but spreads its requests' ends loses. At
+    one request M is that request's expected rounds, est' its tokens left over them."""
     n, P = est.shape
     left = np.asarray(left, np.float64)[:, None]                                        # [n, 1]
     mu = np.clip(np.asarray(est, np.float64), 1.0, np.asarray(longest, np.float64)[None, :])   # [n, P]
@@ -313,10 +313,10 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
     for i, A in enumerate(np.asarray(longest).tolist()):
         if A > 1:
             var[:, i] = np.interp(mu[:, i], *_geometric(int(A)))
-    # per plan, the rounds k in [lo, hi) where some request's end is in doubt (its count's mean -/+ 8
-    # spreads); none has ended before lo, and all have after ceil(max left) rounds (a token a round)
+    # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 8 spreads):
+    # before lo some request has surely not ended; from hi, or ceil(max left) rounds (a token a round), all
     m, w = left / mu, 8 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
-    lo = np.maximum((m - w).min(0).astype(np.int64), 1)                                # [P]
+    lo = np.maximum((m - w).max(0).astype(np.int64), 1)                                # [P]
     hi = np.maximum(np.minimum(np.ceil(left.max()), (m + w).max(0) + 1).astype(np.int64), lo)
     k = (lo[:, None] + np.arange(int((hi - lo).max()) + 1)[None, :]).astype(np.float64)   # [P, k]
     sd = np.sqrt(k[None] * var[:, :, None])                                            # [n, P, k]

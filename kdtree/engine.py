@@ -274,9 +274,9 @@ def _moe_path(model: Transformer, moe, deterministic: bool) -> str:
 def _capturing(g: "torch.cuda.CUDAGraph", pool, stream: "torch.cuda.Stream"):
     """`torch.cuda.graph(g, pool=pool, stream=stream)` without what its entry adds: a device synchronization
     and the emptying of the device and pinned-host caching allocators. A capture in the middle of serving (a
-    prefill shape's first admission) then neither waits for the work in flight nor makes every later
-    allocation pay cudaMalloc / cudaHostAlloc again. The work the capture reads must be ordered before it on
-    `stream` by the caller (stream.wait_stream)."""
+    prefill shape's first admission) then neither waits for the eager prefill just issued nor makes every
+    later allocation pay cudaMalloc / cudaHostAlloc again. The work the capture reads must be ordered before
+    it on `stream` by the caller (stream.wait_stream)."""
     with torch.cuda.stream(stream):
         g.capture_begin(pool=pool)
         try:

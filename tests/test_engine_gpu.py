@@ -355,7 +355,7 @@ def test_a_prefill_capture_mid_serving_keeps_the_allocators_cache(pair):
     e = Engine(t, mode="ar", max_batch=2, max_len=256)
     e.generate(prompts[:1], 8)
     a = e.add_request(prompts[1], 40)
-    e.step()                                                   # a request in flight
+    e.step()                                                   # a request active around the capture
     torch.cuda.synchronize()
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del x                                                      # a free 64 MiB block in the cache
