@@ -1012,6 +1012,8 @@ class Engine:
         cur = torch.cuda.current_stream(self.device)
         self._side.wait_stream(cur)
         g = torch.cuda.CUDAGraph()
+        if self._pg_pool is None:   # the id known before the capture, so a failed one can end its pool
+            self._pg_pool = torch.cuda.graph_pool_handle()
         try:
             with _capturing(g, self._pg_pool, self._side):
                 logits, f = self._prefill_eager(tok, pt, st)
@@ -1020,14 +1022,12 @@ class Engine:
                     self._pg_feat[:n * T].view(n, T, -1).copy_(f)
         except RuntimeError as e:  # torch.AcceleratorError is one
             torch.cuda.synchronize(self.device)
-            if self._pg_pool is not None:
-                _end_pool(self.device, self._pg_pool)
+            _end_pool(self.device, self._pg_pool)
             self._pg_pool = None
             self.capture_retries.append(f"prefill {(n, T)}: {str(e).splitlines()[0][:120]}")
             return False
         finally:
             cur.wait_stream(self._side)
-        self._pg_pool = g.pool() if self._pg_pool is None else self._pg_pool
         return g
 
     @torch.no_grad()
@@ -1253,6 +1253,8 @@ class Engine:
             fn()
         for attempt in range(CAPTURE_TRIES):
             g = torch.cuda.CUDAGraph()
+            if self._gpool is None:   # the id known before the capture, so a failed one can end its pool
+                self._gpool = torch.cuda.graph_pool_handle()
             try:
                 with torch.cuda.graph(g, pool=self._gpool, stream=self._side):
                     out = fn()
@@ -1261,11 +1263,9 @@ class Engine:
                 if attempt == CAPTURE_TRIES - 1:
                     raise
                 torch.cuda.synchronize(self.device)
-                if self._gpool is not None:
-                    _end_pool(self.device, self._gpool)
+                _end_pool(self.device, self._gpool)
                 self._gpool = None  # the retry, and the graphs after it, in a fresh pool
                 self.capture_retries.append(f"{key}: {str(e).splitlines()[0][:120]}")
-        self._gpool = g.pool() if self._gpool is None else self._gpool
         self.graphs[key] = g
         return out
 
