@@ -541,7 +541,7 @@ class Engine:
         self.prefill_phases = None  # {phase: seconds} when set to a dict (`_prefill_mark`; benchmarks)
         self.admission = admission
         self.admissions = 0         # admissions (prefills of one or more requests)
-        self.last_admission = None  # the last admission's (requests, prompt rows, seconds)
+        self.last_admission = None  # the last admission's (requests, prompt rows, seconds, captured a graph)
         self._admits: list = []     # grouped: the last ADMIT_FIT clean admissions' (prompt rows, seconds)
         self._fit = None            # grouped: admit_cost's fit of _admits (None: not fitted since a change)
         self._rent = 0.0            # grouped: idle slots' seconds since admission was first deferred
@@ -804,10 +804,11 @@ class Engine:
             graphs, t0 = len(self._pg), self.prefill_s
             self._prefill(new, emitted)
             rows, secs = sum(len(r.prompt) for r in new), self.prefill_s - t0
+            captured = len(self._pg) != graphs
             self.admissions += 1
-            self.last_admission = (len(new), rows, secs)
+            self.last_admission = (len(new), rows, secs, captured)
             # a capture's time is not an admission's cost, nor is a failed request's cut-short prefill
-            if (self.admission == "grouped" and len(self._pg) == graphs
+            if (self.admission == "grouped" and not captured
                     and not any(r.rid in self.errors for r in new)):
                 self._admits, self._fit = (self._admits + [(rows, secs)])[-ADMIT_FIT:], None
 

@@ -649,6 +649,7 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
     q = run_engine(e, prompts, 12)
     assert q["admissions"] == e.admissions >= 2 and 2 <= len(e._admits) <= q["admissions"]
     assert q["admit_cost"] == list(e.admit_cost()) and min(q["admit_cost"]) >= 0
+    assert all(len(a) == 4 and a[0] >= 1 and a[3] is False for a in q["admitted"])   # no graphs here
     grow = e._grow
 
     def fail(r, rows):

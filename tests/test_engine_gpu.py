@@ -362,7 +362,7 @@ def test_a_prefill_capture_mid_serving_keeps_the_allocators_cache(pair):
     reserved, shapes = torch.cuda.memory_reserved(), sum(1 for v in e._pg.values() if v)
     b = e.add_request(prompts[2], 8)                           # a new shape: captured at its admission
     res = e.run()
-    assert sum(1 for v in e._pg.values() if v) == shapes + 1
+    assert sum(1 for v in e._pg.values() if v) == shapes + 1 and e.last_admission[3] is True
     assert torch.cuda.memory_reserved() >= reserved
     assert res[a].tokens == oracle_ar(t, prompts[1], 40).tokens
     assert res[b].tokens == oracle_ar(t, prompts[2], 8).tokens

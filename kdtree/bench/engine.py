@@ -62,10 +62,10 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     `full_rounds` of them; with more prompts than max_batch the engine admits waiting requests as slots
     free (a queue), and this is its steady state (with grouped admission, the rounds whose freed slots wait
     for company count; `admissions`: the prefills of the run, `admitted` their [requests, prompt rows,
-    seconds], `admit_cost` the grouped engine's fit at the end, None without one). steps: a list that takes
-    each step's {"s": wall less its prefill and fill, "prefill_s", "plan" (of the round it landed; None: none
-    landed, or not budget="auto"), "catchup" (the drafter's deferred context caught up in the round it
-    launched)} (`bench.steps`)."""
+    seconds, captured a prefill graph], `admit_cost` the grouped engine's fit at the end, None without
+    one). steps: a list that takes each step's {"s": wall less its prefill and fill, "prefill_s", "plan"
+    (of the round it landed; None: none landed, or not budget="auto"), "catchup" (the drafter's deferred
+    context caught up in the round it launched)} (`bench.steps`)."""
     rounds, spans, by_plan = [], [], {}
     full_tok, full_s, n_full = 0, 0.0, 0
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
