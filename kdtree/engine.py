@@ -1375,7 +1375,8 @@ class Engine:
         if f.done is not None:
             f.done.synchronize()
         n = len(f.reqs)
-        live = sum(r.slot >= 0 for r in f.reqs)   # rows of requests not ended before f (grouped admission)
+        # grouped admission's rent: the rows of requests not ended before f
+        live = sum(r.slot >= 0 for r in f.reqs) if self.admission == "grouped" else 0
         host = self.out_host[f.buf, :n].tolist()
         stages = f.clock.times()
         now = time.perf_counter()
