@@ -363,10 +363,11 @@ class Engine:
     while no request waits for a slot, or under grouped admission (its freed slots wait for company, so the
     requests admitted together hold their slots much as a static batch does), plans are scored by the tokens
     left over the expected time until every active request has ended (`budget.drain`: a batch ends with its
-    slowest request) instead of the round's expected tokens; while none waits, an AR hold's probe is not run
-    where the batch ends before its estimates could serve as many rounds as the hold (`budget.Policy.before`);
-    False: the round's tokens always (for serving driven by step() where requests keep arriving, an empty
-    queue between arrivals is not a batch's end).
+    slowest request) instead of the round's expected tokens, and an AR hold's probe (of several requests)
+    verifies AR's block after its draft and is not run where the batch ends before its estimates could serve
+    as many rounds as the hold (`budget.Policy.before`, `_rounds_left`); False: the round's tokens always
+    (for serving driven by step() where requests keep arriving, an empty queue between arrivals is not a
+    batch's end).
 
     admission "eager" (each waiting request as soon as a slot and its pages are free) | "grouped": a freed
     slot waits for company while the idle slots' lost seconds stay below an admission's fixed cost, fitted
@@ -1603,9 +1604,10 @@ class Engine:
     def _rounds_left(self, ahead: bool = False) -> int | None:
         """AR rounds until the batch's last active request ends, for the round being launched (ahead: the
         one after it): its tokens left as of the last landed round, less one a round for the rounds launched
-        and not landed (each emits at least one token), at least 1; None while requests wait for a slot or
-        with makespan off (the batch's end is not in view)."""
-        if not self.makespan or self.waiting or not self.active:
+        and not landed (each emits at least one token), at least 1; None while requests wait for a slot under
+        eager admission or with makespan off (the batch's end is not in view). Under grouped admission freed
+        slots wait for company, so the requests admitted together end as a static batch does (`_expected`)."""
+        if not self.makespan or (self.waiting and self.admission != "grouped") or not self.active:
             return None
         unlanded = self._launched - self.rounds + int(ahead)
         return max(int(self._left(self.active).max()) - unlanded, 1)

@@ -233,7 +233,7 @@ def test_ar_holds_double_and_each_ends_with_one_draft_round():
 
 def test_a_dear_probe_sets_the_shortest_hold(monkeypatch):
     """Where the probe costs 0.8 AR rounds beyond AR for its tokens, the holds start at 0.8 / FIRST_SHARE
-    = 8 rounds (the probe at most a tenth of the hold) and double from there to the hold limit (0.8 /
+    rounds (16: the probe at most a twentieth of the hold) and double from there to the hold limit (0.8 /
     PROBE_SHARE = 80); a lone drafted round between holds halves the next hold instead of starting over,
     and the shortest hold is capped at MAX_HOLD."""
     monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
@@ -242,14 +242,16 @@ def test_a_dear_probe_sets_the_shortest_hold(monkeypatch):
     poor = np.array([[1.0, 1.1, 1.2]])               # B=4: 1.2 tokens for 2 AR rounds' seconds
     s = pol.score(1, poor, 0, lambda p: True)
     assert pol._probe_excess(s, poor, pol._ar_probe_score(1, poor, 0), False) == pytest.approx(0.8)
-    assert pol.hold_floor(s, poor, pol._ar_probe_score(1, poor, 0)) == 8
-    seq = [pol.before(1, poor, 0) for _ in range(8 + 1 + 16 + 1)]
-    assert seq == [0] * 8 + [2] + [0] * 16 + [2]
-    assert pol.backoff == 32
+    h = math.ceil(0.8 / kb.FIRST_SHARE - 1e-9)
+    assert h <= kb.MAX_HOLD and 4 * h <= 80
+    assert pol.hold_floor(s, poor, pol._ar_probe_score(1, poor, 0)) == h
+    seq = [pol.before(1, poor, 0) for _ in range(h + 1 + 2 * h + 1)]
+    assert seq == [0] * h + [2] + [0] * (2 * h) + [2]
+    assert pol.backoff == 4 * h
     good = np.array([[1.0, 3.0, 4.0]])
-    assert pol.before(1, good, 0) == 2 and pol.backoff == 16          # a lone drafted round
-    seq = [pol.before(1, poor, 0) for _ in range(16 + 1)]
-    assert seq == [0] * 16 + [2] and pol.backoff == 32
+    assert pol.before(1, good, 0) == 2 and pol.backoff == 2 * h       # a lone drafted round
+    seq = [pol.before(1, poor, 0) for _ in range(2 * h + 1)]
+    assert seq == [0] * (2 * h) + [2] and pol.backoff == 4 * h
     for _ in range(500):
         pol.before(1, poor, 0)
     assert pol.backoff == pol.hold_limit(s, poor) == 80
@@ -294,8 +296,9 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less(monkey
     assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 3] and not pol.ar_probe
     dear = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)))   # B=8 excess 2.05 rounds
     s = dear.score(1, poor, 0, lambda p: True)
-    assert dear.hold_floor(s, poor, dear._ar_probe_score(1, poor, 0)) == 2     # the AR probe's 0.2 / 0.1
-    for _ in range(2):
+    h = math.ceil(0.2 / kb.FIRST_SHARE - 1e-9)                                # the AR probe's excess
+    assert dear.hold_floor(s, poor, dear._ar_probe_score(1, poor, 0)) == h
+    for _ in range(h):
         assert dear.before(1, poor, 0) == 0 and not dear.ar_probe     # the hold
     assert dear.before(1, poor, 0) == 0 and dear.ar_probe and dear.round_build(1, 0, True) == 4
     assert dear.round_build(1, 0, False) is None and dear.round_build(1, 3, False) == 8
@@ -308,8 +311,9 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less(monkey
     # B=4 makes 0.5 tokens a second against the AR probe's 1/3, for 10 rounds' excess against 2
     rich = kb.Policy(plans, _costs(2.0, [1.0, 30.0, 18.0, 18.0], builds=(4, 8)))
     tall = np.array([[1.0, 10.0, 10.0, 10.0]])
-    got = [rich.before(1, tall, 0) for _ in range(21)]   # a hold of 2 / FIRST_SHARE rounds, then the probe
-    assert got == [0] * 21 and rich.ar_probe and rich.served == 20
+    h = min(kb.MAX_HOLD, math.ceil(2 / kb.FIRST_SHARE - 1e-9))   # a hold of 2 / FIRST_SHARE, then the probe
+    got = [rich.before(1, tall, 0) for _ in range(h + 1)]
+    assert got == [0] * (h + 1) and rich.ar_probe and rich.served == h
     sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)), decide="sync")
     assert sync.after(1, poor, 0, 4, ar=True) == 0 and sync.after(1, poor, 0, 4) == 2
     good = np.array([[1.0, 3.0, 4.0, 4.5]])
@@ -437,7 +441,8 @@ def test_forced_plans_serve_their_blocks(pair):
 
 def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
     """Engine._rounds_left: the longest request's tokens left less one a round launched and not landed
-    (ahead: one more), at least 1; None while a request waits or with makespan off."""
+    (ahead: one more), at least 1; None while a request waits under eager admission (under grouped its
+    freed slots wait for company: the end is in view) or with makespan off."""
     t, d = pair
     prompts = random_prompts(t.args, 3, seed=5, min_len=6, max_len=9)
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4,), max_batch=2, max_len=256)
@@ -453,6 +458,12 @@ def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
     assert e._rounds_left() == left - 1 and e._rounds_left(ahead=True) == left - 2
     e.makespan = False
     assert e._rounds_left() is None
+    e.makespan = True
+    e.waiting.append(object())   # a request waits: no end in view under eager admission, as grouped has
+    assert e._rounds_left() is None
+    e.admission = "grouped"
+    assert e._rounds_left() == left - 1
+    e.waiting.pop()
 
 
 def test_an_idle_engine_starts_the_next_batchs_holds_over(pair):
@@ -726,7 +737,7 @@ def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
         xj, xa = pol._excess(s, est, pol._ar_probe_score(1, est, 0))
         assert xj < xa
         h = pol.hold_floor(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)
-        assert h == math.ceil((xa if want else xj) / kb.FIRST_SHARE)   # the first hold: 19 or 20 rounds
+        assert h == min(kb.MAX_HOLD, math.ceil((xa if want else xj) / kb.FIRST_SHARE))   # the first hold
         got = [pol.before(1, est, 0, left) for _ in range(h + 1)]
         assert got == [0] * h + [0 if want else 3] and pol.ar_probe is want, (left, len(est), got)
         limit = pol.hold_limit(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)

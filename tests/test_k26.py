@@ -138,6 +138,9 @@ def test_bench_k26_smoke_on_a_cpu():
                for c in cells)
     assert all(0 < c["queued"]["full_rounds"] <= c["queued"]["rounds"] for c in cells)
     assert "plan_counts" in cells[-1]["queued"] and "plan_counts" not in cells[0]["queued"]
+    q = cells[-1]["queued"]
+    assert sum(r[2] for r in q["plan_runs"]) == q["rounds"] == sum(q["plan_counts"].values())
+    assert all(a[:2] != b[:2] for a, b in zip(q["plan_runs"], q["plan_runs"][1:]))
     assert all(c["queued"]["full_tok_per_s_repeats"] == [c["queued"]["full_tok_per_s"]] for c in cells)
     assert sum("queue of 4 (full-batch rounds)" in n for n in names) == 2
     # an AR round's stage profile at the cell's batch, for the AR engine and auto's AR plan

@@ -285,7 +285,8 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
     k's request i seeded 9000 + 1000 k + i in every plan of the cell (run k reads the same texts in every
     plan). The run of median full-batch tok/s (the lower median; "median_run": its k, which may differ
     between plans) gives {"tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens", "tau",
-    "prefill_s", "admissions", "admitted", "admit_cost", "plan_counts" (budget="auto")};
+    "prefill_s", "admissions", "admitted", "admit_cost", "plan_counts" and "plan_runs" (budget="auto": the
+    rounds' plans in order as [plan, live requests, rounds in a row])};
     "full_tok_per_s_repeats" / "tok_per_s_repeats" all runs', "requests"."""
     prompts = cell_prompts(queue * batch, batch)
     run_engine(e, prompts, max(max_new(batch) // 4, 2), seed0=8000, **add)
@@ -296,14 +297,26 @@ def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dic
         q.pop("outputs")
         if e.auto is not None:
             q["plan_counts"] = dict(Counter(h[2] for h in e.auto.history[h0:]))
+            q["plan_runs"] = _runs((h[2], h[1]) for h in e.auto.history[h0:])
         runs.append(q)
     order = sorted(range(len(runs)), key=lambda k: runs[k]["full_tok_per_s"] or 0.0)
     k = order[(len(runs) - 1) // 2]
     out = {key: runs[k][key] for key in ("tok_per_s", "full_tok_per_s", "full_rounds", "rounds", "tokens",
                                          "tau", "prefill_s", "admissions", "admitted", "admit_cost",
-                                         "plan_counts") if key in runs[k]}
+                                         "plan_counts", "plan_runs") if key in runs[k]}
     out.update(median_run=k, full_tok_per_s_repeats=[q["full_tok_per_s"] for q in runs],
                tok_per_s_repeats=[q["tok_per_s"] for q in runs], requests=len(prompts))
+    return out
+
+
+def _runs(seq) -> list:
+    """[[plan, live requests, count]] of the (plan, live) pairs of seq, equal neighbours counted together."""
+    out = []
+    for name, n in seq:
+        if out and out[-1][:2] == [name, n]:
+            out[-1][2] += 1
+        else:
+            out.append([name, n, 1])
     return out
 
 
