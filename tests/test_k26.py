@@ -356,3 +356,15 @@ def test_the_trained_curve_is_read_from_either_record(tmp_path):
             bench_k26.trained_curve(bad)
     with pytest.raises(SystemExit, match="not a readable"):
         bench_k26.trained_curve(tmp_path / "missing.json")
+
+
+def test_k26_cli_refuses_an_empty_sweep_before_looking_for_a_gpu(tmp_path):
+    """bench_k26's arguments are checked before the GPU is: no profile at all (an empty --profiles without
+    --trained) and a malformed pair are refused by name, and nothing is written."""
+    from kdtree.bench import k26 as bench_k26
+    for argv, needle in ((["--profiles"], "--profiles: expected at least one TAU:BLOCK, or --trained"),
+                         (["--profiles", "5"], "--profiles '5': expected two numbers"),
+                         (["--cells", "4096x8"], "--cells '4096x8': expected two numbers")):
+        with pytest.raises(SystemExit, match=needle):
+            bench_k26.main(["--out", str(tmp_path / "out")] + argv)
+    assert not (tmp_path / "out").exists()

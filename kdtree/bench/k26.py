@@ -435,7 +435,8 @@ def main(argv=None) -> None:
                                  description="K2.6 shape end to end, simulated acceptance (DIR/e2e_k26.json)")
     ap.add_argument("--out", default="outputs")
     ap.add_argument("--cells", nargs="+", default=[f"{c}:{b}" for c, b in CELLS], help="CONTEXT:BATCH")
-    ap.add_argument("--profiles", nargs="+", default=[f"{t:g}:{b}" for t, b in PROFILES], help="TAU:BLOCK")
+    ap.add_argument("--profiles", nargs="*", default=[f"{t:g}:{b}" for t, b in PROFILES],
+                    help="TAU:BLOCK (none: only --trained's)")
     ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--queue", type=int, default=2,
@@ -446,8 +447,6 @@ def main(argv=None) -> None:
                     help="an e2e_auto.json (or the lab's e2e.json) whose calibration_check (the trained "
                     "pair's realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_k26: needs a CUDA GPU")
 
     def pair(s, kinds, what):
         try:
@@ -460,6 +459,10 @@ def main(argv=None) -> None:
     if a.trained:
         cc = trained_curve(a.trained)
         profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
+    if not profiles:
+        raise SystemExit("bench_k26: --profiles: expected at least one TAU:BLOCK, or --trained FILE")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_k26: needs a CUDA GPU")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("e2e_k26.json" if a.routing == "model" else f"e2e_k26_{a.routing}.json")
