@@ -57,6 +57,7 @@ MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred 
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
 FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
+DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
@@ -289,6 +290,16 @@ def _geometric(longest: int) -> tuple[np.ndarray, np.ndarray]:
     return m, (p * (2 * k + 1)).sum(1) - m * m
 
 
+def ndtr(x: np.ndarray) -> np.ndarray:
+    """The standard normal CDF of x, elementwise, in numpy (erfc by Abramowitz & Stegun 7.1.26: absolute
+    error below 1e-7). The policy's host math stays in numpy: a torch CPU op may wake its thread pool."""
+    z = np.abs(np.asarray(x, np.float64)) * math.sqrt(0.5)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    y = 0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    y = 0.5 * t * y * np.exp(-z * z)                                       # 0.5 * erfc(|x| / sqrt 2)
+    return np.where(np.asarray(x) >= 0, 1.0 - y, y)
+
+
 def longest_accepts(plan_list, depth: int) -> np.ndarray:
     """[P] each plan's longest accept length: 1 for AR, 1 + min(nodes, depth) for a chain or tree."""
     return np.array([1 if p.kind == "ar" else 1 + min(p.nodes, depth) for p in plan_list])
@@ -318,12 +329,16 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
     m, w = left / mu, 8 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
     lo = np.maximum((m - w).max(0).astype(np.int64), 1)                                # [P]
     hi = np.maximum(np.minimum(np.ceil(left.max()), (m + w).max(0) + 1).astype(np.int64), lo)
-    k = (lo[:, None] + np.arange(int((hi - lo).max()) + 1)[None, :]).astype(np.float64)   # [P, k]
+    # a window wider than DRAIN_POINTS rounds is summed in blocks of s rounds, each at its middle (the end's
+    # spread is some 16 count spreads wide: s stays near a quarter of one, where the sum is smooth)
+    s = np.maximum(-(-(hi - lo) // DRAIN_POINTS), 1)                                   # [P]
+    start = lo[:, None] + s[:, None] * np.arange(int((-(-(hi - lo) // s)).max()))[None, :]   # [P, k]
+    c = np.clip(hi[:, None] - start, 0, s[:, None])                                    # rounds per block
+    k = start + (c - 1) / 2.0
     sd = np.sqrt(k[None] * var[:, :, None])                                            # [n, P, k]
     gap = k[None] * mu[:, :, None] - (left[:, :, None] - 0.5)
-    ended = np.where(sd > 0, torch.special.ndtr(torch.from_numpy(gap / np.where(sd > 0, sd, 1.0))).numpy(),
-                     (gap > 0).astype(np.float64))
-    M = lo + ((1.0 - ended.prod(0)) * (k < hi[:, None])).sum(1)                         # [P]
+    ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), (gap > 0).astype(np.float64))
+    M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
 
 

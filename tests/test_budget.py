@@ -691,6 +691,55 @@ def test_a_plan_that_ties_ar_per_round_loses_to_it_at_a_batchs_end():
     assert s[0] > s[1] > s[2] and pol.before(8, d, 0) == 0
 
 
+def test_ndtr_is_the_normal_cdf_to_a_tenth_of_a_millionth():
+    """budget.ndtr (numpy, no torch op on the policy's host path) against math.erf on a grid out to the
+    tails, and drain's result against the same sum through torch's ndtr; a logistic approximation of the
+    CDF fails the same check."""
+    x = np.concatenate([np.linspace(-9, 9, 20001), [-40.0, -1e-12, 0.0, 1e-12, 40.0]])
+    ref = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in x])
+    assert np.abs(kb.ndtr(x) - ref).max() < 1e-7
+    assert np.abs(1 / (1 + np.exp(-1.702 * x)) - ref).max() > 1e-3        # the check can fail
+    assert kb.ndtr(x).shape == x.shape and kb.ndtr(np.zeros((2, 3))).shape == (2, 3)
+    rng = np.random.default_rng(3)
+    plans = kb.plans(15, (4, 16, 64))
+    est = np.sort(rng.uniform(1.0, 4.0, (12, len(plans))), 1)
+    est[:, 0] = 1.0
+    left = rng.integers(5, 130, 12).astype(np.float64)
+    got = kb.drain(est, left, kb.longest_accepts(plans, 15))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kb, "ndtr", lambda v: torch.special.ndtr(torch.from_numpy(np.asarray(v))).numpy())
+        want = kb.drain(est, left, kb.longest_accepts(plans, 15))
+    assert np.abs(got / want - 1).max() < 1e-6
+
+
+def test_drain_sums_a_wide_end_in_blocks_to_the_same_rounds():
+    """Long outputs put the batch's end in a window of hundreds of rounds: drain sums it at DRAIN_POINTS
+    block middles (the normal CDF evaluated at most that many rounds per plan) and gets the rounds of the
+    round-by-round sum to 1e-6; windows within DRAIN_POINTS are summed round by round, exactly as before."""
+    rng = np.random.default_rng(11)
+    plans = kb.plans(15, (4, 16, 64, 256))
+    longest = kb.longest_accepts(plans, 15)
+    seen = []
+    real = kb.ndtr
+
+    def spy(v):
+        seen.append(np.shape(v)[-1])
+        return real(v)
+    for n, left in ((32, np.full(32, 4000.0)), (32, rng.integers(1, 3000, 32).astype(np.float64)),
+                    (8, np.full(8, 60.0)), (1, np.array([900.0]))):
+        est = np.sort(rng.uniform(1.0, 4.5, (n, len(plans))), 1)
+        est[:, 0] = 1.0
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kb, "ndtr", spy)
+            got = kb.drain(est, left, longest)
+            m.setattr(kb, "DRAIN_POINTS", 10 ** 9)
+            want = kb.drain(est, left, longest)
+        assert np.abs(got / want - 1).max() < 1e-6, n
+        if left.max() <= 60:
+            assert np.array_equal(got, want)
+    assert max(seen[0::2]) <= kb.DRAIN_POINTS < max(seen[1::2])   # the round-by-round sum is wider
+
+
 def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_grouped():
     """Engine._expected: capped estimates while a request waits for eager admission, with makespan off or at
     one request; drain's otherwise (grouped admission: while requests wait, too). Bad makespan values are
