@@ -129,6 +129,7 @@ def test_bench_k26_smoke_on_a_cpu():
     assert [c["mode"] for c in cells] == ["ar", "dflash", "ddtree", "ddtree", "ddtree"]
     assert not any(c.get("error") for c in cells), [c.get("error") for c in cells]
     assert all(c["profile"].startswith("simulated") for c in cells[1:])
+    assert all(c["elapsed_s"] > 0 for c in cells)
     taus = {c["budget"]: c["tau"] for c in cells if c["mode"] == "ddtree"}
     assert taus[16] > taus[4] > 1.5
     names = [t["name"] for t in rec["targets"]]

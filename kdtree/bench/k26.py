@@ -172,6 +172,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
     device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
     on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off).
+    Each row's elapsed_s: the wall seconds its engine took, build to queue (a command's time to plan by).
     routing: `k26.build_target`'s ("model": the random router's concentrated choice; "uniform": every row
     its own experts, the spread of a trained router across requests). queue: from batch 2 on, each engine
     also serves `queue` x batch requests that wait for a slot (`queued`: whole-run and full-batch tok/s,
@@ -254,7 +255,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
                      block=None if prof is None else prof.depth + 1,
-                     fitted=isinstance(profiles[spec_i], Profile))
+                     fitted=isinstance(profiles[spec_i], Profile), elapsed_s=time.perf_counter() - start)
             rows_cell.append(c)
             if on_engine is not None:
                 on_engine({**rec, "cells": rec["cells"] + rows_cell, "partial": True})
@@ -267,7 +268,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                              f"{c['queued'].get('admissions', '?')} admissions)")
                 print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
                       f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
-                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+                      f"({c['elapsed_s']:.0f} s)", flush=True)
         for c in rows_cell:  # every speculative cell of a profile gets its DFlash engine's draft time
             src = next((x for x in rows_cell if x["mode"] == "dflash" and x["tau_chain"] == c["tau_chain"]
                         and x.get("stages")), None)
