@@ -430,6 +430,8 @@ class Engine:
             cand = self._check_auto(backend, max_budget, budgets, decide, calibration)
             budget = max(cand)
         elif mode == "ddtree":
+            if isinstance(budget, str):
+                raise ValueError(f"budget={budget!r}: expected 'auto' or an int in [1, 4096] (draft nodes)")
             budget = golden._check_budget(budget)
             if backend == "kernel" and budget > 1024:
                 raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")

@@ -768,6 +768,8 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
         Engine(t, d, mode="ddtree", budget="auto", makespan="yes", max_len=128)
     with pytest.raises(ValueError, match="makespan: only budget='auto' takes them"):
         Engine(t, d, mode="ddtree", budget=8, makespan=False, max_len=128)
+    with pytest.raises(ValueError, match="budget='Auto': expected 'auto' or an int in"):
+        Engine(t, d, mode="ddtree", budget="Auto", max_len=128)
 
 
 def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
