@@ -360,12 +360,17 @@ def test_the_trained_curve_is_read_from_either_record(tmp_path):
 
 
 def test_k26_cli_refuses_an_empty_sweep_before_looking_for_a_gpu(tmp_path):
-    """bench_k26's arguments are checked before the GPU is: no profile at all (an empty --profiles without
-    --trained) and a malformed pair are refused by name, and nothing is written."""
+    """bench_k26's arguments are checked before the GPU is (`check_sweep`, before any model is built): no
+    profile at all (an empty --profiles without --trained), a malformed pair, a batch, budget, repeat count
+    or chain tau out of range are refused by name, and nothing is written."""
     from kdtree.bench import k26 as bench_k26
     for argv, needle in ((["--profiles"], "--profiles: expected at least one TAU:BLOCK, or --trained"),
                          (["--profiles", "5"], "--profiles '5': expected two numbers"),
-                         (["--cells", "4096x8"], "--cells '4096x8': expected two numbers")):
+                         (["--cells", "4096x8"], "--cells '4096x8': expected two numbers"),
+                         (["--cells", "4096:0"], "a cell's batch=0: expected a positive int"),
+                         (["--budgets", "4", "2048"], r"budgets=2048: expected an int in \[1, 1024\]"),
+                         (["--repeats", "0"], "repeats=0: expected a positive int"),
+                         (["--profiles", "9:8"], r"tau_chain=9.0: expected in \[1, depth \+ 1 = 8\)")):
         with pytest.raises(SystemExit, match=needle):
             bench_k26.main(["--out", str(tmp_path / "out")] + argv)
     assert not (tmp_path / "out").exists()

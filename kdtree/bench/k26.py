@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .. import k26
+from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
 from .clocks import gpu_state
@@ -166,6 +166,37 @@ def _with_block(drafter, block: int):
     return d
 
 
+def check_sweep(cells, profiles, budgets, repeats: int, queue: int) -> list:
+    """The sweep's arguments checked before anything is built (ValueError naming the argument); returns the
+    profiles as `Profile`s (a (tau, block) pair: the chain profile of that tau over block - 1 positions)."""
+    cells, budgets = list(cells), list(budgets)
+    if not cells:
+        raise ValueError("cells: expected at least one (context, batch)")
+    for c in cells:
+        if not (isinstance(c, (tuple, list)) and len(c) == 2):
+            raise ValueError(f"cells: {c!r}: expected a (context, batch) pair")
+        checks.int_in("a cell's context", c[0], PROMPT, note=" (the prompt's rows are part of it)")
+        checks.positive_int("a cell's batch", c[1])
+    if not budgets:
+        raise ValueError("budgets: expected at least one fixed budget")
+    for B in budgets:
+        checks.int_in("budgets", B, 1, 1024, note=" (the kernel backend's ceiling)")
+    checks.positive_int("repeats", repeats)
+    checks.int_in("queue", queue, 0)
+    if not list(profiles):
+        raise ValueError("profiles: expected at least one")
+    out = []
+    for spec in profiles:
+        if isinstance(spec, Profile):
+            out.append(spec)
+            continue
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
+            raise ValueError(f"profiles: {spec!r}: expected a Profile or a (tau, block) pair")
+        checks.int_in("a profile's block", spec[1], 2, 64)
+        out.append(Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2))
+    return out
+
+
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
         on_engine=None, routing: str = "model", queue: int = 2) -> dict:
@@ -177,6 +208,8 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     its own experts, the spread of a trained router across requests). queue: from batch 2 on, each engine
     also serves `queue` x batch requests that wait for a slot (`queued`: whole-run and full-batch tok/s,
     `run_engine`), the steady state of a serving queue where a static batch ends on its slowest request."""
+    fitted = [isinstance(p, Profile) for p in profiles]   # a given Profile: a fitted one (`--trained`)
+    profiles = check_sweep(cells, profiles, budgets, repeats, queue)
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
@@ -206,8 +239,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         common = cell_engine(context, batch, max_new(batch), rows)
         specs = []
         for i, spec in enumerate(profiles):   # AR too reads the profile's text: every mode the same tokens
-            prof = (spec if isinstance(spec, Profile) else
-                    Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2))
+            prof = spec
             specs += [(i, m, B, prof) for m, B in [("ar", None), ("dflash", None)] +
                       [("ddtree", B) for B in budgets] + [("ddtree", "auto")]]
         for spec_i, mode, budget, prof in specs:
@@ -255,7 +287,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                      profile=None if prof is None else prof.name,
                      tau_chain=None if prof is None else prof.tau_chain,
                      block=None if prof is None else prof.depth + 1,
-                     fitted=isinstance(profiles[spec_i], Profile), elapsed_s=time.perf_counter() - start)
+                     fitted=fitted[spec_i], elapsed_s=time.perf_counter() - start)
             rows_cell.append(c)
             if on_engine is not None:
                 on_engine({**rec, "cells": rec["cells"] + rows_cell, "partial": True})
@@ -462,6 +494,10 @@ def main(argv=None) -> None:
         profiles.append(Profile.fit(cc["budgets"], cc["realized"], depth=15, K=2 * max(a.budgets)))
     if not profiles:
         raise SystemExit("bench_k26: --profiles: expected at least one TAU:BLOCK, or --trained FILE")
+    try:
+        check_sweep(cells, profiles, a.budgets, a.repeats, a.queue)
+    except ValueError as e:
+        raise SystemExit(f"bench_k26: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
     out = Path(a.out)
