@@ -208,6 +208,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     its own experts, the spread of a trained router across requests). queue: from batch 2 on, each engine
     also serves `queue` x batch requests that wait for a slot (`queued`: whole-run and full-batch tok/s,
     `run_engine`), the steady state of a serving queue where a static batch ends on its slowest request."""
+    profiles = list(profiles)
     fitted = [isinstance(p, Profile) for p in profiles]   # a given Profile: a fitted one (`--trained`)
     profiles = check_sweep(cells, profiles, budgets, repeats, queue)
     rows = max(budgets) + 1
@@ -238,8 +239,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         rows_cell = []
         common = cell_engine(context, batch, max_new(batch), rows)
         specs = []
-        for i, spec in enumerate(profiles):   # AR too reads the profile's text: every mode the same tokens
-            prof = spec
+        for i, prof in enumerate(profiles):   # AR too reads the profile's text: every mode the same tokens
             specs += [(i, m, B, prof) for m, B in [("ar", None), ("dflash", None)] +
                       [("ddtree", B) for B in budgets] + [("ddtree", "auto")]]
         for spec_i, mode, budget, prof in specs:
