@@ -337,7 +337,11 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
     k = start + (c - 1) / 2.0
     sd = np.sqrt(k[None] * var[:, :, None])                                            # [n, P, k]
     gap = k[None] * mu[:, :, None] - (left[:, :, None] - 0.5)
-    ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), (gap > 0).astype(np.float64))
+    # a request of no spread ends at the first round past (left - 0.5) / mu: the share of a block's rounds
+    # at or past it (a step within a block of s rounds, not a step at its middle)
+    first = np.floor((left - 0.5) / mu)[:, :, None] + 1                                 # [n, P, 1]
+    step = np.clip(start[None] + c[None] - first, 0, c[None]) / np.maximum(c, 1)[None]
+    ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), step)
     M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
 

@@ -420,6 +420,9 @@ class Engine:
             raise ValueError("simulate: needs mode 'ar', or 'dflash' / 'ddtree' with a batched drafter "
                              "(DFlashDrafter)")
         auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
+        if mode == "ddtree" and isinstance(budget, str) and not auto:
+            raise ValueError(f"budget={budget!r}: expected 'auto' or an int in [1, {golden.MAX_BUDGET}] "
+                             "(draft nodes)")
         if not isinstance(makespan, bool):
             raise ValueError(f"makespan={makespan!r}: expected True or False")
         if not auto and (max_budget is not None or budgets is not None or decide != "previous"
@@ -430,8 +433,6 @@ class Engine:
             cand = self._check_auto(backend, max_budget, budgets, decide, calibration)
             budget = max(cand)
         elif mode == "ddtree":
-            if isinstance(budget, str):
-                raise ValueError(f"budget={budget!r}: expected 'auto' or an int in [1, 4096] (draft nodes)")
             budget = golden._check_budget(budget)
             if backend == "kernel" and budget > 1024:
                 raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
@@ -760,6 +761,12 @@ class Engine:
             return True
         fit = self.admit_cost()
         return fit is None or self._rent >= fit[0]
+
+    def _grouping(self) -> bool:
+        """Whether freed slots wait for company (`_due`): grouped admission in an engine that is not
+        deterministic, once an admission has been timed. The requests admitted together then end much as a
+        static batch does (`_expected`, `_rounds_left`)."""
+        return self.admission == "grouped" and not self.deterministic and self.admit_cost() is not None
 
     def _bill(self, live: int, wall: float) -> None:
         """Grouped admission: add a round's idle slots' share of its wall time to the rent. A round's time
@@ -1547,10 +1554,10 @@ class Engine:
 
     def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
-        with makespan on, while no request waits for a slot or admission is grouped (its freed slots wait for
-        company), the batch's end in view (`budget.drain`)."""
+        with makespan on, while no request waits for a slot or freed slots wait for company (`_grouping`),
+        the batch's end in view (`budget.drain`)."""
         est = self._capped(reqs, est)
-        if not self.makespan or (self.waiting and self.admission != "grouped") or len(reqs) < 2:
+        if not self.makespan or (self.waiting and not self._grouping()) or len(reqs) < 2:
             return est
         return auto_budget.drain(est, Engine._left(reqs), self._longest)
 
@@ -1606,10 +1613,10 @@ class Engine:
     def _rounds_left(self, ahead: bool = False) -> int | None:
         """AR rounds until the batch's last active request ends, for the round being launched (ahead: the
         one after it): its tokens left as of the last landed round, less one a round for the rounds launched
-        and not landed (each emits at least one token), at least 1; None while requests wait for a slot under
-        eager admission or with makespan off (the batch's end is not in view). Under grouped admission freed
-        slots wait for company, so the requests admitted together end as a static batch does (`_expected`)."""
-        if not self.makespan or (self.waiting and self.admission != "grouped") or not self.active:
+        and not landed (each emits at least one token), at least 1; None while requests wait for a slot that
+        they take as soon as it frees (not `_grouping`) or with makespan off (the batch's end is not in view).
+        Where freed slots wait for company, the requests admitted together end as a static batch does."""
+        if not self.makespan or (self.waiting and not self._grouping()) or not self.active:
             return None
         unlanded = self._launched - self.rounds + int(ahead)
         return max(int(self._left(self.active).max()) - unlanded, 1)

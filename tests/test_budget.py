@@ -290,6 +290,7 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less(monkey
     where its tokens pay for its verify; the hold limit takes that probe's excess; "sync" keeps AR a
     candidate after an AR probe's draft."""
     monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
+    monkeypatch.setattr(kb, "FIRST_SHARE", 0.1)  # holds of 2 and 10 rounds' excess stay below MAX_HOLD
     plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
     poor = np.array([[1.0, 1.05, 1.1, 1.15]])
     pol = kb.Policy(plans, _costs(0.2, [1.0] * 4, builds=(4, 8)))   # B=8 excess 0.05 rounds, AR probe 0.2
@@ -311,7 +312,8 @@ def test_a_probe_verifies_ars_block_after_the_draft_where_that_costs_less(monkey
     # B=4 makes 0.5 tokens a second against the AR probe's 1/3, for 10 rounds' excess against 2
     rich = kb.Policy(plans, _costs(2.0, [1.0, 30.0, 18.0, 18.0], builds=(4, 8)))
     tall = np.array([[1.0, 10.0, 10.0, 10.0]])
-    h = min(kb.MAX_HOLD, math.ceil(2 / kb.FIRST_SHARE - 1e-9))   # a hold of 2 / FIRST_SHARE, then the probe
+    h = math.ceil(2 / kb.FIRST_SHARE - 1e-9)   # a hold of 2 / FIRST_SHARE (not B=4's 10), then the probe
+    assert h == 20
     got = [rich.before(1, tall, 0) for _ in range(h + 1)]
     assert got == [0] * (h + 1) and rich.ar_probe and rich.served == h
     sync = kb.Policy(plans, _costs(0.2, [1.0, 3.0, 3.0, 3.0], builds=(4, 8)), decide="sync")
@@ -439,10 +441,11 @@ def test_forced_plans_serve_their_blocks(pair):
             assert names[lag] == "AR" and 1 <= probes <= math.log2(len(names)) + 1, names
 
 
-def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
+def test_rounds_left_counts_the_rounds_in_flight_where_the_batchs_end_is_in_view(pair):
     """Engine._rounds_left: the longest request's tokens left less one a round launched and not landed
-    (ahead: one more), at least 1; None while a request waits under eager admission (under grouped its
-    freed slots wait for company: the end is in view) or with makespan off."""
+    (ahead: one more), at least 1; None with makespan off, and while a request waits for a slot it takes as
+    soon as it frees: eager admission, or grouped before an admission is timed or in a deterministic engine
+    (`_grouping`: where freed slots wait for company, the end is in view)."""
     t, d = pair
     prompts = random_prompts(t.args, 3, seed=5, min_len=6, max_len=9)
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4,), max_batch=2, max_len=256)
@@ -459,10 +462,14 @@ def test_rounds_left_counts_the_rounds_in_flight_and_only_without_a_queue(pair):
     e.makespan = False
     assert e._rounds_left() is None
     e.makespan = True
-    e.waiting.append(object())   # a request waits: no end in view under eager admission, as grouped has
-    assert e._rounds_left() is None
+    e.waiting.append(object())   # a request waits: no end in view under eager admission
+    assert e._rounds_left() is None and not e._grouping()
     e.admission = "grouped"
-    assert e._rounds_left() == left - 1
+    assert e.admit_cost() is None and e._rounds_left() is None      # no admission timed: it joins at once
+    e.admit_cost = lambda: (0.05, 0.0)
+    assert e._grouping() and e._rounds_left() == left - 1            # freed slots wait for company
+    e.deterministic = True
+    assert not e._grouping() and e._rounds_left() is None
     e.waiting.pop()
 
 
@@ -714,8 +721,10 @@ def test_ndtr_is_the_normal_cdf_to_a_tenth_of_a_millionth():
 
 def test_drain_sums_a_wide_end_in_blocks_to_the_same_rounds():
     """Long outputs put the batch's end in a window of hundreds of rounds: drain sums it at DRAIN_POINTS
-    block middles (the normal CDF evaluated at most that many rounds per plan) and gets the rounds of the
-    round-by-round sum to 1e-6; windows within DRAIN_POINTS are summed round by round, exactly as before."""
+    block middles (the normal CDF evaluated at most that many rounds per plan; a request of no spread by
+    the share of a block's rounds past its end) and gets the rounds of the round-by-round sum to 1e-6 (to
+    1e-4 where such a request ends inside a wide window after the others); windows within DRAIN_POINTS
+    are summed round by round, exactly as before."""
     rng = np.random.default_rng(11)
     plans = kb.plans(15, (4, 16, 64, 256))
     longest = kb.longest_accepts(plans, 15)
@@ -725,10 +734,12 @@ def test_drain_sums_a_wide_end_in_blocks_to_the_same_rounds():
     def spy(v):
         seen.append(np.shape(v)[-1])
         return real(v)
-    for n, left in ((32, np.full(32, 4000.0)), (32, rng.integers(1, 3000, 32).astype(np.float64)),
-                    (8, np.full(8, 60.0)), (1, np.array([900.0]))):
+    wide = [rng.integers(1, 3000, 32).astype(np.float64) for _ in range(2)]
+    for n, left, still in ((32, np.full(32, 4000.0), 0), (32, wide[0], 0), (32, wide[1], 10),
+                           (8, np.full(8, 60.0), 3), (1, np.array([900.0]), 0)):
         est = np.sort(rng.uniform(1.0, 4.5, (n, len(plans))), 1)
         est[:, 0] = 1.0
+        est[:still, 1:] = longest[1:]   # every step accepted: no spread, a request that ends on one round
         with pytest.MonkeyPatch.context() as m:
             m.setattr(kb, "ndtr", spy)
             got = kb.drain(est, left, longest)
@@ -738,6 +749,22 @@ def test_drain_sums_a_wide_end_in_blocks_to_the_same_rounds():
         if left.max() <= 60:
             assert np.array_equal(got, want)
     assert max(seen[0::2]) <= kb.DRAIN_POINTS < max(seen[1::2])   # the round-by-round sum is wider
+    # a request of no spread that ends inside a wide window, after the others (a step at a block's middle
+    # instead of its share of the block is 1e-3 off here)
+    worst = 0.0
+    for _ in range(100):
+        n = int(rng.integers(2, 6))
+        est = np.concatenate([[[1.0]], rng.uniform(2.0, 4.5, (1, len(plans) - 1))], 1).repeat(n, 0)
+        est[1:, 1:] = rng.uniform(2.0, 4.5, (n - 1, len(plans) - 1))
+        est[0, 1:] = longest[1:]
+        left = rng.uniform(1000, 3000, n).round()
+        left[0] = round(left[1:].max() / 3.0 * 5 * rng.uniform(0.95, 1.1))   # ends near the others under B=4
+        got = kb.drain(est, left, longest)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kb, "DRAIN_POINTS", 10 ** 9)
+            want = kb.drain(est, left, longest)
+        worst = max(worst, float(np.abs(got / want - 1).max()))
+    assert worst < 1e-4
 
 
 def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_grouped():
@@ -753,13 +780,13 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
     reqs = [R(100, 10), R(100, 20)]
     est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
     me = SimpleNamespace(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7),
-                         _capped=Engine._capped, admission="eager")
+                         _capped=Engine._capped, _grouping=lambda: False)
     got = Engine._expected(me, reqs, est)
     assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest)) and not np.allclose(got, est)
     for other in (dict(waiting=[object()]), dict(makespan=False),
-                  dict(makespan=False, waiting=[object()], admission="grouped")):
+                  dict(makespan=False, waiting=[object()], _grouping=lambda: True)):
         assert np.array_equal(Engine._expected(SimpleNamespace(**{**vars(me), **other}), reqs, est), est)
-    grouped = SimpleNamespace(**{**vars(me), "waiting": [object()], "admission": "grouped"})
+    grouped = SimpleNamespace(**{**vars(me), "waiting": [object()], "_grouping": lambda: True})
     assert np.array_equal(Engine._expected(grouped, reqs, est), got)   # freed slots wait for company
     assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])
     t = weights.load("data/trained/target").eval()
@@ -768,8 +795,9 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
         Engine(t, d, mode="ddtree", budget="auto", makespan="yes", max_len=128)
     with pytest.raises(ValueError, match="makespan: only budget='auto' takes them"):
         Engine(t, d, mode="ddtree", budget=8, makespan=False, max_len=128)
-    with pytest.raises(ValueError, match="budget='Auto': expected 'auto' or an int in"):
-        Engine(t, d, mode="ddtree", budget="Auto", max_len=128)
+    for kw in ({}, {"budgets": (4, 8)}):   # before the check that only 'auto' takes budgets
+        with pytest.raises(ValueError, match="budget='Auto': expected 'auto' or an int in"):
+            Engine(t, d, mode="ddtree", budget="Auto", max_len=128, **kw)
 
 
 def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
@@ -779,6 +807,7 @@ def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
     uneven tokens would shorten nothing. With requests waiting (None) or one request, the drafted probe; the
     hold limit takes the probe that runs."""
     monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
+    monkeypatch.setattr(kb, "FIRST_SHARE", 0.1)  # holds of 19 and 20 rounds: which probe set it shows
     plans = kb.plans(7, (4, 8))                       # AR, chain, B=4, B=8
     costs = _costs(2.0, [1.0] * 4, builds=(4, 8))     # B=8's excess 1.85 AR rounds, an AR probe's 2
     two = np.array([[1.0, 1.05, 1.1, 1.15]] * 2)
@@ -788,7 +817,7 @@ def test_a_static_batchs_probe_verifies_ars_block(monkeypatch):
         xj, xa = pol._excess(s, est, pol._ar_probe_score(1, est, 0))
         assert xj < xa
         h = pol.hold_floor(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)
-        assert h == min(kb.MAX_HOLD, math.ceil((xa if want else xj) / kb.FIRST_SHARE))   # the first hold
+        assert h == math.ceil((xa if want else xj) / kb.FIRST_SHARE) in (19, 20)   # the first hold
         got = [pol.before(1, est, 0, left) for _ in range(h + 1)]
         assert got == [0] * h + [0 if want else 3] and pol.ar_probe is want, (left, len(est), got)
         limit = pol.hold_limit(s, est, pol._ar_probe_score(1, est, 0), static=left is not None)

@@ -512,8 +512,6 @@ def main(argv=None) -> None:
             path.write_text(json.dumps(rec, indent=1) + "\n")
         else:
             write_record(path, rec)
-    if a.queue < 0:
-        raise SystemExit(f"bench_k26: --queue {a.queue}: expected 0 or more")
     save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save, routing=a.routing, queue=a.queue))
 
 
