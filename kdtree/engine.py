@@ -360,14 +360,14 @@ class Engine:
     (default the drafter's stored table, `drafter.calibration`; False: the raw probabilities), cost from a
     table measured at start-up and refreshed every round (`costs`). decide "previous" (from the previous
     rounds' estimates, no extra sync) | "sync" (one more host sync per round, fresh estimates). makespan:
-    while no request waits for a slot, or under grouped admission (its freed slots wait for company, so the
-    requests admitted together hold their slots much as a static batch does), plans are scored by the tokens
-    left over the expected time until every active request has ended (`budget.drain`: a batch ends with its
-    slowest request) instead of the round's expected tokens, and an AR hold's probe (of several requests)
-    verifies AR's block after its draft and is not run where the batch ends before its estimates could serve
-    as many rounds as the hold (`budget.Policy.before`, `_rounds_left`); False: the round's tokens always
-    (for serving driven by step() where requests keep arriving, an empty queue between arrivals is not a
-    batch's end).
+    while no request waits for a slot, or while freed slots wait for company (grouped admission, `_grouping`:
+    the requests admitted together hold their slots much as a static batch does), plans are scored by the
+    tokens left over the expected time until every active request has ended (`budget.drain`: a batch ends
+    with its slowest request) instead of the round's expected tokens, and an AR hold's probe (of several
+    requests) verifies AR's block after its draft and is not run where the batch ends before its estimates
+    could serve as many rounds as the hold (`budget.Policy.before`, `_rounds_left`); False: the round's
+    tokens always (for serving driven by step() where requests keep arriving, an empty queue between
+    arrivals is not a batch's end).
 
     admission "eager" (each waiting request as soon as a slot and its pages are free) | "grouped": a freed
     slot waits for company while the idle slots' lost seconds stay below an admission's fixed cost, fitted
