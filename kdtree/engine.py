@@ -768,6 +768,11 @@ class Engine:
         static batch does (`_expected`, `_rounds_left`)."""
         return self.admission == "grouped" and not self.deterministic and self.admit_cost() is not None
 
+    def _end_in_view(self) -> bool:
+        """Whether the active requests' end is the batch's end the policy plans for (makespan on, and no
+        request waiting for a slot it would take as soon as it frees: `_grouping`)."""
+        return self.makespan and not (self.waiting and not self._grouping())
+
     def _bill(self, live: int, wall: float) -> None:
         """Grouped admission: add a round's idle slots' share of its wall time to the rent. A round's time
         hardly depends on its rows (it streams the weights once), so an idle slot loses 1 / max_batch of a
@@ -1557,7 +1562,7 @@ class Engine:
         with makespan on, while no request waits for a slot or freed slots wait for company (`_grouping`),
         the batch's end in view (`budget.drain`)."""
         est = self._capped(reqs, est)
-        if not self.makespan or (self.waiting and not self._grouping()) or len(reqs) < 2:
+        if not self._end_in_view() or len(reqs) < 2:
             return est
         return auto_budget.drain(est, Engine._left(reqs), self._longest)
 
@@ -1616,7 +1621,7 @@ class Engine:
         and not landed (each emits at least one token), at least 1; None while requests wait for a slot that
         they take as soon as it frees (not `_grouping`) or with makespan off (the batch's end is not in view).
         Where freed slots wait for company, the requests admitted together end as a static batch does."""
-        if not self.makespan or (self.waiting and not self._grouping()) or not self.active:
+        if not self._end_in_view() or not self.active:
             return None
         unlanded = self._launched - self.rounds + int(ahead)
         return max(int(self._left(self.active).max()) - unlanded, 1)

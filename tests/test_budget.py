@@ -779,14 +779,19 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
     plans = kb.plans(7, (4,))
     reqs = [R(100, 10), R(100, 20)]
     est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
-    me = SimpleNamespace(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7),
-                         _capped=Engine._capped, _grouping=lambda: False)
+    def engine(**kw):   # the attributes _expected reads, its helper bound to them
+        e = SimpleNamespace(**kw)
+        e._end_in_view = lambda: Engine._end_in_view(e)
+        return e
+    base = dict(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7), _capped=Engine._capped,
+                _grouping=lambda: False)
+    me = engine(**base)
     got = Engine._expected(me, reqs, est)
     assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest)) and not np.allclose(got, est)
     for other in (dict(waiting=[object()]), dict(makespan=False),
                   dict(makespan=False, waiting=[object()], _grouping=lambda: True)):
-        assert np.array_equal(Engine._expected(SimpleNamespace(**{**vars(me), **other}), reqs, est), est)
-    grouped = SimpleNamespace(**{**vars(me), "waiting": [object()], "_grouping": lambda: True})
+        assert np.array_equal(Engine._expected(engine(**{**base, **other}), reqs, est), est)
+    grouped = engine(**{**base, "waiting": [object()], "_grouping": lambda: True})
     assert np.array_equal(Engine._expected(grouped, reqs, est), got)   # freed slots wait for company
     assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])
     t = weights.load("data/trained/target").eval()
