@@ -58,6 +58,8 @@ LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
 FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
+SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
+SPREAD_PRIOR = 16.0    # `Spread`: geometric variance (tokens^2) of ratio 1 before any drafted round
 LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
@@ -305,7 +307,7 @@ def longest_accepts(plan_list, depth: int) -> np.ndarray:
     return np.array([1 if p.kind == "ar" else 1 + min(p.nodes, depth) for p in plan_list])
 
 
-def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
+def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread: float = 1.0) -> np.ndarray:
     """A batch that nothing waits to join (or whose freed slots wait for company) ends with its last
     request. est [n, P] (each plan's expected tokens a round per request, at most its tokens left), left [n]
     (tokens left), longest [P] (`longest_accepts`) -> est' [n, P], est'[r, i] = left_r / M_i, where M_i is
@@ -316,14 +318,16 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
     grows with k, giving the count the long right tail that decides the largest of n (a normal count falls
     short by about half a round at batch 32). A plan's summed est' over its round's cost is then its tokens
     per second to the batch's end: a plan that ties AR per round but spreads its requests' ends loses. At
-    one request M is that request's expected rounds, est' its tokens left over them."""
+    one request M is that request's expected rounds, est' its tokens left over them. spread: the accept
+    lengths' variance as a multiple of the truncated geometric's (`Spread`: a best-first tree's accept
+    lengths spread less than a chain's of the same mean)."""
     n, P = est.shape
     left = np.asarray(left, np.float64)[:, None]                                        # [n, 1]
     mu = np.clip(np.asarray(est, np.float64), 1.0, np.asarray(longest, np.float64)[None, :])   # [n, P]
     var = np.zeros_like(mu)
     for i, A in enumerate(np.asarray(longest).tolist()):
         if A > 1:
-            var[:, i] = np.interp(mu[:, i], *_geometric(int(A)))
+            var[:, i] = np.interp(mu[:, i], *_geometric(int(A))) * spread
     # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 8 spreads):
     # before lo some request has surely not ended; from hi, or ceil(max left) rounds (a token a round), all
     m, w = left / mu, 8 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
@@ -344,6 +348,30 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray) -> np.ndarray:
     ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), step)
     M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
+
+
+def geometric_var(mean: np.ndarray, longest: int) -> np.ndarray:
+    """The variance of `_geometric`'s accept length in [1, longest] of the given means (0 for AR)."""
+    return np.interp(mean, *_geometric(int(longest))) if longest > 1 else np.zeros_like(mean)
+
+
+class Spread:
+    """The drafted rounds' accept lengths' spread about their expected tokens, as a multiple of the
+    truncated geometric's variance (`drain`'s model): sum (L - E)^2 / sum var(E) over the requests' drafted
+    rounds (L the accept length, E the round's estimate of its plan), with SPREAD_PRIOR rounds of ratio 1.
+    The residual holds the estimates' own error too: the spread a batch's end sees."""
+
+    def __init__(self):
+        self.res, self.geo = 0.0, 0.0
+
+    def add(self, lengths: np.ndarray, expected: np.ndarray, longest: int) -> None:
+        """One round's requests: accept lengths and their estimates [n] under a plan of `longest`."""
+        self.res += float(((np.asarray(lengths, np.float64) - expected) ** 2).sum())
+        self.geo += float(geometric_var(np.asarray(expected, np.float64), longest).sum())
+
+    @property
+    def ratio(self) -> float:
+        return (self.res + SPREAD_PRIOR) / (self.geo + SPREAD_PRIOR)
 
 
 # ----------------------------------------------------------------------------- the policy

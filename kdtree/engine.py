@@ -241,6 +241,8 @@ class Request:
     t0: float = 0.0
     syn0: float = 0.0                 # synthetic_s at t0 (fills, simulated texts: not in wall_time)
     est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
+    est_sum: np.ndarray | None = None  # ... summed over its draft rounds (`Engine._long_run`)
+    est_n: int = 0                     # ... their count
     synthetic: int = 0                # random context rows inserted before the root after prefill
 
 
@@ -597,6 +599,7 @@ class Engine:
             self.est_host = torch.zeros(2, *self.est.shape, dtype=torch.float32,
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
+            self.spread = auto_budget.Spread()   # drafted rounds' accept lengths about their estimates
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
             self._fbuf: _Front | None = None   # the front phase's outputs, static (allocated by the first)
@@ -1402,10 +1405,12 @@ class Engine:
         self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
-        plan = None
+        plan, est = None, None
         if f.info is not None:
             plan = self.plans[f.i]
             self._auto_take(f, stages["round"])
+            if f.info["drafted"] and plan.kind != "ar" and self.auto.decide == "previous":
+                est, lengths = self.est_host[f.buf, :n, f.i].tolist(), []
         self.rounds += 1
         leaving = []
         for i, (r, row) in enumerate(zip(f.reqs, host)):
@@ -1426,12 +1431,17 @@ class Engine:
             r.length += k
             r.committed += new
             res.accept_lengths.append(k)
+            if est is not None:
+                lengths.append((k, est[i]))
             res.tree_sizes.append(self.rows if plan is None else plan.rows)
             before = len(res.tokens)
             done = finish(res.tokens, new, r.max_new, r.stop)
             emitted.setdefault(r.rid, []).extend(res.tokens[before:])   # up to max_new and a stop token
             if done:
                 leaving.append(r)
+        if est is not None and lengths:
+            k, e = np.array(lengths, np.float64).T
+            self.spread.add(k, e, int(self._longest[f.i]))
         # the highest slot first: requests ending together (a static batch's end) move no slot's state (the
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
@@ -1561,10 +1571,21 @@ class Engine:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
         with makespan on, while no request waits for a slot or freed slots wait for company (`_grouping`),
         the batch's end in view (`budget.drain`)."""
-        est = self._capped(reqs, est)
         if not self._end_in_view() or len(reqs) < 2:
-            return est
-        return auto_budget.drain(est, Engine._left(reqs), self._longest)
+            return self._capped(reqs, est)
+        return auto_budget.drain(self._capped(reqs, self._long_run(reqs, est)), Engine._left(reqs),
+                                 self._longest, self.spread.ratio)
+
+    def _long_run(self, reqs: list, est: np.ndarray) -> np.ndarray:
+        """[n, P] each request's expected tokens a round over the rest of its output, for `budget.drain`: the
+        mean of its draft rounds' estimates, shrunk toward the requests' mean (`_prior`; else est's mean) with
+        the weight of auto_budget.SHRINK rounds. One round's estimate (est [n, P]) speaks of the text just
+        ahead: the lowest of a batch's, read as a request's rate to its end, would make every drafting plan's
+        end look as late as that one round's."""
+        prior = est.mean(0) if self._prior is None else self._prior
+        k = auto_budget.SHRINK
+        rows = [(r.est_sum + k * prior) / (r.est_n + k) if r.est_n else prior for r in reqs]
+        return np.stack(rows)
 
     @staticmethod
     def _left(reqs: list) -> np.ndarray:
@@ -1584,6 +1605,8 @@ class Engine:
         for r, row in zip(reqs, rows):
             if r.slot >= 0:
                 r.est = row.copy()
+                r.est_sum = row.astype(np.float64) if r.est_sum is None else r.est_sum + row
+                r.est_n += 1
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
 

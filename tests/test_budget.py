@@ -776,15 +776,17 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
     class R:
         def __init__(self, max_new, emitted):
             self.max_new, self.result = max_new, SimpleNamespace(tokens=[0] * emitted)
+            self.est_sum, self.est_n = None, 0   # not drafted yet: the requests' mean (`_long_run`)
     plans = kb.plans(7, (4,))
     reqs = [R(100, 10), R(100, 20)]
     est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
     def engine(**kw):   # the attributes _expected reads, its helper bound to them
         e = SimpleNamespace(**kw)
         e._end_in_view = lambda: Engine._end_in_view(e)
+        e._long_run = lambda r, x: Engine._long_run(e, r, x)
         return e
     base = dict(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7), _capped=Engine._capped,
-                _grouping=lambda: False)
+                _grouping=lambda: False, _prior=None, spread=kb.Spread())
     me = engine(**base)
     got = Engine._expected(me, reqs, est)
     assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest)) and not np.allclose(got, est)
