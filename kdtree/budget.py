@@ -59,7 +59,7 @@ PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of
 FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
-SPREAD_PRIOR = 16.0    # `Spread`: geometric variance (tokens^2) of ratio 1 before any drafted round
+SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
 LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
@@ -307,27 +307,30 @@ def longest_accepts(plan_list, depth: int) -> np.ndarray:
     return np.array([1 if p.kind == "ar" else 1 + min(p.nodes, depth) for p in plan_list])
 
 
-def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread: float = 1.0) -> np.ndarray:
+def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -> np.ndarray:
     """A batch that nothing waits to join (or whose freed slots wait for company) ends with its last
     request. est [n, P] (each plan's expected tokens a round per request, at most its tokens left), left [n]
     (tokens left), longest [P] (`longest_accepts`) -> est' [n, P], est'[r, i] = left_r / M_i, where M_i is
     the expected rounds until every request has ended under plan i: sum over k >= 0 of P(some request needs
     more than k rounds), with P(request r has ended after k rounds) = P(S_k >= left_r), S_k the sum of k
-    independent accept lengths (`_geometric`'s, of the request's mean) taken as normal with a half-token
-    continuity correction. The sum of k lengths, not the round count, is what is near normal: its spread
-    grows with k, giving the count the long right tail that decides the largest of n (a normal count falls
-    short by about half a round at batch 32). A plan's summed est' over its round's cost is then its tokens
-    per second to the batch's end: a plan that ties AR per round but spreads its requests' ends loses. At
-    one request M is that request's expected rounds, est' its tokens left over them. spread: the accept
-    lengths' variance as a multiple of the truncated geometric's (`Spread`: a best-first tree's accept
-    lengths spread less than a chain's of the same mean)."""
+    independent accept lengths of the request's mean taken as normal with a half-token continuity
+    correction. The sum of k lengths, not the round count, is what is near normal: its spread grows with k,
+    giving the count the long right tail that decides the largest of n (a normal count falls short by about
+    half a round at batch 32). A plan's summed est' over its round's cost is then its tokens per second to
+    the batch's end: a plan that ties AR per round but spreads its requests' ends loses. At one request M is
+    that request's expected rounds, est' its tokens left over them. An accept length's variance: spread
+    None, the truncated geometric's of its mean in [1, longest] (`_geometric`: a chain whose steps pass
+    alike); else spread [P] (`Spread.ratios`) times (mean - 1), as measured (a best-first tree's lengths
+    spread far less than the geometric's of its longest accept, which it seldom reaches)."""
     n, P = est.shape
     left = np.asarray(left, np.float64)[:, None]                                        # [n, 1]
     mu = np.clip(np.asarray(est, np.float64), 1.0, np.asarray(longest, np.float64)[None, :])   # [n, P]
-    var = np.zeros_like(mu)
-    for i, A in enumerate(np.asarray(longest).tolist()):
-        if A > 1:
-            var[:, i] = np.interp(mu[:, i], *_geometric(int(A))) * spread
+    if spread is None:
+        var = np.zeros_like(mu)
+        for i, A in enumerate(np.asarray(longest).tolist()):
+            var[:, i] = geometric_var(mu[:, i], A)
+    else:
+        var = np.asarray(spread, np.float64)[None, :] * (mu - 1.0)
     # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 8 spreads):
     # before lo some request has surely not ended; from hi, or ceil(max left) rounds (a token a round), all
     m, w = left / mu, 8 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
@@ -356,22 +359,24 @@ def geometric_var(mean: np.ndarray, longest: int) -> np.ndarray:
 
 
 class Spread:
-    """The drafted rounds' accept lengths' spread about their expected tokens, as a multiple of the
-    truncated geometric's variance (`drain`'s model): sum (L - E)^2 / sum var(E) over the requests' drafted
-    rounds (L the accept length, E the round's estimate of its plan), with SPREAD_PRIOR rounds of ratio 1.
-    The residual holds the estimates' own error too: the spread a batch's end sees."""
+    """The drafted rounds' accept lengths L about their estimates E, per plan: ratios()[i] = sum (L - E)^2 /
+    sum (E - 1) over plan i's requests' rounds (`drain`'s variance: the ratio times the mean less one), with
+    SPREAD_PRIOR tokens of E - 1 at the pooled ratio of every plan's rounds (itself from SPREAD_PRIOR at 1).
+    The residual holds the estimates' own error too: the spread a batch's end sees. The engine adds the
+    rounds of decide="previous" (whose estimates it copies back with the round's output)."""
 
-    def __init__(self):
-        self.res, self.geo = 0.0, 0.0
+    def __init__(self, n_plans: int):
+        self.res, self.base = np.zeros(n_plans), np.zeros(n_plans)
 
-    def add(self, lengths: np.ndarray, expected: np.ndarray, longest: int) -> None:
-        """One round's requests: accept lengths and their estimates [n] under a plan of `longest`."""
-        self.res += float(((np.asarray(lengths, np.float64) - expected) ** 2).sum())
-        self.geo += float(geometric_var(np.asarray(expected, np.float64), longest).sum())
+    def add(self, i: int, lengths: np.ndarray, expected: np.ndarray) -> None:
+        """One round of plan i: its requests' accept lengths and estimates [n]."""
+        e = np.asarray(expected, np.float64)
+        self.res[i] += float(((np.asarray(lengths, np.float64) - e) ** 2).sum())
+        self.base[i] += float(np.maximum(e - 1.0, 0.0).sum())
 
-    @property
-    def ratio(self) -> float:
-        return (self.res + SPREAD_PRIOR) / (self.geo + SPREAD_PRIOR)
+    def ratios(self) -> np.ndarray:
+        pooled = (self.res.sum() + SPREAD_PRIOR) / (self.base.sum() + SPREAD_PRIOR)
+        return (self.res + SPREAD_PRIOR * pooled) / (self.base + SPREAD_PRIOR)
 
 
 # ----------------------------------------------------------------------------- the policy

@@ -599,7 +599,7 @@ class Engine:
             self.est_host = torch.zeros(2, *self.est.shape, dtype=torch.float32,
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
-            self.spread = auto_budget.Spread()   # drafted rounds' accept lengths about their estimates
+            self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
             self._fbuf: _Front | None = None   # the front phase's outputs, static (allocated by the first)
@@ -1441,7 +1441,7 @@ class Engine:
                 leaving.append(r)
         if est is not None and lengths:
             k, e = np.array(lengths, np.float64).T
-            self.spread.add(k, e, int(self._longest[f.i]))
+            self.spread.add(f.i, k, e)
         # the highest slot first: requests ending together (a static batch's end) move no slot's state (the
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
@@ -1574,7 +1574,7 @@ class Engine:
         if not self._end_in_view() or len(reqs) < 2:
             return self._capped(reqs, est)
         return auto_budget.drain(self._capped(reqs, self._long_run(reqs, est)), Engine._left(reqs),
-                                 self._longest, self.spread.ratio)
+                                 self._longest, self.spread.ratios())
 
     def _long_run(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """[n, P] each request's expected tokens a round over the rest of its output, for `budget.drain`: the
