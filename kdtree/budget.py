@@ -328,7 +328,8 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -
     if spread is None:
         var = np.zeros_like(mu)
         for i, A in enumerate(np.asarray(longest).tolist()):
-            var[:, i] = geometric_var(mu[:, i], A)
+            if A > 1:
+                var[:, i] = np.interp(mu[:, i], *_geometric(int(A)))
     else:
         var = np.asarray(spread, np.float64)[None, :] * (mu - 1.0)
     # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 8 spreads):
@@ -351,11 +352,6 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -
     ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), step)
     M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
-
-
-def geometric_var(mean: np.ndarray, longest: int) -> np.ndarray:
-    """The variance of `_geometric`'s accept length in [1, longest] of the given means (0 for AR)."""
-    return np.interp(mean, *_geometric(int(longest))) if longest > 1 else np.zeros_like(mean)
 
 
 class Spread:

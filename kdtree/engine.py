@@ -1570,7 +1570,8 @@ class Engine:
     def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
         with makespan on, while no request waits for a slot or freed slots wait for company (`_grouping`),
-        the batch's end in view (`budget.drain`)."""
+        the batch's end in view (`budget.drain` of each request's long-run rate, `_long_run`, and the accept
+        lengths' measured spread, `spread`)."""
         if not self._end_in_view() or len(reqs) < 2:
             return self._capped(reqs, est)
         return auto_budget.drain(self._capped(reqs, self._long_run(reqs, est)), Engine._left(reqs),
