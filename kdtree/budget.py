@@ -21,7 +21,9 @@ whole block: the bucket's rows are verified whether a request fills them or not,
 B, so a request's own best truncation within the bucket is the bucket itself.
 
 Decisions (`Policy`): "previous" decides before the round from the estimates the previous draft rounds copied
-back with their output (no extra host sync); "sync" decides from the previous rounds which tree to build (or
+back with their output (no extra host sync), aged by the rounds since toward each request's long-run rate
+(`Persistence`: with rounds overlapped the newest landed draft is two or three rounds old, and a low estimate
+speaks of a round or two of hard text); "sync" decides from the previous rounds which tree to build (or
 AR), then drafts and builds, copies the fresh estimates to the host (one more sync per round) and picks the
 block within that tree from them. AR is a candidate only before drafting: when AR wins, the engine serves AR
 rounds for a hold that doubles each time AR wins again, then drafts once (the probe) to refresh
@@ -38,7 +40,10 @@ close call is worth probing often, a far lead seldom turns), at most MAX_HOLD (1
 beyond AR), so that in a cell where AR wins throughout no probe costs more than that share of the hold before
 it (unless the cap binds: a probe dearer than MAX_HOLD x FIRST_SHARE AR rounds), and the doubling makes the
 probes' share fall from there to the hold limit's; a drafted round halves the next hold (a lone drafted round
-between holds does not start the doubling over). The policy restarts (no hold, the next the shortest) when
+between holds does not start the doubling over); a hold ends early, with its probe, once the aged estimates
+favour a drafting plan. Where drafting wins, a plan scored within EXPLORE_GAP of the best whose cost entry no
+round has refreshed lately verifies a round now and then (`Policy.explore`: the online refresh corrects only
+the plans that run). The policy restarts (no hold, the next the shortest) when
 the engine falls idle.
 """
 from __future__ import annotations
@@ -60,6 +65,10 @@ FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
 SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
+PERSIST_PRIOR = 4.0    # `Persistence`: tokens^2 of (estimate - long-run rate)^2 at slope 1
+EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
+EXPLORE_AGE = 64       # ... whose cost no round refreshed in this many rounds verifies one round (`explore`)
+EXPLORE_EVERY = 32     # ... at most one such round in this many
 LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
 EMA = 0.25             # weight of a new sample in the cost table
@@ -226,6 +235,7 @@ class CostTable:
         self.host = 0.0
         self._host: list[float] = []
         self.samples = 0   # online refreshes so far
+        self.seen: dict = {}   # back entry key -> `samples` at its last online refresh (`update`)
 
     def ctx(self, length: float) -> int:
         """The context bucket of a mean cached length: the last bucket at or below it."""
@@ -265,6 +275,8 @@ class CostTable:
         self.host = float(statistics.median(self._host))
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
+        if table is self.back:
+            self.seen[key] = self.samples
         old = table.get(key)
         table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
@@ -375,6 +387,38 @@ class Spread:
         return (self.res + SPREAD_PRIOR * pooled) / (self.base + SPREAD_PRIOR)
 
 
+class Persistence:
+    """How far a request's estimate speaks of the rounds after its own. A draft round's estimate E [P]
+    differs from the request's long-run rate m [P] (`Engine._long_run`); the next round's accept length L
+    under plan j is m_j + s (E_j - m_j) on average, s the slope measured here: sum x y / sum x^2 over pairs
+    of a request's consecutive draft rounds (x = E_j - m_j of the first round, j the second's plan; y = the
+    second's L - m_j), kept apart for x < 0 and x > 0 (a hard stretch of text passes within a round or two;
+    an easy one, a passage the drafter knows, lasts), with PERSIST_PRIOR of x^2 at slope 1, clamped to
+    [0, 1]. An estimate a rounds old reads m + s^a (E - m) (`age`): the policy decides a round a >= 1 after
+    the draft that made its estimates (2 or 3 where rounds overlap), and an AR hold ages them further. The
+    engine adds the pairs of decide="previous" (whose estimates it copies back with the round's output)."""
+
+    def __init__(self):
+        self.xy, self.xx = np.zeros(2), np.zeros(2)   # [below, above]
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Pairs x [n] (E - m of a round, at the next round's plan), y [n] (the next round's L - m)."""
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        for side, sel in enumerate((x < 0, x > 0)):
+            self.xy[side] += float((x[sel] * y[sel]).sum())
+            self.xx[side] += float((x[sel] ** 2).sum())
+
+    def slopes(self) -> np.ndarray:
+        """[2] the slopes below and above the long-run rate."""
+        return np.clip((self.xy + PERSIST_PRIOR) / (self.xx + PERSIST_PRIOR), 0.0, 1.0)
+
+    def age(self, est: np.ndarray, m: np.ndarray, a: int) -> np.ndarray:
+        """est [..., P] estimates a >= 0 rounds old about long-run rates m [..., P] -> m + s^a (est - m)."""
+        s = self.slopes() ** max(int(a), 0)
+        d = np.asarray(est, np.float64) - m
+        return m + np.where(d < 0, s[0], s[1]) * d
+
+
 # ----------------------------------------------------------------------------- the policy
 class Policy:
     """Chooses each round's plan (module docstring). `history` keeps (round, batch, plan name) of every
@@ -384,6 +428,7 @@ class Policy:
         self.plans, self.costs, self.decide = tuple(plan_list), costs, decide
         self.builds = builds(self.plans)   # per plan: the tree its round builds (`widen` per batch bucket)
         self._builds: dict = {}
+        self._explored = -math.inf   # the table's `samples` at the last `explore` round
         self.restart()
         self.history: list = []
 
@@ -421,14 +466,18 @@ class Policy:
         again from the fresh estimates (`after`). AR rounds come in holds; a hold's end forces one draft round
         (the probe) whose estimates the next decision reads, unless rounds_left (the rounds, this one
         included, until the batch's last request ends under AR; None: unknown, e.g. requests wait) leaves
-        fewer rounds after the probe than the hold served: then the hold goes on a round at a time."""
+        fewer rounds after the probe than the hold served: then the hold goes on a round at a time. A hold
+        ends early, with its probe, once est (aged by the engine a round more each AR round, `Persistence`)
+        scores a drafting plan above AR."""
         self.ar_probe = False
+        if self.hold > 0 and self.plans[int(np.argmax(self.score(b, est, ctx, lambda p: True)))].kind != "ar":
+            self.hold, self.probe = 0, True   # the estimates, aged (`Persistence`), favour a draft: probe now
         if self.hold == 0 and not self.probe:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
             if self.plans[best].kind != "ar" or not np.isfinite(s[best]):
                 self.backoff = max(self.backoff // 2, 1)
-                return self._best_draft(s)
+                return self.explore(b, s, len(est), ctx)
             ar_probe, static = self._ar_probe_score(b, est, ctx), rounds_left is not None
             limit = self.hold_limit(s, est, ar_probe, static)
             self.hold = min(max(self.backoff, self.hold_floor(s, est, ar_probe, static)), limit)
@@ -444,6 +493,24 @@ class Policy:
         s = self.score(b, est, ctx, lambda p: True)
         self.ar_probe = self._probe_is_ar(s, est, self._ar_probe_score(b, est, ctx), rounds_left is not None)
         return 0 if self.ar_probe else self._best_draft(s)
+
+    def explore(self, b: int, s: np.ndarray, n: int, ctx: int) -> int:
+        """The drafting plan to verify when drafting wins by the scores s: the best, or, in a full bucket
+        (n == b), the best of the drafting plans scored within EXPLORE_GAP of it whose back entry no round
+        has refreshed in EXPLORE_AGE rounds (the table's online refresh corrects only the plans that run: a
+        start-up entry measured dear would keep its plan out for good), at most one round in EXPLORE_EVERY:
+        at most EXPLORE_GAP / EXPLORE_EVERY of the tokens per second by the scores."""
+        j = self._best_draft(s)
+        seen, now = self.costs.seen, self.costs.samples
+        if n != b or not np.isfinite(s[j]) or s[j] <= 0 or now - self._explored < EXPLORE_EVERY:
+            return j
+        stale = [k for k, p in enumerate(self.plans) if p.kind != "ar" and k != j and np.isfinite(s[k])
+                 and s[k] >= (1 - EXPLORE_GAP) * s[j]
+                 and now - seen.get((b, k, ctx), -math.inf) > EXPLORE_AGE]
+        if not stale:
+            return j
+        self._explored = now
+        return max(stale, key=lambda k: s[k])
 
     def _probe_is_ar(self, s: np.ndarray, est: np.ndarray, ar_probe: float, static: bool) -> bool:
         """Whether a hold's probe verifies AR's block after its draft (else the best drafting plan): where

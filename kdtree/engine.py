@@ -243,6 +243,7 @@ class Request:
     est: np.ndarray | None = None     # budget="auto": expected tokens per plan from its last draft round
     est_sum: np.ndarray | None = None  # ... summed over its draft rounds (`Engine._long_run`)
     est_n: int = 0                     # ... their count
+    est_at: int = -1                   # ... the launch index of the round that drafted est
     synthetic: int = 0                # random context rows inserted before the root after prefill
 
 
@@ -600,6 +601,7 @@ class Engine:
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
+            self.persist = auto_budget.Persistence()        # ... and how long an estimate holds
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
             self._fbuf: _Front | None = None   # the front phase's outputs, static (allocated by the first)
@@ -1405,12 +1407,13 @@ class Engine:
         self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
-        plan, est = None, None
+        plan, est, lag = None, None, None
         if f.info is not None:
             plan = self.plans[f.i]
-            self._auto_take(f, stages["round"])
             if f.info["drafted"] and plan.kind != "ar" and self.auto.decide == "previous":
-                est, lengths = self.est_host[f.buf, :n, f.i].tolist(), []
+                est, lengths, taken = self.est_host[f.buf, :n, f.i].tolist(), [], {}
+                lag = self._lag(f.reqs, f.i, f.info["at"])
+            self._auto_take(f, stages["round"])
         self.rounds += 1
         leaving = []
         for i, (r, row) in enumerate(zip(f.reqs, host)):
@@ -1433,6 +1436,7 @@ class Engine:
             res.accept_lengths.append(k)
             if est is not None:
                 lengths.append((k, est[i]))
+                taken[r.rid] = k
             res.tree_sizes.append(self.rows if plan is None else plan.rows)
             before = len(res.tokens)
             done = finish(res.tokens, new, r.max_new, r.stop)
@@ -1442,6 +1446,9 @@ class Engine:
         if est is not None and lengths:
             k, e = np.array(lengths, np.float64).T
             self.spread.add(f.i, k, e)
+        lag = [(x, taken[r.rid] - m) for r, x, m in lag or () if r.rid in taken]
+        if lag:
+            self.persist.add(*np.array(lag, np.float64).T)
         # the highest slot first: requests ending together (a static batch's end) move no slot's state (the
         # drafter's context, pend) into the slot of one that leaves after it
         for r in sorted(leaving, key=lambda r: -r.slot):
@@ -1560,12 +1567,18 @@ class Engine:
                                                          0.0)
         self._reset_state()
 
-    def _estimates(self) -> np.ndarray | None:
-        """[n, P] expected tokens of the active requests from their last draft rounds (a request not drafted
-        yet: the mean of the requests so far), each capped at the tokens it has left (`_capped`); None before
-        any request drafted."""
+    def _estimates(self, ahead: bool = False) -> np.ndarray | None:
+        """[n, P] expected tokens of the active requests in the round being launched (ahead: the one after
+        it) from their last draft rounds, aged by the rounds since toward each request's long-run rate
+        (`budget.Persistence`; a request not drafted yet: the mean of the requests so far), as the policy
+        reads them (`_expected`); None before any request drafted."""
         rows = [self._prior if r.est is None else r.est for r in self.active]
-        return None if any(x is None for x in rows) else self._expected(self.active, np.stack(rows))
+        if any(x is None for x in rows):
+            return None
+        m, at = self._long_run(self.active, np.stack(rows)), self._launched + int(ahead)
+        rows = [row if r.est is None else self.persist.age(row, m[k], at - r.est_at)
+                for k, (r, row) in enumerate(zip(self.active, rows))]
+        return self._expected(self.active, np.stack(rows))
 
     def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
@@ -1600,16 +1613,27 @@ class Engine:
         are not emitted, so near its end a smaller plan (or AR) loses nothing of what it counts."""
         return np.minimum(est, Engine._left(reqs)[:, None])
 
-    def _take_estimates(self, reqs: list, rows: np.ndarray) -> None:
-        """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch); a request
-        that left since is skipped."""
+    def _take_estimates(self, reqs: list, rows: np.ndarray, at: int) -> None:
+        """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch) drafted by the
+        round of launch index `at`; a request that left since is skipped."""
         for r, row in zip(reqs, rows):
             if r.slot >= 0:
-                r.est = row.copy()
+                r.est, r.est_at = row.copy(), at
                 r.est_sum = row.astype(np.float64) if r.est_sum is None else r.est_sum + row
                 r.est_n += 1
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
+
+    def _lag(self, reqs: list, i: int, at: int) -> list:
+        """Before round `at` (drafted, plan i) hands its estimates over: (request, x, m) for each of reqs
+        whose estimates come from the round before it (at - 1), x = their plan-i estimate less m, the
+        request's long-run rate of plan i (`budget.Persistence`; the pair's y comes with the round's accept
+        length)."""
+        got = [r for r in reqs if r.slot >= 0 and r.est is not None and r.est_at == at - 1]
+        if not got:
+            return []
+        m = self._long_run(got, np.stack([r.est for r in got]))[:, i]
+        return [(r, float(r.est[i] - mk), float(mk)) for r, mk in zip(got, m)]
 
     def _agree(self, i: int | None, ar_probe: bool = False) -> tuple[int | None, bool]:
         """Under tensor parallelism every rank takes rank 0's decision (plan index, whether an AR probe)."""
@@ -1682,7 +1706,7 @@ class Engine:
                     self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
                     self._sync()
                     fresh = self.est_host[0, :n].numpy().copy()
-                    self._take_estimates(self.active, fresh)
+                    self._take_estimates(self.active, fresh, self._launched)
                     ar = self.plans[i].kind == "ar"   # an AR probe: AR's block stays a candidate
                     i = self._agree(pol.after(b, self._expected(self.active, fresh), ctx, build, ar))[0]
             same = build is not None and pol.decide == "previous"
@@ -1694,10 +1718,11 @@ class Engine:
         self._auto_flush()   # the previous round's times, while the GPU runs this one
         # under TP each rank's policy state is its own (rank 0's choice is broadcast), so whether to decide
         # ahead could differ between ranks and their broadcasts would not pair up: TP decides at round start
-        est = None if probe or getattr(self.model, "tp", None) is not None else self._estimates()
+        est = None if probe or getattr(self.model, "tp", None) is not None else self._estimates(ahead=True)
         if est is not None:
             self._ahead = self._decide(b, est, ahead=True)
-        return logits, i, dict(b=b, n=n, marks=marks, ctx=ctx, build=build, drafted=build is not None)
+        return logits, i, dict(b=b, n=n, marks=marks, ctx=ctx, build=build, drafted=build is not None,
+                               at=self._launched)
 
     def _auto_take(self, f: _Flight, wall: float) -> None:
         """After round f's sync: its estimates to its requests (rows in its launch order), its plan to the
@@ -1705,7 +1730,7 @@ class Engine:
         off the GPU's idle gap)."""
         n, i, info = len(f.reqs), f.i, f.info
         if info["drafted"] and self.auto.decide == "previous":
-            self._take_estimates(f.reqs, self.est_host[f.buf, :n].numpy())
+            self._take_estimates(f.reqs, self.est_host[f.buf, :n].numpy(), info["at"])
         name = self.plans[i].name
         if info["drafted"] and self.plans[i].kind == "ar":
             name = auto_budget.AR_PROBE

@@ -387,6 +387,8 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
                and any(name == p.name for _, _, name in e.auto.history)]
     if decide == "previous":   # the drafted plans' rounds measured the accept lengths' spread
         assert drafted and (e.spread.base[drafted] > 0).all() and np.isfinite(e.spread.ratios()).all()
+    else:                      # ... and "previous" alone the estimates' persistence
+        assert e.persist.xx.sum() == 0
     assert e.spread.base[0] == 0
 
 
@@ -642,6 +644,7 @@ def test_overlapped_rounds_give_each_request_its_own_estimates(pair):
             got[rid] += toks
     res = e.run()
     assert any(moved)
+    assert e.persist.xx.sum() > 0   # consecutive draft rounds: their estimates' persistence measured
     assert [res[i].tokens for i in ids] == [refs[0][:refs[0].index(stop) + 1]] + refs[1:]
     assert all(got[i] == res[i].tokens for i in ids)
 
@@ -725,6 +728,94 @@ def test_spread_measures_accept_lengths_about_their_estimates_per_plan():
     for _ in range(400):
         sp.add(1, 1 + rng.binomial(6, 0.4, 8), np.full(8, 1 + 6 * 0.4))   # variance 0.6 x (mean - 1)
     assert sp.ratios()[1] == pytest.approx(0.6, rel=0.05) and sp.ratios()[0] == pytest.approx(0.6, rel=0.05)
+
+
+def test_persistence_measures_how_far_an_estimate_speaks_of_the_next_round():
+    """Persistence: no pairs, slopes 1 (an estimate holds); a side's slope is sum x y / sum x^2 with
+    PERSIST_PRIOR of x^2 at 1, clamped to [0, 1]; pairs drawn with next-round slopes 0.4 below the long-run
+    rate and 0.9 above converge on them; `age` moves an estimate a rounds old to m + s^a (E - m) per side."""
+    ps = kb.Persistence()
+    assert np.array_equal(ps.slopes(), [1.0, 1.0])
+    ps.add(np.array([-2.0, 1.0, 0.0]), np.array([-1.0, 3.0, 5.0]))    # x = 0 counts on neither side
+    assert np.allclose(ps.slopes(), [(2 + kb.PERSIST_PRIOR) / (4 + kb.PERSIST_PRIOR), 1.0])   # above: 3 > 1
+    rng, ps = np.random.default_rng(9), kb.Persistence()
+    for _ in range(300):
+        x = rng.normal(0, 1.5, 16)
+        ps.add(x, np.where(x < 0, 0.4, 0.9) * x + rng.normal(0, 1, 16))
+    assert ps.slopes() == pytest.approx([0.4, 0.9], abs=0.04)
+    m, est = np.array([1.0, 4.0, 5.0]), np.array([1.0, 2.0, 7.0])
+    s0, s1 = ps.slopes()
+    assert np.array_equal(ps.age(est, m, 0), est)
+    assert np.allclose(ps.age(est, m, 3), [1.0, 4.0 - 2.0 * s0 ** 3, 5.0 + 2.0 * s1 ** 3])
+    assert np.allclose(ps.age(est, m, 400), m, atol=1e-6)
+
+
+def test_the_policy_reads_each_requests_estimates_aged_by_the_rounds_since_its_draft():
+    """Engine._estimates: a request's row is its last draft's estimates aged (`Persistence.age`) by the
+    rounds from that draft to the round decided (the one being launched, or ahead the one after it), about
+    its long-run rate; a request not drafted yet reads the requests' mean. The check can fail: rows read as
+    they were drafted would differ."""
+    from types import SimpleNamespace
+    ps = kb.Persistence()
+    ps.add(np.array([-1.0] * 12), np.array([-0.5] * 12))            # below: slope (6 + 4) / (12 + 4)
+    prior = np.array([1.0, 4.0])
+    reqs = [SimpleNamespace(est=np.array([1.0, 2.0]), est_at=5, est_sum=np.array([1.0, 2.0]), est_n=1),
+            SimpleNamespace(est=None, est_at=-1, est_sum=None, est_n=0)]
+    e = SimpleNamespace(active=reqs, _prior=prior, _launched=8, persist=ps, _expected=lambda r, x: x)
+    e._long_run = lambda r, x: Engine._long_run(e, r, x)
+    m = (np.array([1.0, 2.0]) + kb.SHRINK * prior) / (1 + kb.SHRINK)
+    s = ps.slopes()[0]
+    for ahead, a in ((False, 3), (True, 4)):
+        got = Engine._estimates(e, ahead)
+        assert np.allclose(got, [m + s ** a * (reqs[0].est - m), prior]), (ahead, got)
+        assert not np.allclose(got[0], reqs[0].est)
+    e._prior = None   # before any request drafted
+    assert Engine._estimates(e) is None
+
+
+def test_an_ar_hold_ends_once_the_aged_estimates_favour_a_draft():
+    """A hold set while drafting did not pay goes on while the estimates say so, and ends at once, with its
+    probe (a draft), once they (aged by the engine toward the long-run rate) score a drafting plan above AR;
+    without that check the hold would have served its length."""
+    plans = kb.plans(7, (4,))
+    pol = kb.Policy(plans, _costs(0.05, [1.0, 1.0, 1.0], builds=(4,)))
+    poor, good = np.array([[1.0, 1.02, 1.03]]), np.array([[1.0, 3.0, 4.0]])
+    pol.backoff = 8
+    assert pol.before(1, poor, 0) == 0 and pol.hold == 7
+    assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 0] and pol.hold == 5
+    assert pol.before(1, good, 0) == 2 and pol.hold == 0 and not pol.probe
+    assert pol.before(1, good, 0) == 2 and pol.backoff == 8   # the probe halved it: then drafts go on
+
+
+def test_a_near_plan_whose_cost_no_round_refreshed_is_verified_now_and_then():
+    """`Policy.explore`: B=16's start-up entry is dear (its score 15 % below B=4's); no round refreshed it,
+    so the first round verifies it; its round's refresh makes it fresh, and B=4 serves until EXPLORE_AGE
+    rounds have passed; once refreshes bring it to its true (cheaper) cost it wins outright. Rounds that
+    never refresh it explore it once in EXPLORE_EVERY. A plan scored further than EXPLORE_GAP below (the
+    chain), AR and a partly filled bucket are never explored: without `explore` B=16 would never serve."""
+    plans = kb.plans(7, (4, 16))
+    est = np.array([[1.0, 2.0, 4.0, 3.4]])             # B=4 2.0 tok/s, B=16 1.7, the chain 1.0, AR 1.0
+
+    def rounds(pol, t, k, refresh=True):
+        got = []
+        for _ in range(k):
+            i = pol.before(1, est, 0)
+            got.append(i)
+            if refresh or i != 3:
+                t.update(t.back, (1, i, 0), t.back[(1, i, 0)])   # the round's refresh, as the engine's
+            t.samples += 1
+        return got
+    t = _costs(0.0, [1.0, 2.0, 2.0, 2.0])
+    pol = kb.Policy(plans, t)
+    first = rounds(pol, t, kb.EXPLORE_AGE + 2)
+    assert first[0] == 3 and first[1:].count(3) == 1 and first.index(3, 1) == kb.EXPLORE_AGE + 1, first
+    assert set(first) == {2, 3}                         # the chain (half B=4's score) and AR: never
+    assert pol.explore(8, pol.score(1, est, 0, lambda p: True), 1, 0) == 2   # 1 request in a bucket of 8
+    t.back[(1, 3, 0)] = 1.6                              # refreshes brought B=16 to its true cost
+    assert rounds(pol, t, 3) == [3, 3, 3]
+    t = _costs(0.0, [1.0, 2.0, 2.0, 2.0])
+    got = rounds(kb.Policy(plans, t), t, 3 * kb.EXPLORE_EVERY, refresh=False)
+    assert [i for i, x in enumerate(got) if x == 3] == [0, kb.EXPLORE_EVERY, 2 * kb.EXPLORE_EVERY]
 
 
 def test_a_requests_rate_to_its_end_is_its_rounds_mean_shrunk_toward_the_requests():
