@@ -395,8 +395,8 @@ class Persistence:
     second's L - m_j), kept apart for x < 0 and x > 0 (a hard stretch of text passes within a round or two;
     an easy one, a passage the drafter knows, lasts), with PERSIST_PRIOR of x^2 at slope 1, clamped to
     [0, 1]. An estimate a rounds old reads m + s^a (E - m) (`age`): the policy decides a round a >= 1 after
-    the draft that made its estimates (2 or 3 where rounds overlap), and an AR hold ages them further. The
-    engine adds the pairs of decide="previous" (whose estimates it copies back with the round's output)."""
+    the draft that made its estimates (2 or 3 where rounds overlap; 1 under "sync"), and an AR hold ages
+    them further. The engine adds the pairs of both decide modes (`Engine._lag`)."""
 
     def __init__(self):
         self.xy, self.xx = np.zeros(2), np.zeros(2)   # [below, above]

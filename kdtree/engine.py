@@ -1407,12 +1407,15 @@ class Engine:
         self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
-        plan, est, lag = None, None, None
+        plan, est, lag, taken = None, None, None, {}
         if f.info is not None:
             plan = self.plans[f.i]
-            if f.info["drafted"] and plan.kind != "ar" and self.auto.decide == "previous":
-                est, lengths, taken = self.est_host[f.buf, :n, f.i].tolist(), [], {}
-                lag = self._lag(f.reqs, f.i, f.info["at"])
+            drafted = f.info["drafted"] and plan.kind != "ar"
+            if drafted and self.auto.decide == "previous":
+                est, lengths = self.est_host[f.buf, :n, f.i].tolist(), []
+                lag = self._lag(f.reqs, f.info["at"])
+            elif drafted:   # "sync": taken before the round's fresh estimates replaced the previous ones
+                lag = f.info.get("lag")
             self._auto_take(f, stages["round"])
         self.rounds += 1
         leaving = []
@@ -1436,7 +1439,7 @@ class Engine:
             res.accept_lengths.append(k)
             if est is not None:
                 lengths.append((k, est[i]))
-                taken[r.rid] = k
+            taken[r.rid] = k
             res.tree_sizes.append(self.rows if plan is None else plan.rows)
             before = len(res.tokens)
             done = finish(res.tokens, new, r.max_new, r.stop)
@@ -1446,7 +1449,7 @@ class Engine:
         if est is not None and lengths:
             k, e = np.array(lengths, np.float64).T
             self.spread.add(f.i, k, e)
-        lag = [(x, taken[r.rid] - m) for r, x, m in lag or () if r.rid in taken]
+        lag = [(x[f.i], taken[r.rid] - m[f.i]) for r, x, m in lag or () if r.rid in taken]
         if lag:
             self.persist.add(*np.array(lag, np.float64).T)
         # the highest slot first: requests ending together (a static batch's end) move no slot's state (the
@@ -1624,16 +1627,15 @@ class Engine:
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m
 
-    def _lag(self, reqs: list, i: int, at: int) -> list:
-        """Before round `at` (drafted, plan i) hands its estimates over: (request, x, m) for each of reqs
-        whose estimates come from the round before it (at - 1), x = their plan-i estimate less m, the
-        request's long-run rate of plan i (`budget.Persistence`; the pair's y comes with the round's accept
-        length)."""
+    def _lag(self, reqs: list, at: int) -> list:
+        """Before drafted round `at` hands its estimates over: (request, x [P], m [P]) for each of reqs whose
+        estimates come from the round before it (at - 1), m its long-run rates, x its estimates less m
+        (`budget.Persistence`: the round's plan picks the column, its accept length gives the pair's y)."""
         got = [r for r in reqs if r.slot >= 0 and r.est is not None and r.est_at == at - 1]
         if not got:
             return []
-        m = self._long_run(got, np.stack([r.est for r in got]))[:, i]
-        return [(r, float(r.est[i] - mk), float(mk)) for r, mk in zip(got, m)]
+        m = self._long_run(got, np.stack([r.est for r in got]))
+        return [(r, r.est - mk, mk) for r, mk in zip(got, m)]
 
     def _agree(self, i: int | None, ar_probe: bool = False) -> tuple[int | None, bool]:
         """Under tensor parallelism every rank takes rank 0's decision (plan index, whether an AR probe)."""
@@ -1690,7 +1692,7 @@ class Engine:
             g = self.graphs.get(("catchup", b))
             g.replay() if g is not None else self._catchup(b)
             self._pending = 0
-        marks, whole = {}, ("whole", b, sampling, i)
+        marks, whole, lag = {}, ("whole", b, sampling, i), None
         if build is not None and not ar_probe and whole in self.graphs:   # front and block in one replay
             marks["f0"] = self._stamp(ev)
             self.graphs[whole].replay()
@@ -1706,6 +1708,7 @@ class Engine:
                     self.est_host[0, :n].copy_(self.est[:n], non_blocking=True)
                     self._sync()
                     fresh = self.est_host[0, :n].numpy().copy()
+                    lag = self._lag(self.active, self._launched)
                     self._take_estimates(self.active, fresh, self._launched)
                     ar = self.plans[i].kind == "ar"   # an AR probe: AR's block stays a candidate
                     i = self._agree(pol.after(b, self._expected(self.active, fresh), ctx, build, ar))[0]
@@ -1722,7 +1725,7 @@ class Engine:
         if est is not None:
             self._ahead = self._decide(b, est, ahead=True)
         return logits, i, dict(b=b, n=n, marks=marks, ctx=ctx, build=build, drafted=build is not None,
-                               at=self._launched)
+                               at=self._launched, lag=lag)
 
     def _auto_take(self, f: _Flight, wall: float) -> None:
         """After round f's sync: its estimates to its requests (rows in its launch order), its plan to the
