@@ -15,6 +15,7 @@ torch.compile as well (the lab's best AR), so ratios against it sit beside the s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import platform
 import statistics
 import time
@@ -65,6 +66,9 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
            "outputs": mid["outputs"]}
     if "round_wall_by_plan" in mid:
         out["round_wall_by_plan"] = mid["round_wall_by_plan"]
+    # which requests end a batch, and their texts (a digest each: another device's run compares to it)
+    out["request_rounds"], out["admitted"] = mid.get("request_rounds"), mid.get("admitted")
+    out["output_digests"] = [hashlib.sha1(str(o).encode()).hexdigest()[:10] for o in mid["outputs"]]
     if e.auto is not None:
         out["plans"] = mid["plans"]
         out["plan_counts"] = dict(Counter(mid["plans"]))

@@ -51,12 +51,12 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole
     run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
-    seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside
-    prefill). Rounds overlap (`Engine.step(overlap=True)`, run()'s schedule) when the engine's overlap is on:
-    a round's wall time is then the interval between two rounds landing; budget="auto": `round_wall_by_plan`
-    {plan: [median wall s, rounds]}. Request i's seed is seed0 + i. add: more add_request keywords (e.g.
-    synthetic_context: the fill of those rows, `synthetic_s` with a simulated profile's texts, is left out
-    of the wall time and prefill_s).
+    seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside prefill);
+    request_rounds: each request's target forwards (its rounds). Rounds overlap (`Engine.step(overlap=True)`,
+    run()'s schedule) when the engine's overlap is on: a round's wall time is then the interval between two
+    rounds landing; budget="auto": `round_wall_by_plan` {plan: [median wall s, rounds]}. Request i's seed is
+    seed0 + i. add: more add_request keywords (e.g. synthetic_context: the fill of those rows, `synthetic_s`
+    with a simulated profile's texts, is left out of the wall time and prefill_s).
     full_tok_per_s: the tokens of the steps that began with a request waiting behind active ones or whose
     landed round had every slot of max_batch live (their admissions included) over those steps' wall time,
     `full_rounds` of them; with more prompts than max_batch the engine admits waiting requests as slots
@@ -114,6 +114,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
             "tau": float(np.mean(acc)) if acc else None, "overlap": engine.overlap,
+            "request_rounds": [r.target_forwards for r in outs],
             **({"round_wall_by_plan": {k: [statistics.median(v), len(v)] for k, v in by_plan.items()}}
                if by_plan else {}),
             "outputs": [r.tokens for r in outs]}
