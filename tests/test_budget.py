@@ -358,6 +358,16 @@ def test_a_dear_probe_lengthens_the_ar_hold():
     assert pol.hold_limit(np.array([ar, -np.inf, -np.inf]), est) == kb.MAX_HOLD
 
 
+def _force(e: Engine, i: int) -> None:
+    """e's cost table frozen with plan i by far the cheapest and every front free: each round picks plan i
+    (no other plan scores within `explore`'s gap)."""
+    for key in list(e.costs.back):
+        e.costs.back[key] = 1e-6 if key[1] == i else 1.0
+    for key in e.costs.front:
+        e.costs.front[key] = 0.0
+    e.costs.update = lambda *a: None
+
+
 @pytest.mark.parametrize("decide", ["previous", "sync"])
 def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     """Requests joining in turn, batch 4: every output equals the oracle loop's greedy AR, whatever plan each
@@ -429,11 +439,7 @@ def test_forced_plans_serve_their_blocks(pair):
     refs = [oracle_ar(t, p, 24).tokens for p in prompts]
     for k in (0, 1, 3):  # AR, chain, B=8
         e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=2, max_len=128)
-        for key in list(e.costs.back):
-            e.costs.back[key] = 1e-6 if key[1] == k else 1.0
-        for key in e.costs.front:
-            e.costs.front[key] = 0.0
-        e.costs.update = lambda *a: None    # keep the table as forced
+        _force(e, k)   # plan k every round
         out = [r.tokens for r in e.generate(prompts, 24)]
         assert out == refs
         names = [h[2] for h in e.auto.history]
@@ -485,11 +491,7 @@ def test_an_idle_engine_starts_the_next_batchs_holds_over(pair):
     t, d = pair
     prompts = random_prompts(t.args, 2, seed=12, min_len=6, max_len=12)
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=2, max_len=256)
-    for key in list(e.costs.back):
-        e.costs.back[key] = 1e-6 if key[1] == 0 else 1.0
-    for key in e.costs.front:
-        e.costs.front[key] = 0.0
-    e.costs.update = lambda *a: None
+    _force(e, 0)
     e.auto.hold_floor = lambda *a, **k: 1
     for p in prompts:
         e.add_request(p, 40)
@@ -520,11 +522,7 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
     def forced():
         e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8), max_batch=1, max_len=256,
                    decide=decide)
-        for key in list(e.costs.back):
-            e.costs.back[key] = 1e-6 if key[1] == 0 else 1.0
-        for key in e.costs.front:
-            e.costs.front[key] = 0.0
-        e.costs.update = lambda *a: None
+        _force(e, 0)
         if not ar_probes:
             e.auto._ar_probe_score = lambda *a: -math.inf
         e.auto.hold_floor = lambda *a, **k: 1   # holds of 1, 2, 4, ...: several catch-ups in 60 tokens
@@ -618,11 +616,7 @@ def test_overlapped_rounds_give_each_request_its_own_estimates(pair):
     refs = [oracle_ar(t, p, 40).tokens for p in prompts]
     stop = next(x for j, x in enumerate(refs[0]) if j >= 6 and x not in refs[0][:j])
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=4, max_len=128)
-    for key in list(e.costs.back):   # B=8 by far the cheapest: every round drafts (and so estimates)
-        e.costs.back[key] = 1e-6 if key[1] == 3 else 1.0
-    for key in e.costs.front:
-        e.costs.front[key] = 0.0
-    e.costs.update = lambda *a: None
+    _force(e, 3)   # B=8 by far the cheapest: every round drafts (and so estimates)
     moved, land = [], e._land
 
     def checking(f, emitted):
@@ -758,11 +752,7 @@ def test_consecutive_draft_rounds_measure_the_estimates_persistence(pair, decide
     refs = [oracle_ar(t, p, 24).tokens for p in prompts]
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=4, max_len=128,
                decide=decide)
-    for key in list(e.costs.back):
-        e.costs.back[key] = 1e-6 if key[1] == 3 else 1.0
-    for key in e.costs.front:
-        e.costs.front[key] = 0.0
-    e.costs.update = lambda *a: None
+    _force(e, 3)
     takes, pairs, add = [], [], e.persist.add
     take = e._take_estimates
     e._take_estimates = lambda reqs, rows, at: (takes.extend((r.rid, at) for r in reqs), take(reqs, rows, at))
