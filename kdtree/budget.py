@@ -440,6 +440,7 @@ class Policy:
         self.probe = False   # the next round drafts whatever the estimates say
         self.served = 0      # the current (or last) hold's length
         self.ar_probe = False  # the last decision: AR's block after a draft (a probe of less excess)
+        self.probed = False    # ... a hold's probe
 
     def widen(self, buckets) -> None:
         """After the start-up cost table: each batch bucket's builds (`wider_builds`)."""
@@ -468,10 +469,14 @@ class Policy:
         included, until the batch's last request ends under AR; None: unknown, e.g. requests wait) leaves
         fewer rounds after the probe than the hold served: then the hold goes on a round at a time. A hold
         ends early, with its probe, once est (aged by the engine a round more each AR round, `Persistence`)
-        scores a drafting plan above AR."""
-        self.ar_probe = False
+        scores a drafting plan above AR. `probed`: whether this decision is a hold's probe."""
+        self.ar_probe, self.probed = False, False
         if self.hold > 0 and self.plans[int(np.argmax(self.score(b, est, ctx, lambda p: True)))].kind != "ar":
-            self.hold, self.probe = 0, True   # the estimates, aged (`Persistence`), favour a draft: probe now
+            # the estimates, aged (`Persistence`), favour a draft: probe now; the hold served fewer rounds
+            # than planned, and the next one doubles from those
+            done = self.served - self.hold
+            self.served, self.backoff = done, min(self.backoff, max(2 * done, 1))
+            self.hold, self.probe = 0, True
         if self.hold == 0 and not self.probe:
             s = self.score(b, est, ctx, lambda p: True)
             best = int(np.argmax(s))
@@ -489,7 +494,7 @@ class Policy:
                 self.hold = 1   # the probe's estimates would serve fewer rounds than the hold
             self.probe = self.hold == 0
             return 0
-        self.probe = False
+        self.probe, self.probed = False, True
         s = self.score(b, est, ctx, lambda p: True)
         self.ar_probe = self._probe_is_ar(s, est, self._ar_probe_score(b, est, ctx), rounds_left is not None)
         return 0 if self.ar_probe else self._best_draft(s)
@@ -499,10 +504,12 @@ class Policy:
         (n == b), the best of the drafting plans scored within EXPLORE_GAP of it whose back entry no round
         has refreshed in EXPLORE_AGE rounds (the table's online refresh corrects only the plans that run: a
         start-up entry measured dear would keep its plan out for good), at most one round in EXPLORE_EVERY:
-        at most EXPLORE_GAP / EXPLORE_EVERY of the tokens per second by the scores."""
+        at most EXPLORE_GAP / EXPLORE_EVERY of the tokens per second by the scores. Under "sync" the best:
+        `after` picks the block from the fresh estimates, so an explored build would not verify its plan."""
         j = self._best_draft(s)
         seen, now = self.costs.seen, self.costs.samples
-        if n != b or not np.isfinite(s[j]) or s[j] <= 0 or now - self._explored < EXPLORE_EVERY:
+        if (self.decide != "previous" or n != b or not np.isfinite(s[j]) or s[j] <= 0
+                or now - self._explored < EXPLORE_EVERY):
             return j
         stale = [k for k, p in enumerate(self.plans) if p.kind != "ar" and k != j and np.isfinite(s[k])
                  and s[k] >= (1 - EXPLORE_GAP) * s[j]

@@ -1655,13 +1655,12 @@ class Engine:
         ahead: decided for the round after the one being launched."""
         pol = self.auto
         ctx = self.costs.ctx(sum(r.length for r in self.active) / len(self.active))
-        probe = pol.probe
         # nothing drafted yet: build and verify the largest tree ("sync" then re-picks from fresh estimates)
         if est is None:
-            i, ar_probe = len(self.plans) - 1, False
+            i, ar_probe, probe = len(self.plans) - 1, False, pol.probe
         else:
             i = pol.before(b, est, ctx, self._rounds_left(ahead))
-            ar_probe = pol.ar_probe
+            ar_probe, probe = pol.ar_probe, pol.probed
         i, ar_probe = self._agree(i, ar_probe)
         return i, ctx, probe, ar_probe
 

@@ -753,14 +753,29 @@ def test_consecutive_draft_rounds_measure_the_estimates_persistence(pair, decide
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=4, max_len=128,
                decide=decide)
     _force(e, 3)
-    takes, pairs, add = [], [], e.persist.add
-    take = e._take_estimates
-    e._take_estimates = lambda reqs, rows, at: (takes.extend((r.rid, at) for r in reqs), take(reqs, rows, at))
+    ests, lags, lands, pairs = {}, [], [], []
+    take, lag, land, add = e._take_estimates, e._lag, e._land, e.persist.add
+    e._take_estimates = lambda reqs, rows, at: (
+        ests.update({(r.rid, at): row.copy() for r, row in zip(reqs, rows)}), take(reqs, rows, at))[1]
+    e._lag = lambda reqs, at: (lambda got: (lags.append((at, [(r.rid, x, m) for r, x, m in got])), got)[1])(
+        lag(reqs, at))
+
+    def landing(f, emitted):
+        n = {r.rid: len(r.result.accept_lengths) for r in f.reqs}
+        land(f, emitted)
+        lands.append((f.info["at"], f.i, {r.rid: r.result.accept_lengths[-1] for r in f.reqs
+                                          if len(r.result.accept_lengths) > n[r.rid]}))
+    e._land = landing
     e.persist.add = lambda x, y: (pairs.extend(zip(x, y)), add(x, y))
     assert [r.tokens for r in e.generate(prompts, 24)] == refs
-    follow = sum((rid, at - 1) in takes for rid, at in takes)
-    assert pairs and len(pairs) == follow, (len(pairs), follow)
-    assert e.persist.xx.sum() == pytest.approx(sum(x * x for x, _ in pairs))
+    want = []
+    for at, i, k in lands:   # each pair: the round before's estimate of this round's plan, this round's L
+        for rid, x, m in next(got for a, got in lags if a == at):
+            assert np.allclose(x + m, ests[(rid, at - 1)])
+            if rid in k:
+                want.append((x[i], k[rid] - m[i]))
+    assert want and np.allclose(pairs, want)
+    assert len(want) == sum((rid, at - 1) in ests for rid, at in ests)   # every follow-on draft round
 
 
 def test_the_policy_reads_each_requests_estimates_aged_by_the_rounds_since_its_draft():
@@ -788,16 +803,26 @@ def test_the_policy_reads_each_requests_estimates_aged_by_the_rounds_since_its_d
 
 def test_an_ar_hold_ends_once_the_aged_estimates_favour_a_draft():
     """A hold set while drafting did not pay goes on while the estimates say so, and ends at once, with its
-    probe (a draft), once they (aged by the engine toward the long-run rate) score a drafting plan above AR;
-    without that check the hold would have served its length."""
+    probe (a draft, `probed`), once they (aged by the engine toward the long-run rate) score a drafting plan
+    above AR; the next hold doubles from the 3 rounds served, not the 8 planned. Without that check the hold
+    would have served its length. The engine's decision reports that round as a probe (its next round then
+    waits for the probe's estimates instead of being decided ahead)."""
+    from types import SimpleNamespace
     plans = kb.plans(7, (4,))
     pol = kb.Policy(plans, _costs(0.05, [1.0, 1.0, 1.0], builds=(4,)))
     poor, good = np.array([[1.0, 1.02, 1.03]]), np.array([[1.0, 3.0, 4.0]])
     pol.backoff = 8
-    assert pol.before(1, poor, 0) == 0 and pol.hold == 7
+    assert pol.before(1, poor, 0) == 0 and pol.hold == 7 and pol.served == 8 and pol.backoff == 16
     assert [pol.before(1, poor, 0) for _ in range(2)] == [0, 0] and pol.hold == 5
-    assert pol.before(1, good, 0) == 2 and pol.hold == 0 and not pol.probe
-    assert pol.before(1, good, 0) == 2 and pol.backoff == 8   # the probe halved it: then drafts go on
+    assert pol.before(1, good, 0) == 2 and pol.hold == 0 and not pol.probe and pol.probed
+    assert pol.served == 3 and pol.backoff == 6
+    assert pol.before(1, good, 0) == 2 and not pol.probed and pol.backoff == 3   # drafted: halved
+    pol.restart()
+    pol.backoff = 8
+    e = SimpleNamespace(auto=pol, costs=pol.costs, active=[SimpleNamespace(length=0)], plans=plans,
+                        _rounds_left=lambda ahead=False: None, _agree=lambda i, a=False: (i, a))
+    got = [Engine._decide(e, 1, x) for x in (poor, poor, good, good)]
+    assert [(i, probe) for i, _, probe, _ in got] == [(0, False), (0, False), (2, True), (2, False)]
 
 
 def test_a_near_plan_whose_cost_no_round_refreshed_is_verified_now_and_then():
@@ -829,6 +854,8 @@ def test_a_near_plan_whose_cost_no_round_refreshed_is_verified_now_and_then():
     t = _costs(0.0, [1.0, 2.0, 2.0, 2.0])
     got = rounds(kb.Policy(plans, t), t, 3 * kb.EXPLORE_EVERY, refresh=False)
     assert [i for i, x in enumerate(got) if x == 3] == [0, kb.EXPLORE_EVERY, 2 * kb.EXPLORE_EVERY]
+    t = _costs(0.0, [1.0, 2.0, 2.0, 2.0])   # "sync": `after` picks the block, so no build is explored
+    assert set(rounds(kb.Policy(plans, t, decide="sync"), t, 2 * kb.EXPLORE_EVERY, refresh=False)) == {2}
 
 
 def test_a_requests_rate_to_its_end_is_its_rounds_mean_shrunk_toward_the_requests():
