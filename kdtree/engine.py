@@ -1412,7 +1412,7 @@ class Engine:
             plan = self.plans[f.i]
             drafted = f.info["drafted"] and plan.kind != "ar"
             if drafted and self.auto.decide == "previous":
-                est, lengths = self.est_host[f.buf, :n, f.i].tolist(), []
+                est = self.est_host[f.buf, :n, f.i].tolist()
                 lag = self._lag(f.reqs, f.info["at"])
             elif drafted:   # "sync": taken before the round's fresh estimates replaced the previous ones
                 lag = f.info.get("lag")
@@ -1437,8 +1437,6 @@ class Engine:
             r.length += k
             r.committed += new
             res.accept_lengths.append(k)
-            if est is not None:
-                lengths.append((k, est[i]))
             taken[r.rid] = k
             res.tree_sizes.append(self.rows if plan is None else plan.rows)
             before = len(res.tokens)
@@ -1446,9 +1444,9 @@ class Engine:
             emitted.setdefault(r.rid, []).extend(res.tokens[before:])   # up to max_new and a stop token
             if done:
                 leaving.append(r)
-        if est is not None and lengths:
-            k, e = np.array(lengths, np.float64).T
-            self.spread.add(f.i, k, e)
+        lengths = [(taken[r.rid], e) for r, e in zip(f.reqs, est or ()) if r.rid in taken]
+        if lengths:
+            self.spread.add(f.i, *np.array(lengths, np.float64).T)
         lag = [(x[f.i], taken[r.rid] - m[f.i]) for r, x, m in lag or () if r.rid in taken]
         if lag:
             self.persist.add(*np.array(lag, np.float64).T)
@@ -1578,6 +1576,8 @@ class Engine:
         rows = [self._prior if r.est is None else r.est for r in self.active]
         if any(x is None for x in rows):
             return None
+        if self._end_in_view() and len(self.active) > 1:   # `drain` reads the long-run rates alone
+            return self._expected(self.active, np.stack(rows))
         m, at = self._long_run(self.active, np.stack(rows)), self._launched + int(ahead)
         rows = [row if r.est is None else self.persist.age(row, m[k], at - r.est_at)
                 for k, (r, row) in enumerate(zip(self.active, rows))]
