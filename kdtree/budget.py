@@ -64,6 +64,7 @@ PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of
 FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
+REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at a ratio of 1
 SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
 PERSIST_PRIOR = 4.0    # `Persistence`: a prior of this much x^2 (tokens^2) at slope 1
 EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
@@ -371,16 +372,24 @@ class Spread:
     sum (E - 1) over plan i's requests' rounds (`drain`'s variance: the ratio times the mean less one), with
     SPREAD_PRIOR tokens of E - 1 at the pooled ratio of every plan's rounds (itself from SPREAD_PRIOR at 1).
     The residual holds the estimates' own error too: the spread a batch's end sees. The engine adds the
-    rounds of decide="previous" (whose estimates it copies back with the round's output)."""
+    rounds of decide="previous" (whose estimates it copies back with the round's output). `realized`: the
+    same rounds' accept lengths against their estimates, per plan."""
 
     def __init__(self, n_plans: int):
-        self.res, self.base = np.zeros(n_plans), np.zeros(n_plans)
+        self.res, self.base, self.got = np.zeros(n_plans), np.zeros(n_plans), np.zeros(n_plans)
 
     def add(self, i: int, lengths: np.ndarray, expected: np.ndarray) -> None:
         """One round of plan i: its requests' accept lengths and estimates [n]."""
         e = np.asarray(expected, np.float64)
         self.res[i] += float(((np.asarray(lengths, np.float64) - e) ** 2).sum())
         self.base[i] += float(np.maximum(e - 1.0, 0.0).sum())
+        self.got[i] += float((np.asarray(lengths, np.float64) - 1.0).sum())
+
+    def realized(self) -> np.ndarray:
+        """[P] per plan, sum (L - 1) / sum (E - 1) over its requests' rounds, with REALIZED_PRIOR tokens of
+        E - 1 at 1: how far the calibrated estimates held in this engine's rounds (`Engine._expected` scales
+        the rates that `drain` reads by it)."""
+        return (self.got + REALIZED_PRIOR) / (self.base + REALIZED_PRIOR)
 
     def ratios(self) -> np.ndarray:
         pooled = (self.res.sum() + SPREAD_PRIOR) / (self.base.sum() + SPREAD_PRIOR)

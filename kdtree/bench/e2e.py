@@ -75,6 +75,7 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
         out["costs"] = e.costs.as_dict(e.plans)
         # the policy's measured inputs at the end (plans in e.plans' order)
         out["spread"] = [round(float(x), 4) for x in e.spread.ratios()]
+        out["realized"] = [round(float(x), 4) for x in e.spread.realized()]
         out["persistence"] = [round(float(x), 4) for x in e.persist.slopes()]
         out["prior"] = None if e._prior is None else [round(float(x), 3) for x in e._prior]
     if after is not None:
