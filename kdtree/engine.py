@@ -1586,11 +1586,11 @@ class Engine:
     def _expected(self, reqs: list, est: np.ndarray) -> np.ndarray:
         """The policy's input from estimates est [n, P] of reqs: capped at the tokens left (`_capped`), and
         with makespan on, while no request waits for a slot or freed slots wait for company (`_grouping`),
-        the batch's end in view (`budget.drain` of each request's long-run rate, `_long_run`, its tokens beyond
-        the root scaled per plan by how far the estimates held in the rounds so far, `Spread.realized`, and the
-        accept lengths' measured spread, `spread`). The batch ends on its slowest requests: there a few per
-        cent between plans turn the choice, and the drafter's calibration, which holds on average on held-out
-        text, may miss this run's gain from a larger tree."""
+        the batch's end in view (`budget.drain` of each request's long-run rate, `_long_run`, its tokens
+        beyond the root scaled per plan by how far the estimates held in the rounds so far, `Spread.realized`,
+        and the accept lengths' measured spread, `spread`). The batch ends on its slowest requests: there a
+        few per cent between plans turn the choice, and the drafter's calibration, which holds on average on
+        held-out text, may miss this run's gain from a larger tree."""
         if not self._end_in_view() or len(reqs) < 2:
             return self._capped(reqs, est)
         m = 1.0 + (self._long_run(reqs, est) - 1.0) * self.spread.realized()[None, :]   # [n, P]
