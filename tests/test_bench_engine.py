@@ -131,3 +131,48 @@ def test_ddtree_bound_arithmetic():
     b = ddtree_bound(ar, {"tau": 1.8}, dd)
     assert abs(b["x_ar_if_verify_cost_ar"] - 3.0 * 3e-4 / (9e-4 - 3e-4)) < 1e-12
     assert abs(b["ar_rounds_per_round"] - 3.0) < 1e-12 and abs(b["round_s_for_goal"] - 5e-4) < 1e-12
+
+
+def test_e2e_prompts_are_checked_before_anything_runs(tmp_path):
+    """trained_pair(prompts=...) and record_prompts: a wrong count, length, id or record is a ValueError
+    naming the argument, raised before a model loads (ckpt_dir's config alone gives the vocabulary)."""
+    import json
+    from kdtree.bench import e2e
+    good = [[5] * 8, [6] * 8]
+    assert e2e.check_prompts(good + [[1]], 2, 8, 4096) == good
+    one = r"prompts\[1\]: expected 8 int"
+    for bad, what in (([[5] * 8], "prompts: expected a list of at least 2"), ("abc", "got str"),
+                      ([[5] * 8, [6] * 7], one), ([[5] * 8, [6] * 7 + [4096]], one),
+                      ([[5] * 8, [6] * 7 + [True]], one)):
+        with pytest.raises(ValueError, match=what):
+            e2e.check_prompts(bad, 2, 8, 4096)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected 64 int token ids in \[0, "):
+        e2e.trained_pair("data/trained", batches=(1,), n_prompts=1, prompts=[[10 ** 6] * 64])
+    (tmp_path / "r.json").write_text(json.dumps({"auto": {"prompts": good}}))
+    (tmp_path / "old.json").write_text(json.dumps({"auto": {"cells": []}}))
+    (tmp_path / "bad.json").write_text("{")
+    assert e2e.record_prompts(tmp_path / "r.json") == good
+    for name, what in (("old.json", "records from before"), ("bad.json", "readable e2e record"),
+                       ("none.json", "readable e2e record")):
+        with pytest.raises(ValueError, match=f"prompts_from=.*{what}"):
+            e2e.record_prompts(tmp_path / name)
+
+
+def test_e2e_runs_and_records_the_prompts_it_is_given():
+    """trained_pair on the CPU with given prompts: the section records them and their source, and its AR
+    cell's outputs are the oracle's greedy continuations of them (by digest), and every cell equals AR."""
+    from kdtree import weights
+    from kdtree.bench import e2e
+    import hashlib
+    from kdtree.oracle import oracle_ar
+    t = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", t)
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(2, t.args.vocab_size, (2, 16), generator=g).tolist()
+    rec = e2e.trained_pair(batches=(2,), budgets=(4,), n_prompts=2, prompt_len=16, max_new=6, repeats=1,
+                           decides=(), progress=False, target=t, drafter=d, check=(1, 4), prompts=prompts)
+    assert rec["prompts"] == prompts and rec["prompt_source"] == "given"
+    ar = next(c for c in rec["cells"] if c["mode"] == "ar")
+    want = [hashlib.sha1(str(oracle_ar(t, p, 6).tokens).encode()).hexdigest()[:10] for p in prompts]
+    assert ar["output_digests"] == want
+    assert all(c["equals_ar"] for c in rec["cells"])

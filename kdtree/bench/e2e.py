@@ -1,7 +1,9 @@
 """End-to-end DDTree benchmark with the cost-aware budget: `python -m kdtree.bench.e2e --out DIR` writes
 DIR/e2e_auto.json.
 
-Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 ones), one run:
+Trained pair (`data/trained`), held-out prompts (seed 2 windows: not the calibration's seed 1 ones; windows of
+the installed Python's and torch's sources, so the section records them, and `--prompts-from RECORD` runs
+another record's), one run:
 per batch size b (default 1, 8, 32; b requests at once, max_batch b, one batch bucket), the engine's AR, the
 DFlash chain, DDTree at every fixed budget and budget="auto" (decide "previous" and "sync"), each `repeats`
 times after one warm-up run; per cell the median aggregate tok/s (whole requests, prefill included) and its
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import platform
 import statistics
 import time
@@ -26,6 +29,7 @@ import torch
 
 from .. import weights
 from ..engine import Engine
+from ..model import ModelArgs
 from .engine import heldout_prompts, run_engine, stage_kernels, write_record
 from .goals import target as _goal
 
@@ -83,20 +87,63 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
     return out
 
 
+def check_prompts(prompts, n: int, length: int, vocab: int) -> list[list[int]]:
+    """prompts (token id lists, e.g. another run's record's "prompts"), checked: at least n of them, each of
+    `length` ids in [0, vocab) -> the first n as lists of ints."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) < n:
+        got = len(prompts) if isinstance(prompts, (list, tuple)) else type(prompts).__name__
+        raise ValueError(f"prompts: expected a list of at least {n} token id lists, got {got}")
+    out = []
+    for i, p in enumerate(prompts[:n]):
+        ok = isinstance(p, (list, tuple)) and len(p) == length
+        if not ok or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
+            raise ValueError(f"prompts[{i}]: expected {length} int token ids in [0, {vocab})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def record_prompts(path) -> list[list[int]]:
+    """The prompts an e2e record ran: its "auto" (notebook 02's e2e.json) or "trained" (this module's
+    e2e_auto.json) section's "prompts"."""
+    p = Path(path)
+    try:
+        rec = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"prompts_from={str(p)!r}: expected a readable e2e record (JSON): {e}") from None
+    for key in ("auto", "trained"):
+        sec = rec.get(key) if isinstance(rec, dict) else None
+        if isinstance(sec, dict) and "prompts" in sec:
+            return sec["prompts"]
+    raise ValueError(f"prompts_from={str(p)!r}: expected an \"auto\" or \"trained\" section with "
+                     "\"prompts\" (records from before they were kept have none)")
+
+
 def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n_prompts: int = 8,
                  prompt_len: int = 64, max_new: int = 128, repeats: int = 3, compile: bool = False,
                  decides=("previous", "sync"), progress: bool = True, target=None, drafter=None,
-                 check=(8, 64)) -> dict:
+                 check=(8, 64), prompts=None) -> dict:
     """The trained pair's section (module docstring): {"cells": [...], "targets": [...], settings}. target /
     drafter: the pair already loaded (any device; else from ckpt_dir onto the GPU); check: (prompts, tokens)
-    of the calibration check."""
+    of the calibration check. prompts: the token ids to run (`check_prompts`: max(n_prompts, max(batches))
+    of prompt_len; batch b runs the first max(n_prompts, b)), e.g. another run's record's "prompts"; None:
+    the held-out windows, which come from the installed Python's and torch's sources (`data.corpus_files`),
+    so another Python or torch gives other texts. The section records the prompts it ran and their source."""
     ckpt = Path(ckpt_dir)
+    n_all = max(n_prompts, max(batches))
+    if prompts is not None:   # checked before anything loads or runs
+        vocab = (target.args.vocab_size if target is not None
+                 else ModelArgs.from_hf_config(weights._config(ckpt / "target")[0]).vocab_size)
+        prompts = check_prompts(prompts, n_all, prompt_len, vocab)
     if target is None:
         target = weights.load(ckpt / "target", device="cuda").eval()
         drafter = weights.load_drafter(ckpt / "drafter", target)
     rec = {"checkpoint": str(ckpt), "prompt_len": prompt_len, "max_new_tokens": max_new, "repeats": repeats,
            "compile": compile, "budgets": list(budgets), "dtype": str(target.dtype).replace("torch.", ""),
            "calibration": drafter.calibration is not None, "cells": [], "targets": []}
+    source = "given" if prompts is not None else {
+        "held-out windows, seed 2": {"python": platform.python_version(), "torch": torch.__version__}}
+    prompts = prompts if prompts is not None else heldout_prompts(n_all, prompt_len, seed=2)
+    rec.update(prompts=prompts, prompt_source=source)
     max_len = prompt_len + max_new + max(budgets) + 72
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
         from ..calibration import measure, truncations
@@ -107,7 +154,7 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
         tables = {"raw": None, "calibrated": drafter.calibration}
         rec["calibration_check"] = dict(truncations(rounds, cuts, tables), rounds=len(rounds))
     for b in batches:
-        prompts = heldout_prompts(max(n_prompts, b), prompt_len, seed=2)[:max(n_prompts, b)]
+        run = prompts[:max(n_prompts, b)]
         common = dict(max_batch=b, max_len=max_len, buckets=(b,), graph_sampling=False)
         gpu = target.device.type == "cuda"
         specs = [("ar", None, None, compile), ("ar", None, None, True) if gpu and not compile else None,
@@ -123,9 +170,9 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
             if budget == "auto":
                 kw.update(budgets=tuple(budgets), decide=decide)
             t0 = time.perf_counter()
-            prof = _profile(prompts[0]) if mode == "ddtree" and gpu else None
+            prof = _profile(run[0]) if mode == "ddtree" and gpu else None
             try:
-                cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), prompts,
+                cell = _cell(lambda: Engine(target, None if mode == "ar" else drafter, **kw), run,
                              max_new, repeats, after=prof)
             except Exception as e:  # recorded, and the run goes on (e.g. a capture the GPU refused)
                 cell = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None,
@@ -215,7 +262,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--compile", action="store_true", help="every engine through torch.compile")
+    ap.add_argument("--prompts-from", default=None, metavar="RECORD",
+                    help="run the prompts of this e2e record (its auto / trained section's \"prompts\"): "
+                         "another machine's texts; default: the held-out windows of this machine's corpus")
     a = ap.parse_args(argv)
+    prompts = None if a.prompts_from is None else record_prompts(a.prompts_from)
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
     out = Path(a.out)
@@ -226,8 +277,8 @@ def main(argv=None) -> None:
         "python": platform.python_version(),
     }
     rec["trained"] = trained_pair(
-        a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new, repeats=a.repeats, compile=a.compile
-    )
+        a.ckpt, tuple(a.batches), tuple(a.budgets), max_new=a.max_new, repeats=a.repeats, compile=a.compile,
+        prompts=prompts)
     rec["targets"] = rec["trained"].pop("targets")
     write_record(out / "e2e_auto.json", rec)
 
