@@ -453,7 +453,9 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     rec = {"device": torch.cuda.get_device_name(), "compile": compile, "torch": torch.__version__,
            "python": platform.python_version(),
            "checkpoint": str(ckpt), "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
-           "batched_compile": batched_compile, "ar": {}, "speculative": [], "batched": []}
+           "batched_compile": batched_compile, "ar": {}, "speculative": [], "batched": [],
+           # the held-out windows come from this machine's Python and torch sources: another's differ
+           "prompt_ids": prompts}
     try:
         import transformers
         rec["transformers"] = transformers.__version__
