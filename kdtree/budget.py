@@ -64,7 +64,7 @@ PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of
 FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
-REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at a ratio of 1
+REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at the pooled ratio (the pooled: 1)
 SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
 PERSIST_PRIOR = 4.0    # `Persistence`: a prior of this much x^2 (tokens^2) at slope 1
 EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
@@ -387,9 +387,13 @@ class Spread:
 
     def realized(self) -> np.ndarray:
         """[P] per plan, sum (L - 1) / sum (E - 1) over its requests' rounds, with REALIZED_PRIOR tokens of
-        E - 1 at 1: how far the calibrated estimates held in this engine's rounds (`Engine._expected` scales
-        the rates that `drain` reads by it)."""
-        return (self.got + REALIZED_PRIOR) / (self.base + REALIZED_PRIOR)
+        E - 1 at the pooled ratio of every plan's rounds (itself from REALIZED_PRIOR at 1): how far the
+        calibrated estimates held in this engine's rounds (`Engine._expected` scales the rates that `drain`
+        reads by it). The pooled prior keeps a plan not run level with those run: at a prior of 1 the plan
+        served first, its ratio above 1 where the calibration runs low for every plan, would keep the rest
+        out for good."""
+        pooled = (self.got.sum() + REALIZED_PRIOR) / (self.base.sum() + REALIZED_PRIOR)
+        return (self.got + REALIZED_PRIOR * pooled) / (self.base + REALIZED_PRIOR)
 
     def ratios(self) -> np.ndarray:
         pooled = (self.res.sum() + SPREAD_PRIOR) / (self.base.sum() + SPREAD_PRIOR)
