@@ -141,7 +141,7 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
            "compile": compile, "budgets": list(budgets), "dtype": str(target.dtype).replace("torch.", ""),
            "calibration": drafter.calibration is not None, "cells": [], "targets": []}
     source = "given" if prompts is not None else {
-        "held-out windows, seed 2": {"python": platform.python_version(), "torch": torch.__version__}}
+        "windows": "held-out", "seed": 2, "python": platform.python_version(), "torch": torch.__version__}
     prompts = prompts if prompts is not None else heldout_prompts(n_all, prompt_len, seed=2)
     rec.update(prompts=prompts, prompt_source=source)
     max_len = prompt_len + max_new + max(budgets) + 72
