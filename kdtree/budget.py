@@ -380,10 +380,10 @@ class Spread:
 
     def add(self, i: int, lengths: np.ndarray, expected: np.ndarray) -> None:
         """One round of plan i: its requests' accept lengths and estimates [n]."""
-        e = np.asarray(expected, np.float64)
-        self.res[i] += float(((np.asarray(lengths, np.float64) - e) ** 2).sum())
+        L, e = np.asarray(lengths, np.float64), np.asarray(expected, np.float64)
+        self.res[i] += float(((L - e) ** 2).sum())
         self.base[i] += float(np.maximum(e - 1.0, 0.0).sum())
-        self.got[i] += float((np.asarray(lengths, np.float64) - 1.0).sum())
+        self.got[i] += float((L - 1.0).sum())
 
     def realized(self) -> np.ndarray:
         """[P] per plan, sum (L - 1) / sum (E - 1) over its requests' rounds, with REALIZED_PRIOR tokens of
