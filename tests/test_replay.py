@@ -36,7 +36,7 @@ def _table(rng, back=None, front=None, host=0.125, ctxs=(0, 4096), batch=2) -> d
     front = front or {B: float(rng.uniform(1e-3, 1.0)) for B in BUDGETS}
     return {"front": {f"{batch},{B},{c}": front[B] * (1 + c / 8192) for B in BUDGETS for c in ctxs},
             "back": {f"{batch},{p},{c}": back[p] * (1 + c / 8192) for p in PLANS for c in ctxs}
-            | {f"{batch}/1,{p},0": back[p] / 2 for p in PLANS},
+            | {f"{batch}/1,{p},{c}": back[p] / 2 * (1 + c / 8192) for p in PLANS for c in ctxs},
             "host": host, "samples": 7}
 
 
@@ -106,6 +106,26 @@ def test_every_round_of_a_held_plan_is_billed_its_table_seconds(pair, plan):
     assert bill.rounds == len(hist) and {n for _, n, _ in hist} == {1, 2}
     assert bill.seconds == pytest.approx(want, rel=1e-12)
     assert json.dumps(e.costs.as_dict(e.plans)["back"], sort_keys=True) == frozen
+
+
+@pytest.mark.parametrize("shift", [0, 4096])
+def test_a_shift_decides_and_bills_a_short_context_as_a_long_one(pair, shift):
+    """Bill(shift=S): every context length the table reads is S rows longer, so requests of a few rows are
+    billed the 4096-row bucket's entries (which _table makes dearer) with shift 4096 and the 0 bucket's
+    without."""
+    rng = np.random.default_rng()
+    e = _engine(pair)
+    costs = _table(rng, ctxs=(0, 4096))
+    bill = replay.Bill(e, costs, shift=shift)
+    replay.hold(e, "B=4")
+    run_engine(e, _prompts(rng, e.model, 2), 10)
+    hist, c = e.auto.history, shift
+    build = e.auto.build(2, [p.name for p in e.plans].index("B=4"))
+    want = sum(costs["back"][f"{'2' if n == 2 else f'2/{n}'},B=4,{c}"] + costs["front"][f"2,{build},{c}"]
+               + costs["host"] for _, n, _ in hist)
+    assert hist and bill.seconds == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="shift"):
+        replay.Bill(_engine(pair), costs, shift=-1)
 
 
 def test_the_policy_reads_the_frozen_table(pair):

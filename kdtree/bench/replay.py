@@ -103,13 +103,19 @@ class Bill:
     """An auto engine's table frozen at a record's (`load_costs`) and each of its rounds billed from it:
     `seconds` and `rounds` so far. The online refresh stops (the engine's `_auto_flush` bills instead); the
     table's refresh count and per-entry ages advance as the refresh would move them, so the policy's
-    exploration (`Policy.explore`, which reads them) runs as it does on the GPU."""
+    exploration (`Policy.explore`, which reads them) runs as it does on the GPU. shift: rows added to every
+    context length the table reads (`CostTable.ctx`), so that requests holding a short context are decided
+    and billed as the cell's long one (a simulated profile's tokens do not depend on what the rows hold)."""
 
-    def __init__(self, engine: Engine, costs):
+    def __init__(self, engine: Engine, costs, shift: int = 0):
+        checks.int_in("shift", shift, 0)
         load_costs(engine, costs)
         self.engine, self.seconds, self.rounds = engine, 0.0, 0
         engine._auto_flush = self._bill
-        engine.costs.add_host = lambda seconds: None
+        t = engine.costs
+        t.add_host = lambda seconds: None
+        if shift:
+            t.ctx = lambda length, ctx=t.ctx: ctx(length + shift)
 
     def _bill(self) -> None:
         e, t = self.engine, self.engine.costs
@@ -135,14 +141,14 @@ def hold(engine: Engine, plan: str) -> None:
 
 
 def runs(make, costs, plan: str, prompts, max_new: int, repeats: int, reseed: bool = False,
-         warm_new: int | None = None, **add) -> dict:
+         warm_new: int | None = None, shift: int = 0, **add) -> dict:
     """One plan ("auto" or a plan's name) on its own engine (`make()`, an auto engine) billed from `costs`:
     a warm-up run (warm_new tokens a request, default max_new; the policy's prior and spreads, as a GPU
     cell's), then `repeats` runs (reseed: repeat k's requests seeded 1000 (k + 1) + i, as bench.k26's
     cells). {plan, tok_per_s (virtual, the median run's), tok_per_s_runs, seconds, tokens, rounds, tau,
-    plan_counts, outputs (the median run's)}."""
+    plan_counts, outputs (the median run's)}. shift: `Bill`'s."""
     e = make()
-    bill = Bill(e, costs)
+    bill = Bill(e, costs, shift)
     if plan != "auto":
         hold(e, plan)
     run_engine(e, prompts, max_new if warm_new is None else warm_new, **add)
@@ -279,11 +285,15 @@ def small_k26():
 
 
 def k26_cell(record, run: str, batch: int, context: int, tau: float, plans=None, repeats: int = 2,
-             progress: bool = True) -> dict:
+             progress: bool = True, rows: int = 64) -> dict:
     """Replay a K2.6 cell of record's "k26" section (run id, batch, context, the profile's chain tau) at
-    small dimensions: the cell's profile, request seeds, token counts, synthetic context and engine settings
-    (bench.k26), the auto cell's cost table. plans: "auto" and plan names (default auto, AR, chain and the
-    run's best fixed budget; ["all"]: every plan)."""
+    small dimensions: the cell's profile, request seeds, token counts and engine settings (bench.k26), the
+    auto cell's cost table. Each request holds `rows` synthetic context rows (at most the cell's context)
+    and is decided and billed as holding the cell's (`Bill`'s shift): the CPU attends over a short context.
+    A simulated text is keyed by position, so a short context reads other texts than the GPU run's (the
+    same for every plan of the replay); rows = context replays the run's own texts, slowly.
+    plans: "auto" and plan names (default auto, AR, chain and the run's best fixed budget; ["all"]: every
+    plan)."""
     from .. import k26
     from ..simulate import Profile
     from . import k26 as bench
@@ -310,22 +320,25 @@ def k26_cell(record, run: str, batch: int, context: int, tau: float, plans=None,
     t = k26.build_target(a.num_hidden_layers - 1, device="cpu", args=a, kernel_only=False)
     d = bench._with_block(k26.build_drafter(t, args=k26.drafter_args(t.args, **dargs)), prof.depth + 1)
     new = bench.max_new(batch)
-    kw = dict(bench.cell_engine(context, batch, new, max(budgets) + 1), mode="ddtree", budget="auto",
+    held = min(checks.int_in("rows", rows, bench.PROMPT), context)
+    kw = dict(bench.cell_engine(held, batch, new, max(budgets) + 1), mode="ddtree", budget="auto",
               budgets=budgets, simulate=prof)
     make = lambda: Engine(t, d, **kw)
     names = [p.name for p in auto_budget.plans(prof.depth, budgets)]
     plans = _plans(plans, names, ["auto", "AR", "chain"] + ([best] if best else []))
     prompts = bench.cell_prompts(batch, batch)
-    add = dict(synthetic_context=context - bench.PROMPT)
-    rows = _sweep(plans, lambda p: runs(make, cell["costs"], p, prompts, new, repeats, reseed=True,
-                                        warm_new=new // 4, **add), progress, f"{run} b={batch} {context}")
-    for r in rows:
+    add = dict(synthetic_context=held - bench.PROMPT)
+    got = _sweep(plans, lambda p: runs(make, cell["costs"], p, prompts, new, repeats, reseed=True,
+                                       warm_new=new // 4, shift=context - held, **add),
+                 progress, f"{run} b={batch} {context}")
+    for r in got:
         r.pop("outputs")
     measured = {("auto" if c["budget"] == "auto" else f"B={c['budget']}" if c["mode"] == "ddtree"
                  else {"ar": "AR", "dflash": "chain"}[c["mode"]]): c["tok_per_s"] for c in same}
     return {"label": LABEL + "; SIMULATED acceptance (the cell's profile) on a small model", "kind": "k26",
-            "run": run, "batch": batch, "context": context, "profile": prof.name, "max_new_tokens": new,
-            "repeats": repeats, "rows": rows, "ratios": _ratios(rows), "measured": measured,
+            "run": run, "batch": batch, "context": context, "context_held": held, "profile": prof.name,
+            "max_new_tokens": new, "repeats": repeats, "rows": got, "ratios": _ratios(got),
+            "measured": measured,
             "measured_plans": cell.get("plan_counts")}
 
 
@@ -364,6 +377,8 @@ def main(argv=None) -> None:
     ap.add_argument("--decide", default="previous", choices=("previous", "sync"))
     ap.add_argument("--prompts", help="the trained pair's prompts: a JSON list of token lists or a record")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=64,
+                    help="a K2.6 cell's context rows held on the CPU (decided and billed as the cell's)")
     ap.add_argument("--out", help="write the replay's JSON here")
     a = ap.parse_args(argv)
     try:
@@ -380,7 +395,7 @@ def main(argv=None) -> None:
             except ValueError:
                 raise ValueError(f"--k26 {a.k26!r}: expected RUN:BATCH:CONTEXT:TAU with integer batch and "
                                  "context and a numeric tau") from None
-            rec = k26_cell(a.record, run, b, c, tau, a.plans, a.repeats)
+            rec = k26_cell(a.record, run, b, c, tau, a.plans, a.repeats, rows=a.rows)
         else:
             prompts = None if a.prompts is None else read_prompts(a.prompts)
             rec = pair(a.record, a.batch, a.plans, prompts, repeats=a.repeats, decide=a.decide)
