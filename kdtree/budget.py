@@ -65,6 +65,7 @@ FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
 REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at the pooled ratio (the pooled: 1)
+REALIZED_SE = 2.0      # ... a ratio's departure from its prior counts beyond this many standard errors
 SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
 PERSIST_PRIOR = 4.0    # `Persistence`: a prior of this much x^2 (tokens^2) at slope 1
 EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
@@ -391,9 +392,18 @@ class Spread:
         calibrated estimates held in this engine's rounds (`Engine._expected` scales the rates that `drain`
         reads by it). The pooled prior keeps a plan not run level with those run: at a prior of 1 the plan
         served first, its ratio above 1 where the calibration runs low for every plan, would keep the rest
-        out for good."""
-        pooled = (self.got.sum() + REALIZED_PRIOR) / (self.base.sum() + REALIZED_PRIOR)
-        return (self.got + REALIZED_PRIOR * pooled) / (self.base + REALIZED_PRIOR)
+        out for good. A ratio departs from its prior (the pooled ratio from 1, a plan's from the pooled)
+        only by what exceeds REALIZED_SE standard errors, sqrt(sum (L - E)^2) / sum (E - 1) (soft
+        thresholding): where the estimates hold (a simulated profile's are exact), the accept lengths' own
+        spread moves a ratio by some 5 % over a few hundred rounds, and a start that happens to run low
+        would hold AR to a static batch's end, as AR rounds (and an AR probe's) add no accept lengths."""
+        k = REALIZED_PRIOR
+
+        def shrink(ratio, prior, res, base):
+            cut = REALIZED_SE * np.sqrt(res + k) / (base + k)
+            return prior + np.sign(ratio - prior) * np.maximum(np.abs(ratio - prior) - cut, 0.0)
+        pooled = shrink((self.got.sum() + k) / (self.base.sum() + k), 1.0, self.res.sum(), self.base.sum())
+        return shrink((self.got + k * pooled) / (self.base + k), pooled, self.res, self.base)
 
     def ratios(self) -> np.ndarray:
         pooled = (self.res.sum() + SPREAD_PRIOR) / (self.base.sum() + SPREAD_PRIOR)
