@@ -184,8 +184,9 @@ def test_bad_replay_arguments_are_refused_with_the_argument_named(pair, tmp_path
         replay.pair(rec, 2, plans=["B=7"], target=pair[0], drafter=pair[1], progress=False)
     with pytest.raises(ValueError, match="prompts: 3 given"):
         replay.pair(rec, 2, prompts=[[5] * 12] * 3, target=pair[0], drafter=pair[1], progress=False)
-    with pytest.raises(ValueError, match="an 'auto' section"):
-        replay.pair({"k26": {}}, 2, target=pair[0], drafter=pair[1], progress=False)
+    for bad_rec in ({"k26": {}}, [1, 2]):
+        with pytest.raises(ValueError, match="an 'auto' section"):
+            replay.pair(bad_rec, 2, target=pair[0], drafter=pair[1], progress=False)
     with pytest.raises(ValueError, match="k26 cell r:2:96:4: not in the record"):
         replay.k26_cell({"k26": {"cells": [{"run": "r", "batch": 1}]}}, "r", 2, 96, 4.0, progress=False)
     path = tmp_path / "rec.json"

@@ -185,8 +185,9 @@ def _plans(plans, names, default) -> list:
     return list(dict.fromkeys(plans))
 
 
-def _load(record) -> dict:
-    if isinstance(record, dict):
+def _load(record):
+    """A record given as a path, or already loaded."""
+    if isinstance(record, (dict, list)):
         return record
     p = Path(record)
     if not p.is_file():
@@ -217,7 +218,8 @@ def pair(record, batch: int, plans=None, prompts=None, ckpt_dir="data/trained", 
     docstring). plans: "auto" and plan names (default auto, AR, chain and the cell's best fixed budget;
     ["all"]: every plan); prompts: token lists (default the section's, else held-out windows); target /
     drafter: the pair already loaded (else from ckpt_dir on the CPU)."""
-    sec = _load(record).get("auto")
+    rec = _load(record)
+    sec = rec.get("auto") if isinstance(rec, dict) else None
     if not isinstance(sec, dict) or not sec.get("cells"):
         raise ValueError("record: expected an 'auto' section with cells (notebook 02's e2e.json)")
     checks.positive_int("batch", batch)
@@ -297,7 +299,8 @@ def k26_cell(record, run: str, batch: int, context: int, tau: float, plans=None,
     from .. import k26
     from ..simulate import Profile
     from . import k26 as bench
-    sec = _load(record).get("k26")
+    rec = _load(record)
+    sec = rec.get("k26") if isinstance(rec, dict) else None
     if not isinstance(sec, dict) or not sec.get("cells"):
         raise ValueError("record: expected a 'k26' section with cells (notebook 02's e2e.json)")
     checks.positive_int("repeats", repeats)
