@@ -102,18 +102,33 @@ def check_prompts(prompts, n: int, length: int, vocab: int) -> list[list[int]]:
     return out
 
 
+def section_prompts(rec):
+    """The "prompts" of a loaded e2e record's "auto" (notebook 02's e2e.json) or "trained" (this module's
+    e2e_auto.json) section, else None."""
+    for key in ("auto", "trained"):
+        sec = rec.get(key) if isinstance(rec, dict) else None
+        if isinstance(sec, dict) and "prompts" in sec:
+            return sec["prompts"]
+    return None
+
+
+def pair_engine(batch: int, prompt_len: int, max_new: int, budgets) -> dict:
+    """The Engine keywords every trained-pair engine of a batch shares: one bucket, sampling outside the
+    graphs, room for the prompt, the new tokens and the largest tree."""
+    return dict(max_batch=batch, max_len=prompt_len + max_new + max(budgets) + 72, buckets=(batch,),
+                graph_sampling=False)
+
+
 def record_prompts(path) -> list[list[int]]:
-    """The prompts an e2e record ran: its "auto" (notebook 02's e2e.json) or "trained" (this module's
-    e2e_auto.json) section's "prompts"."""
+    """The prompts an e2e record ran (`section_prompts`)."""
     p = Path(path)
     try:
         rec = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"prompts_from={str(p)!r}: expected a readable e2e record (JSON): {e}") from None
-    for key in ("auto", "trained"):
-        sec = rec.get(key) if isinstance(rec, dict) else None
-        if isinstance(sec, dict) and "prompts" in sec:
-            return sec["prompts"]
+    got = section_prompts(rec)
+    if got is not None:
+        return got
     raise ValueError(f"prompts_from={str(p)!r}: expected an \"auto\" or \"trained\" section with "
                      "\"prompts\" (records from before they were kept have none)")
 
@@ -144,7 +159,6 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
         "windows": "held-out", "seed": 2, "python": platform.python_version(), "torch": torch.__version__}
     prompts = prompts if prompts is not None else heldout_prompts(n_all, prompt_len, seed=2)
     rec.update(prompts=prompts, prompt_source=source)
-    max_len = prompt_len + max_new + max(budgets) + 72
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
         from ..calibration import measure, truncations
         rounds: list = []
@@ -155,7 +169,7 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
         rec["calibration_check"] = dict(truncations(rounds, cuts, tables), rounds=len(rounds))
     for b in batches:
         run = prompts[:max(n_prompts, b)]
-        common = dict(max_batch=b, max_len=max_len, buckets=(b,), graph_sampling=False)
+        common = pair_engine(b, prompt_len, max_new, budgets)
         gpu = target.device.type == "cuda"
         specs = [("ar", None, None, compile), ("ar", None, None, True) if gpu and not compile else None,
                  ("dflash", None, None, compile)]

@@ -36,6 +36,7 @@ import torch
 from .. import budget as auto_budget
 from .. import checks
 from ..engine import Engine
+from .e2e import pair_engine, section_prompts
 from .engine import heldout_prompts, run_engine, write_record
 
 LABEL = "VIRTUAL time: a CPU replay billed from a GPU record's cost table (kdtree.bench.replay)"
@@ -202,9 +203,7 @@ def read_prompts(path) -> list[list[int]]:
     """A JSON list of token lists, or a record whose "auto" / "trained" section keeps "prompts"."""
     got = _load(path)
     if isinstance(got, dict):
-        sec = next((got[k] for k in ("auto", "trained") if isinstance(got.get(k), dict)
-                    and got[k].get("prompts")), None)
-        got = None if sec is None else sec["prompts"]
+        got = section_prompts(got)
     if not (isinstance(got, list) and got and all(isinstance(p, list) and p for p in got)):
         raise ValueError(f"prompts={str(path)!r}: expected a JSON list of token lists, or a record whose "
                          "'auto' section keeps 'prompts'")
@@ -252,8 +251,8 @@ def pair(record, batch: int, plans=None, prompts=None, ckpt_dir="data/trained", 
         from .. import weights
         target = weights.load(Path(ckpt_dir) / "target", device="cpu").eval()
         drafter = weights.load_drafter(Path(ckpt_dir) / "drafter", target)
-    kw = dict(mode="ddtree", budget="auto", budgets=budgets, decide=decide, max_batch=batch, buckets=(batch,),
-              max_len=plen + max_new + max(budgets) + 72, graph_sampling=False)
+    kw = dict(pair_engine(batch, plen, max_new, budgets), mode="ddtree", budget="auto", budgets=budgets,
+              decide=decide)
     make = lambda: Engine(target, drafter, **kw)
     names = [p.name for p in auto_budget.plans(drafter.block_size - 1, budgets)]
     plans = _plans(plans, names, ["auto", "AR", "chain"] + ([best] if best else []))
