@@ -176,3 +176,28 @@ def test_e2e_runs_and_records_the_prompts_it_is_given():
     want = [hashlib.sha1(str(oracle_ar(t, p, 6).tokens).encode()).hexdigest()[:10] for p in prompts]
     assert ar["output_digests"] == want
     assert all(c["equals_ar"] for c in rec["cells"])
+
+
+def test_e2e_targets_hold_the_engines_decision_mode_and_report_the_other():
+    """_targets: auto with the engine's decision mode ("previous") carries the targets; "sync" is given
+    against it and against the same baselines as info; without a "previous" cell, "sync" carries them."""
+    from kdtree.bench import e2e
+
+    def cell(mode, budget=None, decide=None, tok=100.0):
+        return dict(mode=mode, budget=budget, decide=decide, compiled=False, tok_per_s=tok, equals_ar=True,
+                    name=e2e._name(mode, budget, decide, False))
+    base = [cell("ar", tok=90.0), cell("dflash", tok=80.0), cell("ddtree", 8, tok=120.0),
+            cell("ddtree", 16, tok=100.0)]
+    prev, sync = cell("ddtree", "auto", "previous", 118.0), cell("ddtree", "auto", "sync", 96.0)
+    got = {(t["key"], t["cell"]): t for t in e2e._targets(base + [prev, sync], 8, False) if "cell" in t}
+    p = got[("e2e_auto_over_best_fixed", "auto (previous)")]
+    assert p["met"] and not p.get("info") and p["measured"] == pytest.approx(118 / 120) and p["budget"] == 8
+    assert not got[("e2e_auto_over_ar_dflash", "auto (previous)")].get("info")
+    s = got[("e2e_decide_over_default", "auto (sync)")]
+    assert s["info"] and not s["met"] and s["measured"] == pytest.approx(96 / 118)
+    for k in ("e2e_decide_over_best_fixed", "e2e_decide_over_ar_dflash"):
+        assert got[(k, "auto (sync)")]["info"]
+    assert not any(k.startswith("e2e_auto_over") and c == "auto (sync)" for k, c in got)
+    alone = [t for t in e2e._targets(base + [sync], 8, False) if t.get("cell") == "auto (sync)"]
+    assert {t["key"] for t in alone} == {"e2e_auto_over_best_fixed", "e2e_auto_over_ar_dflash"}
+    assert not any(t.get("info") for t in alone)
