@@ -245,13 +245,15 @@ def _targets(cells, b: int, compile: bool) -> list:
     own = next((c for c in autos if c["decide"] == DECIDE), None)
     out = []
     for c in autos:
-        key = "e2e_auto" if own is None or c is own else "e2e_decide"   # another decision mode: info
-        if key == "e2e_decide":
-            out.append(_goal("e2e_decide_over_default", c["tok_per_s"] / own["tok_per_s"], batch=b,
-                             cell=c["name"]))
-        out.append(_goal(f"{key}_over_best_fixed", c["tok_per_s"] / best["tok_per_s"], batch=b,
-                         cell=c["name"], budget=best["budget"]))
-        out.append(_goal(f"{key}_over_ar_dflash", c["tok_per_s"] / max(ar, dfl), batch=b, cell=c["name"]))
+        r_fixed, r_base = c["tok_per_s"] / best["tok_per_s"], c["tok_per_s"] / max(ar, dfl)
+        kw = dict(batch=b, cell=c["name"])
+        if own is None or c is own:
+            out += [_goal("e2e_auto_over_best_fixed", r_fixed, budget=best["budget"], **kw),
+                    _goal("e2e_auto_over_ar_dflash", r_base, **kw)]
+        else:   # another decision mode than the engine's: info
+            out += [_goal("e2e_decide_over_default", c["tok_per_s"] / own["tok_per_s"], **kw),
+                    _goal("e2e_decide_over_best_fixed", r_fixed, budget=best["budget"], **kw),
+                    _goal("e2e_decide_over_ar_dflash", r_base, **kw)]
         dec = [x for x in fixed if x.get("decode_tok_per_s")]
         if c.get("decode_tok_per_s") and dec:  # prefill left out: the rounds' choice alone (info)
             bd = max(dec, key=lambda x: x["decode_tok_per_s"])
