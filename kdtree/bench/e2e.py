@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import platform
 import statistics
@@ -36,7 +37,8 @@ from .engine import heldout_prompts, run_engine, stage_kernels, write_record
 from .goals import target as _goal
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
-DECIDE = "previous"   # the engine's decision mode (Engine's default): the targets hold it; "sync" is reported
+# the engine's decision mode (Engine's default): the targets hold it; another mode is reported against it
+DECIDE = inspect.signature(Engine).parameters["decide"].default
 
 
 def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, after=None,
