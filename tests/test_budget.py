@@ -760,7 +760,7 @@ def test_spread_realized_stays_at_one_where_the_estimates_hold():
     every trial (a start that runs low by chance would otherwise hold AR to a static batch's end)."""
     rng = np.random.default_rng()
     exact, strayed = 0, 0
-    for _ in range(40):
+    for _ in range(200):   # 200 trials: at 40 the bound below missed in about 1.5 % of runs
         sp = kb.Spread(3)
         for _ in range(20):
             for i in (1, 2):
@@ -769,7 +769,7 @@ def test_spread_realized_stays_at_one_where_the_estimates_hold():
         raw = sp.got.sum() / sp.base.sum()
         strayed += abs(raw - 1) > 0.01
         exact += bool(np.all(sp.realized() == 1.0))
-    assert exact >= 32 and strayed >= 10, (exact, strayed)
+    assert exact >= 160 and strayed >= 50, (exact, strayed)
 
 
 def test_persistence_measures_how_far_an_estimate_speaks_of_the_next_round():
