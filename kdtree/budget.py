@@ -65,7 +65,7 @@ FIRST_SHARE = 0.05     # ... and at most this share of the shortest hold (`hold_
 DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
 REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at the pooled ratio (the pooled: 1)
-REALIZED_SE = 2.0      # ... a ratio's departure from its prior counts beyond this many standard errors
+REALIZED_SE = 1.0      # ... a ratio's departure from its prior counts beyond this many standard errors
 SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
 PERSIST_PRIOR = 4.0    # `Persistence`: a prior of this much x^2 (tokens^2) at slope 1
 EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
@@ -238,17 +238,23 @@ class CostTable:
         self._host: list[float] = []
         self.samples = 0   # online refreshes so far
         self.seen: dict = {}   # back entry key -> `samples` at its last online refresh (`update`)
+        self._nearest: dict = {}   # `_near`'s scans: (table, key) -> (the table's size, the key it found)
 
     def ctx(self, length: float) -> int:
         """The context bucket of a mean cached length: the last bucket at or below it."""
         return max(i for i, c in enumerate(self.ctx_buckets) if c <= max(length, 0))
 
-    @staticmethod
-    def _near(table: dict, key: tuple, ctx: int):
-        if key + (ctx,) in table:
-            return table[key + (ctx,)]
-        have = [c for (*k, c) in table if tuple(k) == key]
-        return table[key + (min(have, key=lambda c: (abs(c - ctx), -c)),)] if have else None
+    def _near(self, table: dict, key: tuple, ctx: int):
+        full = key + (ctx,)
+        if full in table:
+            return table[full]
+        # the nearest measured context of key: a scan of the table, kept until an entry is added
+        memo = self._nearest.get((id(table), full))
+        if memo is None or memo[0] != len(table) or (memo[1] is not None and memo[1] not in table):
+            have = [c for (*k, c) in table if tuple(k) == key]
+            memo = len(table), key + (min(have, key=lambda c: (abs(c - ctx), -c)),) if have else None
+            self._nearest[(id(table), full)] = memo
+        return None if memo[1] is None else table[memo[1]]
 
     @staticmethod
     def key(b: int, n: int):
@@ -309,11 +315,22 @@ def _geometric(longest: int) -> tuple[np.ndarray, np.ndarray]:
 def ndtr(x: np.ndarray) -> np.ndarray:
     """The standard normal CDF of x, elementwise, in numpy (erfc by Abramowitz & Stegun 7.1.26: absolute
     error below 1e-7). The policy's host math stays in numpy: a torch CPU op may wake its thread pool."""
-    z = np.abs(np.asarray(x, np.float64)) * math.sqrt(0.5)
-    t = 1.0 / (1.0 + 0.3275911 * z)
-    y = 0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
-    y = 0.5 * t * y * np.exp(-z * z)                                       # 0.5 * erfc(|x| / sqrt 2)
-    return np.where(np.asarray(x) >= 0, 1.0 - y, y)
+    x = np.asarray(x, np.float64)
+    z = np.abs(x)
+    z *= math.sqrt(0.5)
+    t = 0.3275911 * z
+    t += 1.0
+    np.reciprocal(t, out=t)
+    y = 1.061405429 * t      # Horner's rule in place: a few passes over large arrays
+    for coef in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+        y += coef
+        y *= t
+    np.square(z, out=z)
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    y *= z
+    y *= 0.5                                                               # 0.5 * erfc(|x| / sqrt 2)
+    return np.where(x >= 0, 1.0 - y, y)
 
 
 def longest_accepts(plan_list, depth: int) -> np.ndarray:
@@ -346,9 +363,10 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -
                 var[:, i] = np.interp(mu[:, i], *_geometric(int(A)))
     else:
         var = np.asarray(spread, np.float64)[None, :] * (mu - 1.0)
-    # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 8 spreads):
+    # per plan, the rounds k in [lo, hi) where the batch's end is in doubt (a count's mean -/+ 6 spreads,
+    # ndtr(-6) = 1e-9):
     # before lo some request has surely not ended; from hi, or ceil(max left) rounds (a token a round), all
-    m, w = left / mu, 8 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
+    m, w = left / mu, 6 * np.sqrt(left * var / mu ** 3) + 2                             # [n, P]
     lo = np.maximum((m - w).max(0).astype(np.int64), 1)                                # [P]
     hi = np.maximum(np.minimum(np.ceil(left.max()), (m + w).max(0) + 1).astype(np.int64), lo)
     # a window wider than DRAIN_POINTS rounds is summed in blocks of s rounds, each at its middle (the end's
@@ -357,13 +375,19 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -
     start = lo[:, None] + s[:, None] * np.arange(int((-(-(hi - lo) // s)).max()))[None, :]   # [P, k]
     c = np.clip(hi[:, None] - start, 0, s[:, None])                                    # rounds per block
     k = start + (c - 1) / 2.0
-    sd = np.sqrt(k[None] * var[:, :, None])                                            # [n, P, k]
-    gap = k[None] * mu[:, :, None] - (left[:, :, None] - 0.5)
-    # a request of no spread ends at the first round past (left - 0.5) / mu: the share of a block's rounds
-    # at or past it (a step within a block of s rounds, not a step at its middle)
-    first = np.floor((left - 0.5) / mu)[:, :, None] + 1                                 # [n, P, 1]
-    step = np.clip(start[None] + c[None] - first, 0, c[None]) / np.maximum(c, 1)[None]
-    ended = np.where(sd > 0, ndtr(gap / np.where(sd > 0, sd, 1.0)), step)
+    # request r has ended after k rounds with probability ndtr((k mu - (left - 0.5)) / sqrt(k var)), written
+    # as a sqrt(k) - b / sqrt(k) to keep the [n, P, k] work to two products and a difference
+    sv = np.sqrt(var)                                                                   # [n, P]
+    flat = sv == 0
+    sv[flat] = 1.0
+    a, b, sk = mu / sv, (left - 0.5) / sv, np.sqrt(k)                                   # [n, P], [P, k]
+    ended = ndtr(a[:, :, None] * sk[None] - b[:, :, None] * (1.0 / sk)[None])          # [n, P, k]
+    if flat.any():
+        # a request of no spread ends at the first round past (left - 0.5) / mu: the share of a block's
+        # rounds at or past it (a step within a block of s rounds, not a step at its middle)
+        r, i = np.nonzero(flat)
+        first = np.floor((left[r, 0] - 0.5) / mu[r, i])[:, None] + 1                    # [m, 1]
+        ended[r, i] = np.clip(start[i] + c[i] - first, 0, c[i]) / np.maximum(c[i], 1)
     M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
 

@@ -244,6 +244,8 @@ class Request:
     est_sum: np.ndarray | None = None  # ... summed over its draft rounds (`Engine._long_run`)
     est_n: int = 0                     # ... their count
     est_at: int = -1                   # ... the launch index of the round that drafted est
+    stage0: dict | None = None        # the engine's stage sums and landed rounds as it joined (`_release`)
+    rounds0: int = 0
     synthetic: int = 0                # random context rows inserted before the root after prefill
 
 
@@ -558,6 +560,7 @@ class Engine:
         self._next_id = 0
         self._features = None
         self.rounds = 0
+        self._stage_sum: dict = {}  # every landed round's stage seconds, summed (a request's: their change)
         # the last round's stage seconds, batch, bucket, whether a graph replayed it
         self.last_round: dict = {}
         self.graphs: dict = {}
@@ -817,6 +820,7 @@ class Engine:
             r = self.waiting.pop(0)
             self.pages.reserved += r.reserve
             r.slot = len(self.active)
+            r.stage0, r.rounds0 = dict(self._stage_sum), self.rounds
             self.active.append(r)
             new.append(r)
         if new:
@@ -1092,6 +1096,10 @@ class Engine:
         if self.auto is not None and self.pend is not None:
             self.pend_n[last].fill_(0)
         r.result.wall_time = time.perf_counter() - r.t0 - (self.synthetic_s - r.syn0)
+        res, was = r.result, r.stage0 or {}
+        res.target_forwards += self.rounds - r.rounds0   # the rounds landed while it was active
+        for key, v in self._stage_sum.items():
+            res.stage_times[key] = res.stage_times.get(key, 0.0) + v - was.get(key, 0.0)
         r.slot = -1
         if r.rid not in self.errors:
             self.finished[r.rid] = r.result
@@ -1418,15 +1426,14 @@ class Engine:
                 lag = f.info.get("lag")
             self._auto_take(f, stages["round"])
         self.rounds += 1
+        for key, v in stages.items():   # each active request's share: the change over its stay (`_release`)
+            self._stage_sum[key] = self._stage_sum.get(key, 0.0) + v
         leaving = []
         for i, (r, row) in enumerate(zip(f.reqs, host)):
             if r.slot < 0:   # finished or failed in the round before f
                 continue
             k, ok, new = row[0], row[1], row[2:2 + row[0]]
             res = r.result
-            res.target_forwards += 1
-            for key, v in stages.items():
-                res.stage_times[key] = res.stage_times.get(key, 0.0) + v
             if not ok:
                 self.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) of this round: "
                                                 "the target's weights or inputs are not finite")
@@ -1604,9 +1611,10 @@ class Engine:
         ahead: the lowest of a batch's, read as a request's rate to its end, would make every drafting plan's
         end look as late as that one round's."""
         prior = est.mean(0) if self._prior is None else self._prior
-        k = auto_budget.SHRINK
-        rows = [(r.est_sum + k * prior) / (r.est_n + k) if r.est_n else prior for r in reqs]
-        return np.stack(rows)
+        k, zero = auto_budget.SHRINK, np.zeros_like(prior, np.float64)
+        sums = np.stack([zero if r.est_sum is None else r.est_sum for r in reqs])             # [n, P]
+        n = np.array([r.est_n for r in reqs], np.float64)[:, None]
+        return np.where(n > 0, (sums + k * prior) / (n + k), prior)   # no draft round yet: the prior
 
     @staticmethod
     def _left(reqs: list) -> np.ndarray:
@@ -1623,10 +1631,11 @@ class Engine:
     def _take_estimates(self, reqs: list, rows: np.ndarray, at: int) -> None:
         """rows [n, P]: the estimates of reqs (a round's requests in its slot order at launch) drafted by the
         round of launch index `at`; a request that left since is skipped."""
+        rows = np.array(rows, np.float64)   # a copy: each request keeps a row of its own
         for r, row in zip(reqs, rows):
             if r.slot >= 0:
-                r.est, r.est_at = row.copy(), at
-                r.est_sum = row.astype(np.float64) if r.est_sum is None else r.est_sum + row
+                r.est, r.est_at = row, at
+                r.est_sum = row if r.est_sum is None else r.est_sum + row
                 r.est_n += 1
         m = rows.mean(0)
         self._prior = m if self._prior is None else (1 - auto_budget.EMA) * self._prior + auto_budget.EMA * m

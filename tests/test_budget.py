@@ -756,11 +756,12 @@ def test_spread_realized_is_each_plans_accept_lengths_over_its_estimates():
 
 def test_spread_realized_stays_at_one_where_the_estimates_hold():
     """Accept lengths drawn with the estimates' own means (a simulated profile's): over 20 rounds of 8
-    requests per plan the raw ratios stray by a few per cent, the realized ones stay at exactly 1 in nearly
-    every trial (a start that runs low by chance would otherwise hold AR to a static batch's end)."""
+    requests per plan the raw ratios stray by a few per cent; the realized ones (one standard error's
+    threshold) stay at exactly 1 in some 45 % of trials and stray half as far as the raw ones on average (a
+    start that runs low by chance would otherwise hold AR to a static batch's end)."""
     rng = np.random.default_rng()
-    exact, strayed = 0, 0
-    for _ in range(200):   # 200 trials: at 40 the bound below missed in about 1.5 % of runs
+    exact, strayed, raw_off, off = 0, 0, 0.0, 0.0
+    for _ in range(200):   # 200 trials: the bounds below sit over three binomial spreads from the shares
         sp = kb.Spread(3)
         for _ in range(20):
             for i in (1, 2):
@@ -769,7 +770,8 @@ def test_spread_realized_stays_at_one_where_the_estimates_hold():
         raw = sp.got.sum() / sp.base.sum()
         strayed += abs(raw - 1) > 0.01
         exact += bool(np.all(sp.realized() == 1.0))
-    assert exact >= 160 and strayed >= 50, (exact, strayed)
+        raw_off, off = raw_off + abs(raw - 1), off + float(np.abs(sp.realized() - 1).max())
+    assert exact >= 70 and strayed >= 50 and off < 0.7 * raw_off, (exact, strayed, off / raw_off)
 
 
 def test_persistence_measures_how_far_an_estimate_speaks_of_the_next_round():

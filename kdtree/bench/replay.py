@@ -93,7 +93,7 @@ def load_costs(engine: Engine, costs) -> None:
     ctxs = tuple(sorted({c for part in parsed.values() for (_, _, c, _) in part}))
     t = engine.costs
     t.ctx_buckets, t.samples, t.host, t._host = ctxs, 0, float(costs["host"]), [float(costs["host"])]
-    t.front.clear(), t.back.clear(), t.seen.clear()
+    t.front.clear(), t.back.clear(), t.seen.clear(), t._nearest.clear()
     for part, table in (("front", t.front), ("back", t.back)):
         for b, what, ctx, sec in parsed[part]:
             table[(b, what, ctxs.index(ctx))] = sec
