@@ -45,7 +45,7 @@ from torch import nn
 from . import budget as auto_budget
 from . import checks, golden
 from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
-from .round_ops import GoldenOps, KernelOps, _chain, choose, truncate
+from .round_ops import GoldenOps, KernelOps, _chain, choose, truncate, truncated_accepts
 from .simulate import Simulation
 
 MODES = ("ar", "dflash", "ddtree")
@@ -604,6 +604,14 @@ class Engine:
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
+            # a tree round's accept length on every truncation of its tree (`truncated_accepts`): cuts [B, P],
+            # -1 for a plan it does not hold (AR, the chain, a larger tree)
+            rows = [p.rows if p.kind == "tree" else 0 for p in plans]
+            self._cut_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+            self._cut_known = {p: torch.tensor([0 < r <= p.rows for r in rows], device=dev)
+                               for p in plans if p.kind == "tree"}
+            self.cuts = torch.full((B, len(plans)), -1, dtype=torch.long, device=dev)
+            self.cuts_host = torch.zeros(2, *self.cuts.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
             self.persist = auto_budget.Persistence()        # ... and how long an estimate holds
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
@@ -1164,6 +1172,12 @@ class Engine:
             sim = self.sim.choice(self.sim.truth(lens, A), blk.positions, lens)
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
+        if plan is not None:
+            cut = self._cut_known.get(plan)
+            if cut is None:
+                self.cuts[:b].fill_(-1)
+            else:
+                self.cuts[:b] = torch.where(cut, truncated_accepts(acc, self._cut_rows), -1)
         mark("walk")
         if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
@@ -1391,6 +1405,7 @@ class Engine:
         self.out_host[buf, :n].copy_(self.out[:n], non_blocking=True)
         if info is not None and info["drafted"] and self.auto.decide == "previous":
             self.est_host[buf, :n].copy_(self.est[:n], non_blocking=True)
+            self.cuts_host[buf, :n].copy_(self.cuts[:n], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -1420,7 +1435,7 @@ class Engine:
             plan = self.plans[f.i]
             drafted = f.info["drafted"] and plan.kind != "ar"
             if drafted and self.auto.decide == "previous":
-                est = self.est_host[f.buf, :n, f.i].tolist()
+                est = (self.est_host[f.buf, :n].numpy().copy(), self.cuts_host[f.buf, :n].numpy().copy())
                 lag = self._lag(f.reqs, f.info["at"])
             elif drafted:   # "sync": taken before the round's fresh estimates replaced the previous ones
                 lag = f.info.get("lag")
@@ -1451,9 +1466,12 @@ class Engine:
             emitted.setdefault(r.rid, []).extend(res.tokens[before:])   # up to max_new and a stop token
             if done:
                 leaving.append(r)
-        lengths = [(taken[r.rid], e) for r, e in zip(f.reqs, est or ()) if r.rid in taken]
-        if lengths:
-            self.spread.add(f.i, *np.array(lengths, np.float64).T)
+        got = [k for k, r in enumerate(f.reqs) if r.rid in taken]
+        if est is not None and got:
+            # the plan verified and every smaller tree within its tree: their accept lengths about estimates
+            E, C = est[0][got], est[1][got]                                               # [m, P]
+            for j in np.flatnonzero(C[0] >= 0).tolist():
+                self.spread.add(j, C[:, j], E[:, j])
         lag = [(x[f.i], taken[r.rid] - m[f.i]) for r, x, m in lag or () if r.rid in taken]
         if lag:
             self.persist.add(*np.array(lag, np.float64).T)

@@ -95,6 +95,16 @@ def truncate(blk: VerifyBatch, N: int) -> VerifyBatch:
                        cut(blk.depths), cut(blk.scores))
 
 
+def truncated_accepts(acc: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The accept length the walk would have given on each truncation of the block it walked: acc [b, A]
+    (the walked path's row indices from the root, -1 past its end), rows [P] (each truncation's rows) ->
+    [b, P], the path's rows below each count. On the first R rows of a best-first block (the smaller tree)
+    the walk takes the same path up to its first row at or past R, where it stops (a row's verify output
+    depends on its ancestors alone; siblings carry distinct tokens); a child's row comes after its
+    parent's, so the path's rows ascend and those below R are that leading part. Torch ops (capturable)."""
+    return ((acc[:, :, None] >= 0) & (acc[:, :, None] < rows[None, None, :])).sum(1)          # [b, P]
+
+
 def _chain(draft: torch.Tensor | None, root: torch.Tensor, start: torch.Tensor,
            chain: torch.Tensor | None = None) -> VerifyBatch:
     """AR (draft and chain None: the root alone) or the DFlash chain (argmax per depth of draft [b, L, V], or

@@ -246,3 +246,37 @@ def test_equal_scores_follow_the_parents_emission_order():
     assert paths == [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1), (0, 0, 1), (1, 0, 0), (1, 1), (1, 0, 1),
                      (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)]
     assert [k[1] for k in golden.all_prefixes_ranked(tt, lp)] == paths
+
+
+def test_truncated_accepts_equal_the_walk_on_each_truncation():
+    """round_ops.truncated_accepts: from one walk over a best-first block, the accept length of the walk on
+    every truncation of that block (its first R rows: the smaller tree), against the golden walk run on each
+    truncation; trees with a planted path so that walks go deep. The same count taken at rows <= R (one
+    row too many) fails the check."""
+    from kdtree.round_ops import truncated_accepts
+    rng = np.random.default_rng(5)
+    off_by_one = 0
+    for _ in range(60):
+        b, A = 4, 8
+        acc = np.full((b, A), -1, np.int64)
+        blocks, n_max = [], 0
+        for i in range(b):
+            V = int(rng.integers(2, 6))
+            vb = golden.compile_tree(golden.ddtree(random_logits(rng, A - 1, V), int(rng.integers(1, 40))), 0, 0)
+            choice = rng.integers(0, V, size=vb.n)
+            path = np.flatnonzero(vb.mask[int(rng.integers(vb.n))])
+            for a, c in zip(path[:-1], path[1:]):
+                choice[a] = vb.tokens[c]
+            got, _ = golden.walk(vb.tokens, vb.parents, choice)
+            acc[i, :len(got)] = got
+            blocks.append((vb, choice))
+            n_max = max(n_max, vb.n)
+        rows = np.arange(1, n_max + 1)
+        want = np.array([[len(golden.walk(vb.tokens[:R], vb.parents[:R], choice[:R])[0])
+                          for R in np.minimum(rows, vb.n)] for vb, choice in blocks])
+        got = truncated_accepts(torch.from_numpy(acc), torch.from_numpy(rows)).numpy()
+        assert np.array_equal(got, want), (got, want)
+        assert got.min() >= 1 and np.array_equal(got[:, -1], (acc >= 0).sum(1))
+        wrong = truncated_accepts(torch.from_numpy(acc), torch.from_numpy(rows + 1)).numpy()
+        off_by_one += not np.array_equal(wrong, want)
+    assert off_by_one == 60   # the check can fail
