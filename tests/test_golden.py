@@ -262,7 +262,8 @@ def test_truncated_accepts_equal_the_walk_on_each_truncation():
         blocks, n_max = [], 0
         for i in range(b):
             V = int(rng.integers(2, 6))
-            vb = golden.compile_tree(golden.ddtree(random_logits(rng, A - 1, V), int(rng.integers(1, 40))), 0, 0)
+            tree = golden.ddtree(random_logits(rng, A - 1, V), int(rng.integers(1, 40)))
+            vb = golden.compile_tree(tree, 0, 0)
             choice = rng.integers(0, V, size=vb.n)
             path = np.flatnonzero(vb.mask[int(rng.integers(vb.n))])
             for a, c in zip(path[:-1], path[1:]):
