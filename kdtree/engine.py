@@ -96,9 +96,10 @@ def _blas(device: torch.device, rows: int):
 class GenerationResult:
     tokens: list[int]                      # generated tokens (prompt excluded)
     mode: str
-    target_forwards: int = 0               # prefill chunks included
+    target_forwards: int = 0               # prefill chunks included (its rounds added as it leaves)
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (>= 1)
     tree_sizes: list[int] = field(default_factory=list)      # verify rows per round (root included)
+    # seconds per stage of the rounds it was in (added as it leaves: `Engine._release`)
     stage_times: dict[str, float] = field(
         default_factory=lambda: {s: 0.0 for s in ("prefill",) + STAGES + ("round",)})
     wall_time: float = 0.0
