@@ -1431,12 +1431,12 @@ class Engine:
         self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
-        plan, est, lag, taken = None, None, None, {}
+        plan, est_cuts, lag, taken = None, None, None, {}
         if f.info is not None:
             plan = self.plans[f.i]
             drafted = f.info["drafted"] and plan.kind != "ar"
             if drafted and self.auto.decide == "previous":
-                est = (self.est_host[f.buf, :n].numpy().copy(), self.cuts_host[f.buf, :n].numpy().copy())
+                est_cuts = self.est_host[f.buf, :n].numpy(), self.cuts_host[f.buf, :n].numpy()  # [n, P] each
                 lag = self._lag(f.reqs, f.info["at"])
             elif drafted:   # "sync": taken before the round's fresh estimates replaced the previous ones
                 lag = f.info.get("lag")
@@ -1468,9 +1468,9 @@ class Engine:
             if done:
                 leaving.append(r)
         got = [k for k, r in enumerate(f.reqs) if r.rid in taken]
-        if est is not None and got:
+        if est_cuts is not None and got:
             # the plan verified and every smaller tree within its tree: their accept lengths about estimates
-            E, C = est[0][got], est[1][got]                                               # [m, P]
+            E, C = est_cuts[0][got], est_cuts[1][got]                                     # [m, P]
             for j in np.flatnonzero(C[0] >= 0).tolist():
                 self.spread.add(j, C[:, j], E[:, j])
         lag = [(x[f.i], taken[r.rid] - m[f.i]) for r, x, m in lag or () if r.rid in taken]
