@@ -1173,7 +1173,7 @@ class Engine:
             sim = self.sim.choice(self.sim.truth(lens, A), blk.positions, lens)
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
-        if plan is not None:
+        if plan is not None and plan.kind != "ar" and self.auto.decide == "previous":   # what `_land` reads
             cut = self._cut_known.get(plan)
             if cut is None:
                 self.cuts[:b].fill_(-1)
