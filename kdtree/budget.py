@@ -399,8 +399,8 @@ class Spread:
     The residual holds the estimates' own error too: the spread a batch's end sees. The engine adds the
     rounds of decide="previous" (whose estimates it copies back with the round's output): a tree round adds
     one round to the plan it verified and to every smaller tree plan, whose accept length on the truncated
-    tree the same walk gives (`round_ops.truncated_accepts`). `realized`: the same rounds' accept lengths
-    against their estimates, per plan."""
+    tree the same walk gives (`round_ops.truncated_accepts`); a chain round, to the chain alone. `realized`:
+    the same rounds' accept lengths against their estimates, per plan."""
 
     def __init__(self, n_plans: int):
         self.res, self.base, self.got = np.zeros(n_plans), np.zeros(n_plans), np.zeros(n_plans)

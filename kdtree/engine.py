@@ -606,11 +606,14 @@ class Engine:
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
             # a tree round's accept length on every truncation of its tree (`truncated_accepts`): cuts [B, P],
-            # -1 for a plan it does not hold (AR, the chain, a larger tree)
+            # -1 for a plan it does not hold (AR, the chain, a larger tree); a chain round's own accept length
+            # under its own plan alone (the chain is no truncation of a tree)
             rows = [p.rows if p.kind == "tree" else 0 for p in plans]
             self._cut_rows = torch.tensor(rows, dtype=torch.long, device=dev)
             self._cut_known = {p: torch.tensor([0 < r <= p.rows for r in rows], device=dev)
                                for p in plans if p.kind == "tree"}
+            self._cut_self = {p: torch.tensor([q is p for q in plans], device=dev)
+                              for p in plans if p.kind == "chain"}
             self.cuts = torch.full((B, len(plans)), -1, dtype=torch.long, device=dev)
             self.cuts_host = torch.zeros(2, *self.cuts.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
             self.persist = auto_budget.Persistence()        # ... and how long an estimate holds
@@ -1174,11 +1177,10 @@ class Engine:
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
         if plan is not None and plan.kind != "ar" and self.auto.decide == "previous":   # what `_land` reads
-            cut = self._cut_known.get(plan)
-            if cut is None:
-                self.cuts[:b].fill_(-1)
+            if plan.kind == "chain":
+                self.cuts[:b] = torch.where(self._cut_self[plan], acc_len[:, None].long(), -1)
             else:
-                self.cuts[:b] = torch.where(cut, truncated_accepts(acc, self._cut_rows), -1)
+                self.cuts[:b] = torch.where(self._cut_known[plan], truncated_accepts(acc, self._cut_rows), -1)
         mark("walk")
         if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)

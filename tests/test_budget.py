@@ -400,6 +400,30 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     assert e.spread.base[0] == 0
 
 
+def test_chain_rounds_add_their_own_accept_lengths_to_the_chains_spread(pair, monkeypatch):
+    """After the first decisions (the largest tree, before any estimate), every round verifies the chain
+    (decide="previous"): every accept length lands in the Spread of the plan verified, so the chain's and the
+    largest tree's sums of L - 1 make the requests' whole; the chain, no truncation of a tree, adds to no
+    tree plan. Outputs equal the oracle. Can fail: a Spread without the chain's rounds."""
+    t, d = pair
+    prompts = random_prompts(t.args, 3, seed=21, min_len=10, max_len=40)
+    refs = [oracle_ar(t, p, 20).tokens for p in prompts]
+    e = Engine(t, d, mode="ddtree", budget="auto", max_budget=16, max_batch=4, max_len=256)
+    chain, top = [p.kind for p in e.plans].index("chain"), len(e.plans) - 1
+    monkeypatch.setattr(e.auto, "before", lambda *a, **k: chain)
+    ids = [e.add_request(p, 20) for p in prompts]
+    res = e.run()
+    assert [res[i].tokens for i in ids] == refs
+    names = [name for _, _, name in e.auto.history]
+    assert names.count("chain") > len(names) // 2 and set(names) == {"chain", e.plans[top].name}
+    whole = sum(k - 1 for i in ids for k in res[i].accept_lengths)
+    have = lambda sp: sp.got[chain] > 0 and sp.got[chain] + sp.got[top] == whole  # noqa: E731
+    assert whole > 0 and have(e.spread)
+    lacking = kb.Spread(len(e.plans))   # the check can fail: the tree rounds alone
+    lacking.add(top, [1 + e.spread.got[top]], [1.0])
+    assert not have(lacking)
+
+
 def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
     """The start-up measurement's padding slots read distinct pool pages (not all the one scratch page) from
     distinct roots, the page table and roots are zero again once the engine is built, and a request served
