@@ -605,17 +605,16 @@ class Engine:
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
-            # a tree round's accept length on every truncation of its tree (`truncated_accepts`): cuts [B, P],
-            # -1 for a plan it does not hold (AR, the chain, a larger tree); a chain round's own accept length
-            # under its own plan alone (the chain is no truncation of a tree)
+            # a drafted round's walked path (the accepted rows, -1 past its end) [B, A], to the host with its
+            # estimates: `_land` reads there the accept length on every truncation of a tree round's tree
+            # (`truncated_accepts`; rows [P], 0 for a plan no tree truncates: AR, the chain)
             rows = [p.rows if p.kind == "tree" else 0 for p in plans]
-            self._cut_rows = torch.tensor(rows, dtype=torch.long, device=dev)
-            self._cut_known = {p: torch.tensor([0 < r <= p.rows for r in rows], device=dev)
-                               for p in plans if p.kind == "tree"}
-            self._cut_self = {p: torch.tensor([q is p for q in plans], device=dev)
-                              for p in plans if p.kind == "chain"}
-            self.cuts = torch.full((B, len(plans)), -1, dtype=torch.long, device=dev)
-            self.cuts_host = torch.zeros(2, *self.cuts.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
+            self._cut_rows = torch.tensor(rows, dtype=torch.long)
+            self._cut_plans = {i: [j for j, r in enumerate(rows) if 0 < r <= p.rows]   # the trees within i's
+                               for i, p in enumerate(plans) if p.kind == "tree"}
+            self.paths = torch.full((B, self.max_accept), -1, dtype=torch.int32, device=dev)
+            self.paths_host = torch.zeros(2, *self.paths.shape, dtype=torch.int32,
+                                          pin_memory=dev.type == "cuda")
             self.persist = auto_budget.Persistence()        # ... and how long an estimate holds
             Ops = KernelOps if backend == "kernel" else GoldenOps
             self._tree_ops = {B: Ops("ddtree", B, page_size) for B in cand}
@@ -1177,10 +1176,7 @@ class Engine:
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
         if plan is not None and plan.kind != "ar" and self.auto.decide == "previous":   # what `_land` reads
-            if plan.kind == "chain":
-                self.cuts[:b] = torch.where(self._cut_self[plan], acc_len[:, None].long(), -1)
-            else:
-                self.cuts[:b] = torch.where(self._cut_known[plan], truncated_accepts(acc, self._cut_rows), -1)
+            self.paths[:b] = acc
         mark("walk")
         if N > 1:
             self.ops.compact(self.pool, self.page_table[:b], self.lens[:b], acc, acc_len)
@@ -1408,7 +1404,7 @@ class Engine:
         self.out_host[buf, :n].copy_(self.out[:n], non_blocking=True)
         if info is not None and info["drafted"] and self.auto.decide == "previous":
             self.est_host[buf, :n].copy_(self.est[:n], non_blocking=True)
-            self.cuts_host[buf, :n].copy_(self.cuts[:n], non_blocking=True)
+            self.paths_host[buf, :n].copy_(self.paths[:n], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -1433,12 +1429,12 @@ class Engine:
         self.last_logits = f.logits[:n] if self._flight is None or not f.graph else None
         ids = [r.rid for r in f.reqs]  # the request in each row of last_logits
         self.last_round = dict(stages, batch=n, bucket=f.b, graph=f.graph, ids=ids)
-        plan, est_cuts, lag, taken = None, None, None, {}
+        plan, est_paths, lag, taken = None, None, None, {}
         if f.info is not None:
             plan = self.plans[f.i]
             drafted = f.info["drafted"] and plan.kind != "ar"
             if drafted and self.auto.decide == "previous":
-                est_cuts = self.est_host[f.buf, :n].numpy(), self.cuts_host[f.buf, :n].numpy()  # [n, P] each
+                est_paths = self.est_host[f.buf, :n].numpy(), self.paths_host[f.buf, :n]   # [n, P], [n, A]
                 lag = self._lag(f.reqs, f.info["at"])
             elif drafted:   # "sync": taken before the round's fresh estimates replaced the previous ones
                 lag = f.info.get("lag")
@@ -1470,11 +1466,16 @@ class Engine:
             if done:
                 leaving.append(r)
         got = [k for k, r in enumerate(f.reqs) if r.rid in taken]
-        if est_cuts is not None and got:
-            # the plan verified and every smaller tree within its tree: their accept lengths about estimates
-            E, C = est_cuts[0][got], est_cuts[1][got]                                     # [m, P]
-            for j in np.flatnonzero(C[0] >= 0).tolist():
-                self.spread.add(j, C[:, j], E[:, j])
+        if est_paths is not None and got:
+            # accept lengths about estimates: a chain round's own; a tree round's on the plan verified and on
+            # every smaller tree within its tree
+            E = est_paths[0][got]                                                          # [m, P]
+            if plan.kind == "chain":
+                self.spread.add(f.i, [taken[f.reqs[k].rid] for k in got], E[:, f.i])
+            else:
+                C = truncated_accepts(est_paths[1][got], self._cut_rows).numpy()           # [m, P]
+                for j in self._cut_plans[f.i]:
+                    self.spread.add(j, C[:, j], E[:, j])
         lag = [(x[f.i], taken[r.rid] - m[f.i]) for r, x, m in lag or () if r.rid in taken]
         if lag:
             self.persist.add(*np.array(lag, np.float64).T)

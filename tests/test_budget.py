@@ -404,7 +404,8 @@ def test_chain_rounds_add_their_own_accept_lengths_to_the_chains_spread(pair, mo
     """After the first decisions (the largest tree, before any estimate), every round verifies the chain
     (decide="previous"): every accept length lands in the Spread of the plan verified, so the chain's and the
     largest tree's sums of L - 1 make the requests' whole; the chain, no truncation of a tree, adds to no
-    tree plan. Outputs equal the oracle. Can fail: a Spread without the chain's rounds."""
+    tree plan, while the largest tree's rounds add to every smaller tree. Outputs equal the oracle. Can fail:
+    a Spread without the chain's rounds."""
     t, d = pair
     prompts = random_prompts(t.args, 3, seed=21, min_len=10, max_len=40)
     refs = [oracle_ar(t, p, 20).tokens for p in prompts]
@@ -419,6 +420,8 @@ def test_chain_rounds_add_their_own_accept_lengths_to_the_chains_spread(pair, mo
     whole = sum(k - 1 for i in ids for k in res[i].accept_lengths)
     have = lambda sp: sp.got[chain] > 0 and sp.got[chain] + sp.got[top] == whole  # noqa: E731
     assert whole > 0 and have(e.spread)
+    # the largest tree's rounds: every smaller tree's accept lengths on its truncation, none above its own
+    assert (e.spread.base[2:top] > 0).all() and (e.spread.got[2:top] <= e.spread.got[top]).all()
     lacking = kb.Spread(len(e.plans))   # the check can fail: the tree rounds alone
     lacking.add(top, [1 + e.spread.got[top]], [1.0])
     assert not have(lacking)
