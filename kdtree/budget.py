@@ -134,6 +134,12 @@ def wider_builds(plan_list, costs: "CostTable", b: int, slack: float = None) -> 
     return tuple(out)
 
 
+def larger_trees(plan_list) -> dict:
+    """{tree plan index: the indices of the larger tree plans} (`CostTable.larger`)."""
+    trees = [(p.nodes, i) for i, p in enumerate(plan_list) if p.kind == "tree"]
+    return {i: tuple(j for m, j in trees if m > n) for n, i in trees}
+
+
 def default_budgets(max_budget: int) -> tuple[int, ...]:
     """Powers of two from 4 below max_budget, and max_budget itself."""
     out, B = [], 4
@@ -228,10 +234,13 @@ class CostTable:
     per batch bucket b (or (b, n): n requests in bucket b, refreshed online) and context bucket ctx (an index
     into `ctx_buckets`), plus `host`, the round's seconds outside its GPU span (the median of the last
     HOST_WINDOW rounds, `add_host`). A cell never measured borrows the nearest measured context bucket of the
-    same key."""
+    same key. larger: {tree plan index: the indices of the larger trees} (`larger_trees`): a tree's back
+    phase reads at most any larger tree's (`cost`), whose block holds its rows and more. `update` folds a
+    round into an entry by EMA, and replaces an entry that no round refreshed in the last EXPLORE_AGE."""
 
-    def __init__(self, ctx_buckets=(0,)):
+    def __init__(self, ctx_buckets=(0,), larger: dict | None = None):
         self.ctx_buckets = tuple(ctx_buckets)
+        self.larger = dict(larger or {})
         self.front: dict = {}
         self.back: dict = {}
         self.host = 0.0
@@ -275,6 +284,11 @@ class CostTable:
         back = self.entry(self.back, k, (i,), ctx)
         if back is None:
             return math.inf
+        # a one-off slow measurement of a smaller tree, which no round of its plan would then refresh, would
+        # keep the plan out for good
+        for j in self.larger.get(i, ()):
+            bj = self.entry(self.back, k, (j,), ctx)
+            back = back if bj is None else min(back, bj)
         front = 0.0 if build is None else self.entry(self.front, k, (build,), ctx)
         return back + (math.inf if front is None else front) + self.host
 
@@ -283,9 +297,14 @@ class CostTable:
         self.host = float(statistics.median(self._host))
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
-        if table is self.back:
-            self.seen[key] = self.samples
+        """A round's seconds into table's entry: EMA, or the round's own where the entry is new or a back
+        entry that no round refreshed in EXPLORE_AGE rounds (a start-up measurement, or a plan left that
+        long: `Policy.explore`'s round re-measures it)."""
         old = table.get(key)
+        if table is self.back:
+            if self.samples - self.seen.get(key, -math.inf) > EXPLORE_AGE:
+                old = None
+            self.seen[key] = self.samples
         table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def as_dict(self, plan_list) -> dict:

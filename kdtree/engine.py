@@ -595,7 +595,7 @@ class Engine:
                    getattr(drafter, "calibration", None) if calibration is None else calibration)
             ctxs = (0,) if self.graph_reason else tuple(
                 c for c in auto_budget.CTX_BUCKETS if c + self.rows <= self.kv_cap)
-            costs = auto_budget.CostTable(ctxs)
+            costs = auto_budget.CostTable(ctxs, auto_budget.larger_trees(plans))
             self.auto = auto_budget.Policy(plans, costs, decide)
             self.plans, self.costs, self.calibration = plans, costs, cal
             self.makespan, self._longest = makespan, auto_budget.longest_accepts(plans, L)

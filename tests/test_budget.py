@@ -360,7 +360,8 @@ def test_a_dear_probe_lengthens_the_ar_hold():
 
 def _force(e: Engine, i: int) -> None:
     """e's cost table frozen with plan i by far the cheapest and every front free: each round picks plan i
-    (no other plan scores within `explore`'s gap)."""
+    (no other plan scores within `explore`'s gap; no smaller tree reads a larger one's entry)."""
+    e.costs.larger = {}
     for key in list(e.costs.back):
         e.costs.back[key] = 1e-6 if key[1] == i else 1.0
     for key in e.costs.front:
@@ -610,6 +611,45 @@ def test_the_host_time_is_a_median_that_a_stray_round_does_not_move():
     for _ in range(kb.HOST_WINDOW):
         t.add_host(2e-4)
     assert t.host == pytest.approx(2e-4)              # only the last rounds count
+
+
+def test_a_smaller_trees_back_phase_reads_at_most_a_larger_trees():
+    """CostTable.larger: a tree plan's back entry measured above a larger tree's (a one-off slow measurement:
+    B = 64 read 2.53 ms and B = 128 2.78 against B = 256's 1.86 at batch 1 on a GPU lease, and auto served
+    B = 256 in 230 of 239 rounds where fixed B = 128 ran 11 % faster) reads the larger's; entries in order,
+    AR and the chain keep their own. Can fail: the table without `larger` reads the slow entries."""
+    plans = kb.plans(7, (16, 64, 128, 256))   # AR, chain, 16, 64, 128, 256
+    assert kb.larger_trees(plans) == {2: (3, 4, 5), 3: (4, 5), 4: (5,), 5: ()}
+    back = [0.97e-3, 1.38e-3, 1.67e-3, 2.53e-3, 2.78e-3, 1.86e-3]
+    t = _costs(0.0, back, builds=())
+    t.larger = kb.larger_trees(plans)
+    got = [t.cost(1, i, None, 0) for i in range(len(plans))]
+    assert got == pytest.approx([0.97e-3, 1.38e-3, 1.67e-3, 1.86e-3, 1.86e-3, 1.86e-3])
+    bare = _costs(0.0, back, builds=())
+    assert [bare.cost(1, i, None, 0) for i in range(len(plans))] == pytest.approx(back)   # the check can fail
+    ordered = _costs(0.0, sorted(back), builds=())
+    ordered.larger = t.larger
+    assert [ordered.cost(1, i, None, 0) for i in range(len(plans))] == pytest.approx(sorted(back))
+
+
+def test_a_stale_cost_entry_takes_the_next_round_whole():
+    """CostTable.update: an entry's first online round, and a round after EXPLORE_AGE rounds without one,
+    replace it (the start-up measurement, or a plan left that long: `explore` re-measures it); other rounds
+    fold in by EMA. Can fail: EMA alone keeps 3/4 of the stale entry."""
+    t = kb.CostTable()
+    t.back[(1, 2, 0)] = 2.8e-3                       # start-up: measured dear
+    t.update(t.back, (1, 2, 0), 1.6e-3)
+    assert t.back[(1, 2, 0)] == pytest.approx(1.6e-3)
+    t.samples += 1
+    t.update(t.back, (1, 2, 0), 2.0e-3)              # refreshed a round ago: EMA
+    assert t.back[(1, 2, 0)] == pytest.approx((1 - kb.EMA) * 1.6e-3 + kb.EMA * 2.0e-3)
+    t.samples += kb.EXPLORE_AGE + 1
+    t.update(t.back, (1, 2, 0), 1.5e-3)
+    assert t.back[(1, 2, 0)] == pytest.approx(1.5e-3)
+    assert (1 - kb.EMA) * 2.8e-3 + kb.EMA * 1.6e-3 > 2.4e-3   # what EMA alone would have kept
+    t.front[(1, 16, 0)] = 4e-4                       # front entries: EMA always
+    t.update(t.front, (1, 16, 0), 2e-4)
+    assert t.front[(1, 16, 0)] == pytest.approx((1 - kb.EMA) * 4e-4 + kb.EMA * 2e-4)
 
 
 def test_the_next_plan_is_decided_while_the_round_runs(pair):
