@@ -45,6 +45,25 @@ def test_combine_keeps_each_profiles_newest_run_in_any_order():
     assert {(c["batch"], c["run"]) for c in naive["cells"]} != {(1, "r1"), (8, "r2"), (32, "r3")}
 
 
+def test_combine_leaves_out_a_profile_cut_off_before_its_auto_row():
+    """A newer run's profile at a cell without its auto row (a command's limit cut the sweep) replaces no
+    earlier complete run's rows and is listed as incomplete; its complete profiles still replace theirs.
+    Can fail: the same sections with the cut profile's rows completed replace the old run's."""
+    old = _section(_rows(32768, 8, 3.0, "r1", 1.0) + _rows(32768, 8, 5.0, "r1", 1.0))
+    cut = [c for c in _rows(32768, 8, 3.0, "r2", 2.0) if c["budget"] != "auto"]
+    new = _section(_rows(32768, 8, 5.0, "r2", 2.0) + cut, partial=True)
+    for order in ([old, new], [new, old]):
+        sec = KR.combine(order)
+        got = {(c["tau_chain"], c["run"]) for c in sec["cells"]}
+        assert got == {(3.0, "r1"), (5.0, "r2")}, order
+        assert sec["incomplete"] == [{"run": "r2", "context": 32768, "batch": 8, "tau_chain": 3.0, "rows": 3}]
+    whole = KR.combine([old, _section(_rows(32768, 8, 5.0, "r2", 2.0) + _rows(32768, 8, 3.0, "r2", 2.0))])
+    assert {(c["tau_chain"], c["run"]) for c in whole["cells"]} == {(3.0, "r2"), (5.0, "r2")}
+    assert "incomplete" not in whole
+    with pytest.raises(ValueError, match="auto row"):
+        KR.combine([_section(cut)])
+
+
 def test_combine_prefers_a_finished_sweeps_rows_and_forms_the_targets_again():
     """A run's rows in a partial record (written before its draft times were added) and in its finished
     record: the finished copies win in either order, as do its other fields; one run alone gets its

@@ -135,8 +135,10 @@ def combine(sections: list[dict]) -> dict:
     `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows (a cell's layer count
     may change from run to run; only the combined rows must not mix them), and the targets formed again from
     the rows; the other fields from the finished section holding the newest run (a
-    partial one where none is finished). ValueError for a section without cells or a row without its run,
-    or for sections of different routings."""
+    partial one where none is finished). A run's profile at a cell without its auto row (a sweep cut off
+    before it: auto runs last) is left out, so it replaces no earlier complete run, and listed in the
+    section's "incomplete" ({run, context, batch, tau_chain, rows}). ValueError for a section without cells
+    or a row without its run, or for sections of different routings."""
     if not sections:
         raise ValueError("combine: no sections given")
     rows: dict = {}
@@ -157,6 +159,15 @@ def combine(sections: list[dict]) -> dict:
                 top, top_rank = s, (done, c["run"])
     if len({s.get("routing", "model") for s in sections}) > 1:
         raise ValueError("combine: sections of different routings (each routing has its own record)")
+    groups: dict = {}   # (run, context, batch, profile) -> its rows
+    for c in rows.values():
+        if c.get("tau_chain") is not None:
+            groups.setdefault((c["run"], c["context"], c["batch"], c["tau_chain"]), []).append(c)
+    cut = {k: len(v) for k, v in groups.items() if not any(c.get("budget") == "auto" for c in v)}
+    rows = {k: c for k, c in rows.items()
+            if (c["run"], c["context"], c["batch"], c.get("tau_chain")) not in cut}
+    if not rows:
+        raise ValueError("combine: every profile's rows lack their auto row (sweeps cut off before it)")
     out = None
     for run in sorted({c["run"] for c in rows.values()}):
         cells = [c for c in rows.values() if c["run"] == run]
@@ -166,6 +177,10 @@ def combine(sections: list[dict]) -> dict:
            "layers": dict(sorted(out["layers"].items(), key=lambda kv: tuple(map(int, kv[0].split(":"))))),
            "runs": sorted({c["run"] for c in out["cells"]})}
     out.pop("partial", None)
+    out.pop("incomplete", None)
+    if cut:
+        out["incomplete"] = [{"run": r, "context": C, "batch": b, "tau_chain": t, "rows": n}
+                             for (r, C, b, t), n in sorted(cut.items())]
     return out
 
 
@@ -207,6 +222,9 @@ def main(argv=None) -> None:
     fig.savefig(a.into.parent / f"e2e_{a.key}.png", dpi=120)
     fig.clf()
     print(f"{a.into}: {a.key} from runs {', '.join(sec['runs'])}")
+    for g in sec.get("incomplete", []):
+        print(f"left out (no auto row: cut off): run {g['run']} {g['context']}:{g['batch']} tau "
+              f"{g['tau_chain']:g} ({g['rows']} rows)")
     for t in sec["targets"]:
         print(f"{'met ' if t['met'] else 'MISS'} {t['name']}: {t['measured']:.3f} (goal {t['goal']})")
 
