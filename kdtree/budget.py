@@ -235,8 +235,9 @@ class CostTable:
     into `ctx_buckets`), plus `host`, the round's seconds outside its GPU span (the median of the last
     HOST_WINDOW rounds, `add_host`). A cell never measured borrows the nearest measured context bucket of the
     same key. larger: {tree plan index: the indices of the larger trees} (`larger_trees`): a tree's back
-    phase reads at most any larger tree's (`cost`), whose block holds its rows and more. `update` folds a
-    round into an entry by EMA, and replaces an entry that no round refreshed in the last EXPLORE_AGE."""
+    phase reads at most any larger tree's entry of the same batch field and context (`cost`), whose block
+    holds its rows and more. `update` folds a round into an entry by EMA; a tree plan's back entry of a full
+    bucket that no round refreshed in more than EXPLORE_AGE rounds takes the round whole."""
 
     def __init__(self, ctx_buckets=(0,), larger: dict | None = None):
         self.ctx_buckets = tuple(ctx_buckets)
@@ -277,18 +278,29 @@ class CostTable:
         got = self._near(table, (b,) + rest, ctx)
         return self._near(table, (b[0],) + rest, ctx) if got is None and isinstance(b, tuple) else got
 
-    def cost(self, b: int, i: int, build: int | None, ctx: int, n: int | None = None) -> float:
+    def _found(self, table: dict, b, rest: tuple, ctx: int):
+        """The key `entry` reads (None where it finds none)."""
+        for field in (b, b[0]) if isinstance(b, tuple) else (b,):
+            if self._near(table, (field,) + rest, ctx) is not None:
+                full = (field,) + rest + (ctx,)
+                return full if full in table else self._nearest[(id(table), full)][1]
+        return None
+
+    def cost(self, b: int, i: int, build: int | None, ctx: int, n: int | None = None,
+             bound: bool = True) -> float:
         """A round's seconds verifying plan i after building a tree of `build` nodes (None: no draft), for n
-        requests in batch bucket b (None: a full bucket)."""
+        requests in batch bucket b (None: a full bucket). bound: a tree's back entry at most a larger tree's
+        of the same batch field and context (`larger`; False: the entry as measured, as a replay bills)."""
         k = b if n is None else self.key(b, n)
-        back = self.entry(self.back, k, (i,), ctx)
-        if back is None:
+        found = self._found(self.back, k, (i,), ctx)
+        if found is None:
             return math.inf
-        # a one-off slow measurement of a smaller tree, which no round of its plan would then refresh, would
-        # keep the plan out for good
-        for j in self.larger.get(i, ()):
-            bj = self.entry(self.back, k, (j,), ctx)
-            back = back if bj is None else min(back, bj)
+        back = self.back[found]
+        if bound:
+            # a one-off slow measurement of a smaller tree, which no round of its plan would then refresh,
+            # would keep the plan out for good
+            for j in self.larger.get(i, ()):
+                back = min(back, self.back.get((found[0], j, found[2]), back))
         front = 0.0 if build is None else self.entry(self.front, k, (build,), ctx)
         return back + (math.inf if front is None else front) + self.host
 
@@ -297,12 +309,15 @@ class CostTable:
         self.host = float(statistics.median(self._host))
 
     def update(self, table: dict, key: tuple, seconds: float) -> None:
-        """A round's seconds into table's entry: EMA, or the round's own where the entry is new or a back
-        entry that no round refreshed in EXPLORE_AGE rounds (a start-up measurement, or a plan left that
-        long: `Policy.explore`'s round re-measures it)."""
+        """A round's seconds into table's entry: EMA, or the round's own where the entry is new or a tree
+        plan's back entry of a full bucket that no round refreshed in more than EXPLORE_AGE rounds (a
+        start-up measurement, or a plan left that long: `Policy.explore`'s round re-measures it, and a slow
+        one-off round taken whole is re-measured likewise, its score bounded by the larger trees', `cost`).
+        A partial bucket's entries, refreshed at batch ends far apart, and AR's and the chain's keep EMA."""
         old = table.get(key)
         if table is self.back:
-            if self.samples - self.seen.get(key, -math.inf) > EXPLORE_AGE:
+            stale = self.samples - self.seen.get(key, -math.inf) > EXPLORE_AGE
+            if stale and not isinstance(key[0], tuple) and key[1] in self.larger:
                 old = None
             self.seen[key] = self.samples
         table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds

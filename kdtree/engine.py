@@ -605,8 +605,8 @@ class Engine:
                                         pin_memory=dev.type == "cuda")
             self._prior = None   # the mean estimates of the requests so far (for a request not yet drafted)
             self.spread = auto_budget.Spread(len(plans))   # drafted rounds' accept lengths about estimates
-            # a drafted round's walked path (the accepted rows, -1 past its end) [B, A], to the host with its
-            # estimates: `_land` reads there the accept length on every truncation of a tree round's tree
+            # a tree round's walked path (the accepted rows, -1 past its end) [B, A], to the host with its
+            # estimates: `_land` reads there the accept length on every truncation of the round's tree
             # (`truncated_accepts`; rows [P], 0 for a plan no tree truncates: AR, the chain)
             rows = [p.rows if p.kind == "tree" else 0 for p in plans]
             self._cut_rows = torch.tensor(rows, dtype=torch.long)
@@ -1175,7 +1175,7 @@ class Engine:
             sim = self.sim.choice(self.sim.truth(lens, A), blk.positions, lens)
             acc, acc_len, _ = self.ops.walk(blk.tokens, blk.parents, sim, A)
             bonus = self.sim.bonus(sim, choice, acc, acc_len)
-        if plan is not None and plan.kind != "ar" and self.auto.decide == "previous":   # what `_land` reads
+        if plan is not None and plan.kind == "tree" and self.auto.decide == "previous":   # what `_land` reads
             self.paths[:b] = acc
         mark("walk")
         if N > 1:
@@ -1404,7 +1404,8 @@ class Engine:
         self.out_host[buf, :n].copy_(self.out[:n], non_blocking=True)
         if info is not None and info["drafted"] and self.auto.decide == "previous":
             self.est_host[buf, :n].copy_(self.est[:n], non_blocking=True)
-            self.paths_host[buf, :n].copy_(self.paths[:n], non_blocking=True)
+            if self.plans[i].kind == "tree":   # `_land` reads a tree round's path alone
+                self.paths_host[buf, :n].copy_(self.paths[:n], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

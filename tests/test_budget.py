@@ -630,13 +630,23 @@ def test_a_smaller_trees_back_phase_reads_at_most_a_larger_trees():
     ordered = _costs(0.0, sorted(back), builds=())
     ordered.larger = t.larger
     assert [ordered.cost(1, i, None, 0) for i in range(len(plans))] == pytest.approx(sorted(back))
+    assert t.cost(1, 3, None, 0, bound=False) == pytest.approx(2.53e-3)   # as measured (a replay's bill)
+    # only an entry of the same batch field and context bounds: B = 256 measured at another context, or
+    # only for the full bucket, leaves a (b, n) entry of B = 64 at context 1 as it is
+    t.back[(1, 3, 1)], t.back[((1, 0), 3, 1)] = 3.0e-3, 2.9e-3
+    assert t.cost(1, 3, None, 1) == pytest.approx(3.0e-3)          # B = 256 has no context-1 entry
+    assert t.cost(1, 3, None, 1, n=0) == pytest.approx(2.9e-3)
+    t.back[(1, 5, 1)] = 2.0e-3
+    assert t.cost(1, 3, None, 1) == pytest.approx(2.0e-3)
+    assert t.cost(1, 3, None, 1, n=0) == pytest.approx(2.9e-3)    # B = 256 has no (1, 0) entry
 
 
 def test_a_stale_cost_entry_takes_the_next_round_whole():
-    """CostTable.update: an entry's first online round, and a round after EXPLORE_AGE rounds without one,
-    replace it (the start-up measurement, or a plan left that long: `explore` re-measures it); other rounds
-    fold in by EMA. Can fail: EMA alone keeps 3/4 of the stale entry."""
-    t = kb.CostTable()
+    """CostTable.update: a tree plan's full-bucket back entry takes its first online round, and a round after
+    more than EXPLORE_AGE rounds without one, whole (the start-up measurement, or a plan left that long:
+    `explore` re-measures it); other rounds, front entries, AR's, the chain's and a partial bucket's fold in
+    by EMA. Can fail: EMA alone keeps 3/4 of the stale entry."""
+    t = kb.CostTable(larger=kb.larger_trees(kb.plans(7, (16, 64))))   # AR, chain, B = 16, B = 64
     t.back[(1, 2, 0)] = 2.8e-3                       # start-up: measured dear
     t.update(t.back, (1, 2, 0), 1.6e-3)
     assert t.back[(1, 2, 0)] == pytest.approx(1.6e-3)
@@ -650,6 +660,11 @@ def test_a_stale_cost_entry_takes_the_next_round_whole():
     t.front[(1, 16, 0)] = 4e-4                       # front entries: EMA always
     t.update(t.front, (1, 16, 0), 2e-4)
     assert t.front[(1, 16, 0)] == pytest.approx((1 - kb.EMA) * 4e-4 + kb.EMA * 2e-4)
+    # AR's and the chain's entries (no larger tree bounds them) and a partial bucket's: EMA always
+    for key in ((1, 0, 0), (1, 1, 0), ((8, 3), 2, 0)):
+        t.back[key] = 2.8e-3
+        t.update(t.back, key, 1.6e-3)
+        assert t.back[key] == pytest.approx((1 - kb.EMA) * 2.8e-3 + kb.EMA * 1.6e-3), key
 
 
 def test_the_next_plan_is_decided_while_the_round_runs(pair):

@@ -101,7 +101,8 @@ def load_costs(engine: Engine, costs) -> None:
 
 
 class Bill:
-    """An auto engine's table frozen at a record's (`load_costs`) and each of its rounds billed from it:
+    """An auto engine's table frozen at a record's (`load_costs`) and each of its rounds billed from it, its
+    entries as measured (`CostTable.cost(bound=False)`: the policy's bound is not a round's cost):
     `seconds` and `rounds` so far. The online refresh stops (the engine's `_auto_flush` bills instead); the
     table's refresh count and per-entry ages advance as the refresh would move them, so the policy's
     exploration (`Policy.explore`, which reads them) runs as it does on the GPU. shift: rows added to every
@@ -121,7 +122,7 @@ class Bill:
     def _bill(self) -> None:
         e, t = self.engine, self.engine.costs
         for i, info, _ in e._timing:
-            self.seconds += t.cost(info["b"], i, info["build"], info["ctx"], info["n"])
+            self.seconds += t.cost(info["b"], i, info["build"], info["ctx"], info["n"], bound=False)
             self.rounds += 1
             t.seen[(t.key(info["b"], info["n"]), i, info["ctx"])] = t.samples
             t.samples += 1
