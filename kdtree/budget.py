@@ -254,17 +254,22 @@ class CostTable:
         """The context bucket of a mean cached length: the last bucket at or below it."""
         return max(i for i, c in enumerate(self.ctx_buckets) if c <= max(length, 0))
 
-    def _near(self, table: dict, key: tuple, ctx: int):
+    def _near_key(self, table: dict, key: tuple, ctx: int):
+        """The full key of key's entry at context ctx, else at the nearest measured context (None: none)."""
         full = key + (ctx,)
         if full in table:
-            return table[full]
+            return full
         # the nearest measured context of key: a scan of the table, kept until an entry is added
         memo = self._nearest.get((id(table), full))
         if memo is None or memo[0] != len(table) or (memo[1] is not None and memo[1] not in table):
             have = [c for (*k, c) in table if tuple(k) == key]
             memo = len(table), key + (min(have, key=lambda c: (abs(c - ctx), -c)),) if have else None
             self._nearest[(id(table), full)] = memo
-        return None if memo[1] is None else table[memo[1]]
+        return memo[1]
+
+    def _near(self, table: dict, key: tuple, ctx: int):
+        got = self._near_key(table, key, ctx)
+        return None if got is None else table[got]
 
     @staticmethod
     def key(b: int, n: int):
@@ -272,19 +277,16 @@ class CostTable:
         (its padding slots' rows cost less than requests' rows)."""
         return b if n >= b else (b, n)
 
+    def _found(self, table: dict, b, rest: tuple, ctx: int):
+        """The full key of `entry`'s entry (None: none)."""
+        got = self._near_key(table, (b,) + rest, ctx)
+        return self._near_key(table, (b[0],) + rest, ctx) if got is None and isinstance(b, tuple) else got
+
     def entry(self, table: dict, b, rest: tuple, ctx: int):
         """table's entry for batch field b (`key`) and the rest of the key, nearest context; a (b, n) field
         never measured falls back to the full bucket b's entry."""
-        got = self._near(table, (b,) + rest, ctx)
-        return self._near(table, (b[0],) + rest, ctx) if got is None and isinstance(b, tuple) else got
-
-    def _found(self, table: dict, b, rest: tuple, ctx: int):
-        """The key `entry` reads (None where it finds none)."""
-        for field in (b, b[0]) if isinstance(b, tuple) else (b,):
-            if self._near(table, (field,) + rest, ctx) is not None:
-                full = (field,) + rest + (ctx,)
-                return full if full in table else self._nearest[(id(table), full)][1]
-        return None
+        got = self._found(table, b, rest, ctx)
+        return None if got is None else table[got]
 
     def cost(self, b: int, i: int, build: int | None, ctx: int, n: int | None = None,
              bound: bool = True) -> float:
