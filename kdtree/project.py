@@ -84,14 +84,26 @@ def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
                2 * rows * vocab * hidden / ceilings["bf16_matmul_flops"])
 
 
-def routing_correction(rec: dict, tokens: int, kernel_s: float) -> float:
-    """Seconds to add to one MoE layer's recorded verify time (random routing over `tokens` rows) when the
-    routed experts' kernel took `kernel_s` on the round's own routing (measured: a real tree's siblings share
-    experts, so fewer are read, by more tokens each): kernel_s less the record's moe_int4 kernel time at
-    `tokens` (`loglog`, tokens clamped to the measured range)."""
+def routing_correction(rec: dict, tokens: int, kernel_s: float, context: int | None = None,
+                       batch: int | None = None, nodes: int | None = None) -> float:
+    """Seconds to add to one MoE layer's recorded verify time (random routing over `tokens` = batch x nodes
+    rows) when the routed experts' kernel took `kernel_s` on the round's own routing (measured: a real
+    tree's siblings share experts, so fewer are read, by more tokens each): kernel_s less the routed kernels'
+    time inside the recorded layer time, i.e. the layer rows' own `moe_kernel_s` at (context, batch) by
+    `loglog` over nodes (clamped to the measured range), where the record has it. A record without it (notebook
+    01 before its layer rows carried it) takes the moe_int4 bench's kernel time at `tokens`, a separate
+    benchmark that includes the pair grouping and routes its own random rows, so it may differ from the
+    layer's own."""
+    own = sorted((r["nodes"], r["moe_kernel_s"]) for r in _pick(rec.get("layer_verify", []), kind="moe",
+                                                                context=context, batch=batch)
+                 if r.get("moe_kernel_s"))
+    if own and nodes is not None:
+        k_own, _ = loglog(own, min(max(nodes, own[0][0]), own[-1][0]))
+        return float(kernel_s) - k_own
     rows = sorted((r["tokens"], r["kernel_s"]) for r in rec.get("moe_int4", []))
     if not rows:
-        raise ValueError("rec['moe_int4'] is empty: the MoE kernel's times per token count are needed")
+        raise ValueError("rec['moe_int4'] is empty and rec['layer_verify'] has no moe_kernel_s at "
+                         f"context={context}, batch={batch}: the MoE kernel's times are needed")
     k_rand, _ = loglog(rows, min(max(tokens, rows[0][0]), rows[-1][0]))
     return float(kernel_s) - k_rand
 
@@ -120,7 +132,7 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
     if dense is None or moe is None:
         return None
     if moe_kernel_s is not None:
-        moe += routing_correction(rec, N * batch, moe_kernel_s)
+        moe += routing_correction(rec, N * batch, moe_kernel_s, context, batch, N)
     parts = {"draft": 0.0, "build": 0.0, "verify": n_dense * dense + (n_layers - n_dense) * moe
              + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0}
     extrapolated = x1 or x2

@@ -169,6 +169,25 @@ def test_routing_correction_charges_the_kernel_time_of_the_rounds_own_routing():
         P.routing_correction(_rec(), 4, 1e-4)
 
 
+def test_routing_correction_takes_the_layer_rows_own_routed_kernel_time():
+    """Where the layer rows carry the routed kernels' share of their own time (`bench.layer.routed`), the
+    correction replaces exactly that share, not the separate moe_int4 bench's time at the same token count
+    (can fail: a correction from moe_int4 is off by the two benches' difference, here 2x)."""
+    rec = _rec_moe()   # moe_int4: 1e-4 sqrt(tokens)
+    for r in rec["layer_verify"]:
+        if r["kind"] == "moe":
+            r["moe_kernel_s"] = 0.5e-4 * r["nodes"] ** 0.5   # half of moe_int4's at the same rows
+    assert math.isclose(P.routing_correction(rec, 16, 1e-4, 4096, 1, 16), 1e-4 - 2e-4, rel_tol=1e-9)
+    assert math.isclose(P.routing_correction(rec, 128, 1e-4, 4096, 1, 128), 1e-4 - 4e-4, rel_tol=1e-9)  # 64
+    # another (context, batch) without them: moe_int4's, as before
+    assert math.isclose(P.routing_correction(rec, 16, 1e-4, 32768, 1, 16), 1e-4 - 4e-4, rel_tol=1e-9)
+    kw = dict(vocab=1000, hidden=64, drafter_layers=3, block_size=8, n_layers=5, n_dense=1)
+    base = P.round_parts(rec, "ddtree", 1, 4096, 15, **kw)
+    less = P.round_parts(rec, "ddtree", 1, 4096, 15, moe_kernel_s=1e-4, **kw)
+    own = 0.5e-4 * 16 ** 0.5   # 16 rows
+    assert math.isclose(base["verify"] - less["verify"], 4 * (own - 1e-4), rel_tol=1e-9)
+
+
 def _rec_moe():
     rec = _rec()
     rec["moe_int4"] = [{"tokens": t, "kernel_s": 1e-4 * t ** 0.5, "experts_touched": min(64, 8 * t)}

@@ -56,6 +56,31 @@ def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
     return m.eval()
 
 
+def routed(moe: MoE, step, device, calls: int = 3) -> dict:
+    """The routed experts of one MoE layer's step: {"experts_touched": distinct experts its rows route to}
+    and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
+    kernel times over `calls` eager steps}: the share of the layer's time that depends on the routing, which
+    `project.routing_correction` replaces by an engine round's own."""
+    from torch.profiler import ProfilerActivity, profile
+    seen = []
+    hook = moe.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel()))
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        hook.remove()
+    out = {"experts_touched": int(seen[0])}
+    if torch.device(device).type != "cuda":
+        return out
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize(device)
+    kern = sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
+    return out | ({"moe_kernel_s": kern / calls} if kern > 0 else {})
+
+
 def bench_layer(
     model,
     contexts=(4096, 32768),
@@ -67,7 +92,9 @@ def bench_layer(
 ) -> list[dict]:
     """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
     context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
-    timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails."""
+    timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails.
+    MoE rows also carry `routed`'s experts_touched and (GPU) moe_kernel_s: the routed kernels' share of
+    time_s on these rows' random routing."""
     dev = model.device
     args = model.args
     mode = mode_for(dev)
@@ -107,17 +134,18 @@ def bench_layer(
                         how, t = "events", measure(step, repeats).median
                 else:
                     t = measure(step, repeats, "wall").median
-            rows.append(
-                {
-                    "layer": i,
-                    "kind": "moe" if isinstance(layer.mlp, MoE) else "dense",
-                    "context": C,
-                    "batch": B,
-                    "nodes": N,
-                    "time_s": t,
-                    "timing": how,
-                    "device": str(dev),
-                }
-            )
+            row = {
+                "layer": i,
+                "kind": "moe" if isinstance(layer.mlp, MoE) else "dense",
+                "context": C,
+                "batch": B,
+                "nodes": N,
+                "time_s": t,
+                "timing": how,
+                "device": str(dev),
+            }
+            if isinstance(layer.mlp, MoE):
+                row.update(routed(layer.mlp, step, dev))
+            rows.append(row)
         del step, cache   # the closure holds a view of the cache
     return rows
