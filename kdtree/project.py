@@ -90,10 +90,10 @@ def routing_correction(rec: dict, tokens: int, kernel_s: float, context: int | N
     rows) when the routed experts' kernel took `kernel_s` on the round's own routing (measured: a real
     tree's siblings share experts, so fewer are read, by more tokens each): kernel_s less the routed kernels'
     time inside the recorded layer time, i.e. the layer rows' own `moe_kernel_s` at (context, batch) by
-    `loglog` over nodes (clamped to the measured range), where the record has it. A record without it (notebook
-    01 before its layer rows carried it) takes the moe_int4 bench's kernel time at `tokens`, a separate
-    benchmark that includes the pair grouping and routes its own random rows, so it may differ from the
-    layer's own."""
+    `loglog` over nodes (clamped to the measured range), where the record has it. A record without it
+    (notebook 01 before its layer rows carried it) takes the moe_int4 bench's kernel time at `tokens`, a
+    separate benchmark that includes the pair grouping and routes its own random rows, so it may differ
+    from the layer's own."""
     own = sorted((r["nodes"], r["moe_kernel_s"]) for r in _pick(rec.get("layer_verify", []), kind="moe",
                                                                 context=context, batch=batch)
                  if r.get("moe_kernel_s"))
