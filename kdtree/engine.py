@@ -45,7 +45,7 @@ from torch import nn
 from . import budget as auto_budget
 from . import checks, golden
 from .model import MOE_PATHS, Int4Experts, PagedMeta, Transformer, check_memory
-from .round_ops import GoldenOps, KernelOps, _chain, choose, truncate, truncated_accepts
+from .round_ops import GoldenOps, KernelOps, _chain, all_finite, choose, truncate, truncated_accepts
 from .simulate import Simulation
 
 MODES = ("ar", "dflash", "ddtree")
@@ -903,7 +903,7 @@ class Engine:
                         ok.remove(r)
         if ok:
             logits = torch.stack([last[r.rid] for r in ok])                                 # [n, V]
-            finite = torch.isfinite(logits).all(-1)
+            finite = all_finite(logits)
             pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
             first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
                            torch.tensor([r.seed for r in ok], device=dev), pos,
@@ -1240,7 +1240,7 @@ class Engine:
         out = self.model.forward_paged(tokens.long(), self.pool, meta, self.layers)
         choice = choose(out.logits, self.temp[:b], self.seed[:b], lens, sampling)
         feats = torch.cat([out.hidden[i] for i in self.layers], -1) if self.layers else None   # [b, N, F]
-        return out.logits, choice, feats, torch.isfinite(out.logits).all(-1).all(-1)
+        return out.logits, choice, feats, all_finite(out.logits).all(-1)
 
     def _commit_impl(self, tokens, feats, acc, acc_len, bonus, finite, b: int, defer: bool = False):
         """The accepted rows' features to the drafter's context (defer, an AR plan's round: to `pend`, for the

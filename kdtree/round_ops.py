@@ -70,6 +70,13 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, 
     return torch.where(temperature[:, None] > 0, sample, greedy)
 
 
+def all_finite(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> bool [...]: every logit of the row finite. One reduction over V (aminmax carries a
+    NaN to both extremes, an infinity to one of them), not an elementwise mask of the logits' size."""
+    lo, hi = torch.aminmax(logits, dim=-1)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 # ----------------------------------------------------------------------------- tree steps
 @dataclass
 class VerifyBatch:

@@ -662,3 +662,22 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
     with pytest.raises(ValueError, match="no page"):
         e.run()
     assert e.admissions == q["admissions"] + 1 and len(e._admits) == n0 and bad not in e.finished
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_all_finite_flags_every_row_with_a_nan_or_an_infinity(device):
+    """`round_ops.all_finite` (one reduction over the vocabulary) equals isfinite().all(-1) on rows with a
+    NaN, +inf or -inf at random places, one or several, among finite rows (can fail: a check of the maximum
+    alone misses the -inf rows)."""
+    from kdtree.round_ops import all_finite
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 9, 4099, generator=g) * 30
+    bad = [float("nan"), float("inf"), float("-inf")]
+    for k in range(20):
+        i, j, v = (int(torch.randint(n, (1,), generator=g)) for n in (6, 9, 4099))
+        x[i, j, v] = bad[k % 3]
+    x = x.to(device)
+    want = torch.isfinite(x).all(-1)
+    assert 0 < int(want.sum()) < want.numel()
+    assert torch.equal(all_finite(x), want)
+    assert not torch.equal(torch.isfinite(x.amax(-1)), want)   # the maximum alone misses the -inf rows
