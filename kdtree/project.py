@@ -84,28 +84,35 @@ def head_time(ceilings: dict, vocab: int, hidden: int, rows: int) -> float:
                2 * rows * vocab * hidden / ceilings["bf16_matmul_flops"])
 
 
-def routing_correction(rec: dict, tokens: int, kernel_s: float, context: int | None = None,
-                       batch: int | None = None, nodes: int | None = None) -> float:
-    """Seconds to add to one MoE layer's recorded verify time (random routing over `tokens` = batch x nodes
-    rows) when the routed experts' kernel took `kernel_s` on the round's own routing (measured: a real
-    tree's siblings share experts, so fewer are read, by more tokens each): kernel_s less the routed kernels'
-    time inside the recorded layer time, i.e. the layer rows' own `moe_kernel_s` at (context, batch) by
-    `loglog` over nodes (clamped to the measured range), where the record has it. A record without it
-    (notebook 01 before its layer rows carried it) takes the moe_int4 bench's kernel time at `tokens`, a
-    separate benchmark that includes the pair grouping and routes its own random rows, so it may differ
-    from the layer's own."""
-    own = sorted((r["nodes"], r["moe_kernel_s"]) for r in _pick(rec.get("layer_verify", []), kind="moe",
-                                                                context=context, batch=batch)
-                 if r.get("moe_kernel_s"))
-    if own and nodes is not None:
-        k_own, _ = loglog(own, min(max(nodes, own[0][0]), own[-1][0]))
-        return float(kernel_s) - k_own
-    rows = sorted((r["tokens"], r["kernel_s"]) for r in rec.get("moe_int4", []))
+def routed_kernel(rec: dict, context: int, batch: int, nodes: int) -> tuple[float, float, str]:
+    """The routed experts inside the recorded MoE layer time at (context, batch, nodes) under its random
+    routing: (kernel seconds, experts touched, source). Source "layer": the layer rows' own `moe_kernel_s`
+    and `experts_touched` (`bench.layer.routed`) by `loglog` over nodes, with `layer_time`'s reach; else
+    "moe_int4": that separate bench's at batch x nodes tokens, clamped to its range (records from before the
+    layer rows carried them; its own random rows and the pair grouping in its time make it differ from the
+    layer's own). ValueError where neither has them."""
+    own = [r for r in _pick(rec.get("layer_verify", []), kind="moe", context=context, batch=batch)
+           if r.get("moe_kernel_s") and r.get("experts_touched")]
+    if own:
+        k, _ = loglog([(r["nodes"], r["moe_kernel_s"]) for r in own], nodes)
+        u, _ = loglog([(r["nodes"], r["experts_touched"]) for r in own], nodes)
+        if k is not None and u is not None:
+            return k, u, "layer"
+    rows = sorted((r["tokens"], r["kernel_s"], r["experts_touched"]) for r in rec.get("moe_int4", []))
     if not rows:
-        raise ValueError("rec['moe_int4'] is empty and rec['layer_verify'] has no moe_kernel_s at "
-                         f"context={context}, batch={batch}: the MoE kernel's times are needed")
-    k_rand, _ = loglog(rows, min(max(tokens, rows[0][0]), rows[-1][0]))
-    return float(kernel_s) - k_rand
+        raise ValueError(f"rec: no routed-kernel time for context={context}, batch={batch}, "
+                         f"nodes={nodes} (the layer rows' moe_kernel_s) and rec['moe_int4'] is empty")
+    x = min(max(batch * nodes, rows[0][0]), rows[-1][0])
+    return (loglog([(t, k) for t, k, _ in rows], x)[0], loglog([(t, u) for t, _, u in rows], x)[0],
+            "moe_int4")
+
+
+def routing_correction(rec: dict, kernel_s: float, context: int, batch: int, nodes: int) -> float:
+    """Seconds to add to one MoE layer's recorded verify time (random routing over batch x nodes rows) when
+    the routed experts' kernel took `kernel_s` on the round's own routing (measured: a real tree's siblings
+    share experts, so fewer are read, by more tokens each): kernel_s less the routed kernel's time inside the
+    recorded layer time (`routed_kernel`)."""
+    return float(kernel_s) - routed_kernel(rec, context, batch, nodes)[0]
 
 
 def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None,
@@ -132,7 +139,7 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
     if dense is None or moe is None:
         return None
     if moe_kernel_s is not None:
-        moe += routing_correction(rec, N * batch, moe_kernel_s, context, batch, N)
+        moe += routing_correction(rec, moe_kernel_s, context, batch, N)
     parts = {"draft": 0.0, "build": 0.0, "verify": n_dense * dense + (n_layers - n_dense) * moe
              + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0}
     extrapolated = x1 or x2
@@ -266,6 +273,7 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
     time (routing True) takes the kernel time of `fit_moe_kernel` over the cells that have both
     (moe_kernel_modelled True in its row): a real tree's nodes share experts (a 65-node tree at batch 1
     reads ~60 of 384, random routing ~276), so the record's random-routing layer time over-projects it.
+    routing_reference: what the correction took as the layer's own routed kernel (`routed_kernel`'s source).
     Cells the record cannot project are left out. kw: round_parts' vocab, hidden, drafter_layers."""
     out = []
     fit = fit_moe_kernel(cells, top_k) if routing else None
@@ -286,9 +294,11 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
         ext = parts.pop("extrapolated")
         t, m = sum(parts.values()), c["round_gpu_span_median_s"]
         fs = None if full is None else sum(v for k, v in full.items() if k != "extrapolated")
+        ref = routed_kernel(rec, c["context"], c["batch"], _rows(c))[2] if kern is not None else None
         out.append({k: c.get(k) for k in ("mode", "budget", "batch", "context", "layers", "tau_chain",
                                           "experts_touched")} |
-                   {"moe_kernel_s": kern, "moe_kernel_modelled": modelled, "projected_s": t, "measured_s": m,
+                   {"moe_kernel_s": kern, "moe_kernel_modelled": modelled, "routing_reference": ref,
+                    "projected_s": t, "measured_s": m,
                     "ratio": t / m, "within": abs(t / m - 1) <= tolerance,
                     "parts": parts, "extrapolated": ext, "full_layers": full_layers, "full_s": fs,
                     "full_tok_per_s": c["tau"] / fs if fs and c.get("tau") else None})
@@ -314,7 +324,7 @@ def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, a
                   allreduce_Bps: float, experts: int = 384, top_k: int = 8, n_layers: int = 61,
                   n_dense: int = 1, hidden: int = 7168, **kw) -> list[dict]:
     """PROJECTED rows (labelled so) for `world` GPUs from one GPU's record: per MoE layer, its measured time
-    less its MoE kernel's (`moe_int4` rows, by the round's tokens) split over the ranks (tensor-parallel
+    less its routed kernel's (`routed_kernel`) split over the ranks (tensor-parallel
     attention and dense work), plus the MoE kernel on the busiest rank (its share of the round's touched
     experts, `busiest_rank_experts`, at the kernel's time per expert), plus two all-reduces a layer (latency
     + rows * hidden * 2 bytes / bandwidth; both given, stated in every row); the dense layers split over
@@ -323,9 +333,6 @@ def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, a
     for name, v in (("allreduce_latency_s", allreduce_latency_s), ("allreduce_Bps", allreduce_Bps)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name}={v!r}: expected a positive number (state the assumption)")
-    moe_rows = sorted((r["tokens"], r["kernel_s"], r["experts_touched"]) for r in rec.get("moe_int4", []))
-    if not moe_rows:
-        raise ValueError("rec['moe_int4'] is empty: the MoE kernel's times per token count are needed")
     one = project(rec, taus, batch, context, n_layers=n_layers, n_dense=n_dense, hidden=hidden, **kw)
     out = []
     for r in one:
@@ -333,8 +340,7 @@ def project_multi(rec: dict, taus: dict, batch: int, context: int, world: int, a
         N = r["batch"] * rows                                                   # the round's verify rows
         layer, ext = layer_time(rec["layer_verify"], "moe", context, batch, N // batch)
         dense, _ = layer_time(rec["layer_verify"], "dense", context, batch, N // batch)
-        kern, _ = loglog([(t, s) for t, s, _ in moe_rows], min(max(N, moe_rows[0][0]), moe_rows[-1][0]))
-        touched, _ = loglog([(t, u) for t, _, u in moe_rows], min(max(N, moe_rows[0][0]), moe_rows[-1][0]))
+        kern, touched, _ = routed_kernel(rec, context, batch, N // batch)
         touched = min(experts, max(top_k, round(touched)))
         busiest = busiest_rank_experts(touched, experts, world)
         moe_rank = kern * busiest / touched

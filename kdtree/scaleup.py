@@ -102,17 +102,14 @@ def allreduce(config: str = "kimi-k2.6") -> list[dict]:
 
 def verify_ep(micro: dict, world: int = 8, experts: int = 384, top_k: int = 8) -> list[dict]:
     """One MoE layer's verify at batch 1 per tree size, from notebook 01's measured curve: the layer on one
-    GPU, its MoE kernel (by the round's rows, with the experts those rows touched under random routing), the
+    GPU, its MoE kernel (`project.routed_kernel`: the experts those rows touched under random routing), the
     busiest rank's share of those experts, and the layer on one rank of `world` (attention and the rest split
     by heads, the MoE kernel on the busiest rank) before its two all-reduces (not measured here)."""
-    moe_rows = sorted((r["tokens"], r["kernel_s"], r["experts_touched"]) for r in micro["moe_int4"])
     out = []
     for ctx in (4096, 32768):
         for N in (1, 16, 64, 256):
             layer, ext = project.layer_time(micro["layer_verify"], "moe", ctx, 1, N)
-            x = min(max(N, moe_rows[0][0]), moe_rows[-1][0])
-            kern, _ = project.loglog([(t, s) for t, s, _ in moe_rows], x)
-            touched, _ = project.loglog([(t, u) for t, _, u in moe_rows], x)
+            kern, touched, _ = project.routed_kernel(micro, ctx, 1, N)
             touched = min(experts, max(top_k, round(touched)))
             busiest = project.busiest_rank_experts(touched, experts, world)
             rank = max(layer - kern, 0.0) / world + kern * busiest / touched

@@ -146,9 +146,9 @@ def test_routing_correction_charges_the_kernel_time_of_the_rounds_own_routing():
     time per MoE layer, in the partial-depth check and the full-depth rows (can fail: a check that ignores
     `moe_kernel_s` sees the round over-projected)."""
     rec = _rec_moe()   # tokens 1, 4, 16, 64 -> kernel 1e-4 sqrt(tokens)
-    assert abs(P.routing_correction(rec, 4, 2e-4)) < 1e-15
-    assert math.isclose(P.routing_correction(rec, 16, 1e-4), 1e-4 - 4e-4, rel_tol=1e-9)
-    assert math.isclose(P.routing_correction(rec, 256, 1e-4), 1e-4 - 8e-4, rel_tol=1e-9)   # clamped to 64
+    assert abs(P.routing_correction(rec, 2e-4, 4096, 1, 4)) < 1e-15
+    assert math.isclose(P.routing_correction(rec, 1e-4, 4096, 1, 16), 1e-4 - 4e-4, rel_tol=1e-9)
+    assert math.isclose(P.routing_correction(rec, 1e-4, 4096, 1, 256), 1e-4 - 8e-4, rel_tol=1e-9)  # to 64
     kw = dict(vocab=1000, hidden=64, drafter_layers=3)
     base = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, **kw)
     less = P.round_parts(rec, "ddtree", 1, 4096, 15, block_size=8, n_layers=5, n_dense=1, moe_kernel_s=1e-4,
@@ -166,26 +166,39 @@ def test_routing_correction_charges_the_kernel_time_of_the_rounds_own_routing():
     blind = P.check_engine(rec, [cell], routing=False, **kw)[0]
     assert not blind["within"] and blind["ratio"] > 1.1
     with pytest.raises(ValueError, match="moe_int4"):
-        P.routing_correction(_rec(), 4, 1e-4)
+        P.routing_correction(_rec(), 1e-4, 4096, 1, 4)
 
 
 def test_routing_correction_takes_the_layer_rows_own_routed_kernel_time():
     """Where the layer rows carry the routed kernels' share of their own time (`bench.layer.routed`), the
-    correction replaces exactly that share, not the separate moe_int4 bench's time at the same token count
-    (can fail: a correction from moe_int4 is off by the two benches' difference, here 2x)."""
-    rec = _rec_moe()   # moe_int4: 1e-4 sqrt(tokens)
+    correction replaces exactly that share at their (context, batch), over the layer rows' reach, not the
+    separate moe_int4 bench's time at the same token count (can fail: a correction from moe_int4 is off by
+    the two benches' difference, here 2x; one that ignored the batch would read batch 8's rows)."""
+    rec = _rec_moe()   # moe_int4: 1e-4 sqrt(tokens); layer rows at batch 1, nodes 1 ... 64
     for r in rec["layer_verify"]:
         if r["kind"] == "moe":
             r["moe_kernel_s"] = 0.5e-4 * r["nodes"] ** 0.5   # half of moe_int4's at the same rows
-    assert math.isclose(P.routing_correction(rec, 16, 1e-4, 4096, 1, 16), 1e-4 - 2e-4, rel_tol=1e-9)
-    assert math.isclose(P.routing_correction(rec, 128, 1e-4, 4096, 1, 128), 1e-4 - 4e-4, rel_tol=1e-9)  # 64
-    # another (context, batch) without them: moe_int4's, as before
-    assert math.isclose(P.routing_correction(rec, 16, 1e-4, 32768, 1, 16), 1e-4 - 4e-4, rel_tol=1e-9)
+            r["experts_touched"] = min(64, 8 * r["nodes"])
+    rec["layer_verify"] += [dict(r, batch=8, moe_kernel_s=3 * r["moe_kernel_s"]) for r in rec["layer_verify"]
+                            if r["kind"] == "moe"]
+    for nodes in (16, 33, 128):   # 128: extrapolated along the last segment, as layer_time reaches it
+        k, u, src = P.routed_kernel(rec, 4096, 1, nodes)
+        assert src == "layer" and math.isclose(k, 0.5e-4 * nodes ** 0.5, rel_tol=1e-9)
+        assert math.isclose(P.routing_correction(rec, 1e-4, 4096, 1, nodes), 1e-4 - k, rel_tol=1e-9)
+    assert math.isclose(P.routed_kernel(rec, 4096, 8, 16)[0], 1.5e-4 * 4, rel_tol=1e-9)   # batch 8's own
+    # beyond the rows' reach, or another context without them: moe_int4's, as before
+    assert P.routed_kernel(rec, 4096, 1, 129)[2] == "moe_int4"
+    assert math.isclose(P.routing_correction(rec, 1e-4, 32768, 1, 16), 1e-4 - 4e-4, rel_tol=1e-9)
     kw = dict(vocab=1000, hidden=64, drafter_layers=3, block_size=8, n_layers=5, n_dense=1)
     base = P.round_parts(rec, "ddtree", 1, 4096, 15, **kw)
     less = P.round_parts(rec, "ddtree", 1, 4096, 15, moe_kernel_s=1e-4, **kw)
     own = 0.5e-4 * 16 ** 0.5   # 16 rows
     assert math.isclose(base["verify"] - less["verify"], 4 * (own - 1e-4), rel_tol=1e-9)
+    t = sum(v for k, v in less.items() if k != "extrapolated")
+    cell = dict(mode="ddtree", budget=15, batch=1, context=4096, layers=4, block=8, tau=3.0,
+                round_gpu_span_median_s=t, moe_kernel_s=1e-4)
+    row = P.check_engine(rec, [cell], **{k: kw[k] for k in ("vocab", "hidden", "drafter_layers")})[0]
+    assert row["within"] and row["routing_reference"] == "layer"
 
 
 def _rec_moe():

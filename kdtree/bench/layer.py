@@ -94,7 +94,8 @@ def bench_layer(
     context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
     timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails.
     MoE rows also carry `routed`'s experts_touched and (GPU) moe_kernel_s: the routed kernels' share of
-    time_s on these rows' random routing."""
+    time_s on these rows' random routing (its profiler pass follows the row's timing; the rows after the
+    first are timed with the profiler's CUDA tracing set up but idle)."""
     dev = model.device
     args = model.args
     mode = mode_for(dev)
