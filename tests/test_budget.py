@@ -202,10 +202,11 @@ def test_expected_tokens_are_capped_at_the_tokens_left():
     assert np.array_equal(Engine._capped([R(5, 5)], est[:1]), [[1.0, 1.0, 1.0, 1.0]])   # at least 1
 
 
-def test_ar_holds_double_and_each_ends_with_one_draft_round():
+def test_ar_holds_double_and_each_ends_with_one_draft_round(monkeypatch):
     """Drafts that do not pay, at a probe that costs little beyond AR (its shortest hold is 1): AR for 1
     round, a probe draft, AR for 2, a probe, AR for 4, ... up to the hold limit; once drafting pays again
     the next decision drafts, and each drafted round halves the next hold."""
+    monkeypatch.setattr(kb, "FIRST_SHARE", 0.05)   # the probe's excess (0.03 rounds): a shortest hold of 1
     plans = kb.plans(7, (4,))
     t = _costs(0.05, [1.0, 1.0, 1.0], builds=(4,))
     pol = kb.Policy(plans, t)
@@ -237,6 +238,7 @@ def test_a_dear_probe_sets_the_shortest_hold(monkeypatch):
     PROBE_SHARE = 80); a lone drafted round between holds halves the next hold instead of starting over,
     and the shortest hold is capped at MAX_HOLD."""
     monkeypatch.setattr(kb, "LEAD", math.inf)   # the shortest hold without its lead term
+    monkeypatch.setattr(kb, "FIRST_SHARE", 0.05)   # 0.8 rounds' excess: 16, within MAX_HOLD
     plans = kb.plans(7, (4,))
     pol = kb.Policy(plans, _costs(1.0, [1.0, 1.0, 1.0], builds=(4,)))
     poor = np.array([[1.0, 1.1, 1.2]])               # B=4: 1.2 tokens for 2 AR rounds' seconds
@@ -265,9 +267,10 @@ def test_a_dear_probe_sets_the_shortest_hold(monkeypatch):
     assert dear.hold_floor(np.array([1.0, -np.inf, -np.inf]), poor) == 1   # no finite excess
 
 
-def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve():
+def test_no_probe_where_the_batch_ends_before_its_estimates_could_serve(monkeypatch):
     """A hold of h rounds ends with a probe only while more than h rounds follow it: with the batch's end in
     view (rounds_left) AR serves on to the end; without it (None: requests wait) the probe runs."""
+    monkeypatch.setattr(kb, "FIRST_SHARE", 0.05)   # holds of 1, 2, ... (below)
     plans = kb.plans(7, (4,))
     t = _costs(0.05, [1.0, 1.0, 1.0], builds=(4,))   # a cheap probe: holds of 1, 2, ...
     poor = np.array([[1.0, 1.02, 1.03]])
