@@ -41,6 +41,7 @@ from .clocks import gpu_state
 from .e2e import _cell
 from .engine import run_engine, stage_kernels, write_record
 from .goals import target as _goal
+from .layer import count_experts, routed_kernel_s
 
 PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
 BUDGETS = (4, 8, 16, 32, 64, 128)
@@ -133,7 +134,7 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     from ..model import MoE
     moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
     seen = []
-    hooks = [m.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel())) for m in moe]
+    hooks = count_experts(moe, seen)
     try:
         for i, p in enumerate(prompts):
             engine.add_request(p, 3 * engine.max_accept + 2, seed=i, **add)
@@ -154,8 +155,7 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
         for h in hooks:
             h.remove()
     engine.run()
-    kern = sum(e.device_time for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
+    kern = routed_kernel_s(prof)
     return {"experts_touched": float(sum(got) / len(got)) if got else None,
             "moe_kernel_s": kern / (rounds * len(moe)) if kern > 0 else None}
 

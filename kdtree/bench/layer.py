@@ -56,6 +56,18 @@ def layer_model(config: str = "kimi-k2.6", device: str = "cuda", seed: int = 0):
     return m.eval()
 
 
+def count_experts(moes, seen: list):
+    """Forward hooks on the gates of `moes` (MoE modules) that append each call's distinct routed experts to
+    `seen`; returns the hook handles (remove them when done)."""
+    return [m.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel())) for m in moes]
+
+
+def routed_kernel_s(prof) -> float:
+    """Seconds of the routed experts' kernels (moe_*) in a torch.profiler run."""
+    return sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
+
+
 def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     """The routed experts of one MoE layer's step: {"experts_touched": distinct experts its rows route to}
     and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
@@ -63,12 +75,13 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     `project.routing_correction` replaces by an engine round's own."""
     from torch.profiler import ProfilerActivity, profile
     seen = []
-    hook = moe.gate.register_forward_hook(lambda m, i, o: seen.append(o[1].unique().numel()))
+    hooks = count_experts([moe], seen)
     try:
         with torch.no_grad():
             step()
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
     out = {"experts_touched": int(seen[0])}
     if torch.device(device).type != "cuda":
         return out
@@ -76,8 +89,7 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
         for _ in range(calls):
             step()
         torch.cuda.synchronize(device)
-    kern = sum(e.device_time for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
+    kern = routed_kernel_s(prof)
     return out | ({"moe_kernel_s": kern / calls} if kern > 0 else {})
 
 
