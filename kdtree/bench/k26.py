@@ -290,7 +290,7 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                      fitted=fitted[spec_i], elapsed_s=time.perf_counter() - start)
             rows_cell.append(c)
             if on_engine is not None:
-                on_engine({**rec, "cells": rec["cells"] + rows_cell, "partial": True})
+                on_engine({**rec, "cells": rec["cells"] + draft_times(rows_cell), "partial": True})
             gc.collect()
             torch.cuda.empty_cache()
             if progress:
@@ -301,14 +301,23 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
                 print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
                       f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
                       f"({c['elapsed_s']:.0f} s)", flush=True)
-        for c in rows_cell:  # every speculative cell of a profile gets its DFlash engine's draft time
-            src = next((x for x in rows_cell if x["mode"] == "dflash" and x["tau_chain"] == c["tau_chain"]
-                        and x.get("stages")), None)
-            if c["mode"] != "ar" and src is not None:
-                c["draft_s"] = src["stages"]["draft"]["gpu_s"]
-        rec["cells"] += rows_cell
+        rec["cells"] += draft_times(rows_cell)
         rec["targets"] += _targets(rows_cell, context, batch, n)
     return rec
+
+
+def draft_times(cells: list) -> list:
+    """cells, each speculative row without a `draft_s` given its DFlash row's measured draft seconds (the
+    row of the same run, context, batch and chain tau that carries `stages`), in place: the projection's
+    drafter is the measured one, also in a sweep cut off after its DFlash row."""
+    for c in cells:
+        if c["mode"] == "ar" or c.get("draft_s") is not None:
+            continue
+        src = next((x for x in cells if x["mode"] == "dflash" and x.get("stages")
+                    and all(x.get(k) == c.get(k) for k in ("run", "context", "batch", "tau_chain"))), None)
+        if src is not None:
+            c["draft_s"] = src["stages"]["draft"]["gpu_s"]
+    return cells
 
 
 def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dict:

@@ -38,6 +38,7 @@ def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers
         k26.pop("projection_check", None)
         k26.pop("projection_full", None)
         return []
+    bench_k26.draft_times(k26["cells"])
     chk = project.check_engine(microbench, k26["cells"], drafter_layers=drafter_layers, full_layers=n_layers,
                                **kw)
     k26["projection_check"] = chk
