@@ -256,10 +256,13 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
 
             def after(e, mode=mode, budget=budget, first=spec_i == 0):
                 # the routing of every fixed plan's rounds; the DFlash engine's stages (an eager round under
-                # the profiler): the drafter's measured cost; the largest tree's, of the first profile: the
-                # kernels whose time grows with the verified rows
+                # the profiler, at the cell's batch and context): the drafter's measured cost; the largest
+                # tree's, of the first profile (one request): the kernels whose time grows with the rows
                 out = {} if budget == "auto" else measure_routing(e, prompts, **add)
-                if gpu and (mode == "dflash" or (first and budget == max(budgets))):
+                if gpu and mode == "dflash":
+                    out["stages"] = stage_kernels(e, prompts[0], batch=batch, **add)
+                    out["stages_at"] = {"batch": batch, "context": context}
+                elif gpu and first and budget == max(budgets):
                     out["stages"] = stage_kernels(e, prompts[0])
                 if first and batch > 1 and (mode == "ar" or budget == "auto"):
                     # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
