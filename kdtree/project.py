@@ -118,14 +118,15 @@ def routing_correction(rec: dict, kernel_s: float, context: int, batch: int, nod
 def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | None = None,
                 block_size: int = 16, drafter_layers: int = 6, n_layers: int = 61, n_dense: int = 1,
                 vocab: int = 163840, hidden: int = 7168, draft_s: float | None = None,
-                moe_kernel_s: float | None = None) -> dict | None:
-    """Seconds per round by part ({draft, build, verify, walk}, plus extrapolated: bool) for one mode; None
-    where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not in
-    the record). Tree round and walk times are interpolated over the measured budgets likewise (below the
+                moe_kernel_s: float | None = None, commit_s: float | None = None) -> dict | None:
+    """Seconds per round by part ({draft, build, verify, walk, commit}, plus extrapolated: bool) for one mode;
+    None where a needed measurement is missing (node count or budget outside what `loglog` reaches, batch not
+    in the record). Tree round and walk times are interpolated over the measured budgets likewise (below the
     smallest measured budget, that budget's time: an upper bound). draft_s: the drafter's measured seconds a
-    round (else modelled as drafter_layers dense layers + the head). moe_kernel_s: the routed experts' kernel
-    seconds per MoE layer on the engine's own routing (`routing_correction`; else the record's random
-    routing)."""
+    round (else modelled as drafter_layers dense layers + the head). commit_s: the drafter's measured context
+    update a round (the accepted rows' features into its K/V; measured only: 0 where not given, and for AR).
+    moe_kernel_s: the routed experts' kernel seconds per MoE layer on the engine's own routing
+    (`routing_correction`; else the record's random routing)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
     if mode == "ddtree" and (not isinstance(budget, int) or budget <= 0):
@@ -141,7 +142,8 @@ def round_parts(rec: dict, mode: str, batch: int, context: int, budget: int | No
     if moe_kernel_s is not None:
         moe += routing_correction(rec, moe_kernel_s, context, batch, N)
     parts = {"draft": 0.0, "build": 0.0, "verify": n_dense * dense + (n_layers - n_dense) * moe
-             + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0}
+             + head_time(ceil, vocab, hidden, N * batch), "walk": 0.0,
+             "commit": 0.0 if mode == "ar" or commit_s is None else float(commit_s)}
     extrapolated = x1 or x2
     if mode != "ar":
         d, x3 = layer_time(layers, "dense", context, batch, block_size)
@@ -264,15 +266,15 @@ def fit_moe_kernel(cells, top_k: int = 8) -> tuple[float, float] | None:
 def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 61, routing: bool = True,
                  top_k: int = 8, **kw) -> list[dict]:
     """The projection against measured engine rounds at a partial depth (bench.k26's cells): for every cell
-    {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, moe_kernel_s (both
-    optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
+    {mode, budget, batch, context, layers, block, round_gpu_span_median_s, draft_s, commit_s, moe_kernel_s
+    (all optional), tau} of AR, DFlash or a fixed DDTree budget, the round time projected at 1 + layers layers
     (the dense layer 0 and `layers` MoE layers) from `rec` (notebook 01's record), with the cell's measured
-    routed-expert kernel time (`moe_kernel_s`, routing True) and draft time. Rows {.., projected_s,
+    routed-expert kernel time (`moe_kernel_s`, routing True), draft and commit times. Rows {.., projected_s,
     measured_s, ratio, within, full_s, full_tok_per_s}: full_s the same parts at `full_layers` layers
-    (PROJECTED), full_tok_per_s the cell's tau over it. A cell that counted its experts but has no kernel
-    time (routing True) takes the kernel time of `fit_moe_kernel` over the cells that have both
-    (moe_kernel_modelled True in its row): a real tree's nodes share experts (a 65-node tree at batch 1
-    reads ~60 of 384, random routing ~276), so the record's random-routing layer time over-projects it.
+    (PROJECTED), full_tok_per_s the cell's tau over it. A cell that counted its experts but has no kernel time
+    (routing True) takes the kernel time of `fit_moe_kernel` over the cells that have both
+    (moe_kernel_modelled True in its row): a real tree's nodes share experts (a 65-node tree at batch 1 reads
+    ~60 of 384, random routing ~276), so the record's random-routing layer time over-projects it.
     routing_reference: what the correction took as the layer's own routed kernel (`routed_kernel`'s source).
     Cells the record cannot project are left out. kw: round_parts' vocab, hidden, drafter_layers."""
     out = []
@@ -284,7 +286,7 @@ def check_engine(rec: dict, cells, tolerance: float = 0.10, full_layers: int = 6
         if routing and kern is None and fit is not None and c.get("experts_touched"):
             kern, modelled = fit[0] * c["experts_touched"] + fit[1] * _rows(c) * c["batch"] * top_k, True
         at = dict(block_size=c.get("block") or 16, n_dense=1, draft_s=c.get("draft_s"), moe_kernel_s=kern,
-                  **kw)
+                  commit_s=c.get("commit_s"), **kw)
         parts = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"),
                             n_layers=1 + c["layers"], **at)
         full = round_parts(rec, c["mode"], c["batch"], c["context"], c.get("budget"), n_layers=full_layers,

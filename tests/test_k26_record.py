@@ -123,14 +123,14 @@ def test_finish_projects_the_rows_and_sets_the_target():
 
 def test_finish_projects_a_cut_off_sweeps_rows_with_their_runs_measured_draft():
     """A sweep cut off after its DFlash row wrote its speculative rows without `draft_s`: finish gives
-    each the draft seconds its own run's DFlash row measured (`stages`), never another run's, so the
-    projection's drafter is the measured one. Can fail: without it the drafter is modelled from the
-    record (another time)."""
+    each the draft and commit seconds its own run's DFlash row measured (`stages`), never another run's, so
+    the projection's drafter is the measured one, its context update included. Can fail: without it the
+    drafter is modelled from the record (another time) and the commit left out."""
     from test_project import _rec
     rows = [dict(c, round_gpu_span_median_s=0.01) for c in _rows(4096, 1, 5.0, "r1", 1.0)]
     for c in rows:
         if c["mode"] == "dflash":
-            c["stages"] = {"draft": {"gpu_s": 0.0042}}
+            c["stages"] = {"draft": {"gpu_s": 0.0042}, "commit": {"gpu_s": 0.0005}}
     other = [dict(c, round_gpu_span_median_s=0.01) for c in _rows(4096, 1, 3.0, "r2", 1.0)]
     from kdtree import project
     modelled = project.check_engine(_rec(), [dict(c) for c in rows + other], drafter_layers=3, vocab=1000,
@@ -138,12 +138,14 @@ def test_finish_projects_a_cut_off_sweeps_rows_with_their_runs_measured_draft():
     sec = _section(rows + other)
     chk = KR.finish(sec, _rec(), drafter_layers=3, n_layers=61, vocab=1000, hidden=64)
     spec = [c for c in sec["cells"] if c["mode"] != "ar"]
-    assert {(c["run"], c.get("draft_s")) for c in spec} == {("r1", 0.0042), ("r2", None)}
+    assert {(c["run"], c.get("draft_s"), c.get("commit_s")) for c in spec} == {("r1", 0.0042, 0.0005),
+                                                                              ("r2", None, None)}
     for r, m in zip(chk, modelled):
         if r["tau_chain"] == 5.0 and r["mode"] != "ar":
             assert r["parts"]["draft"] == 0.0042 != m["parts"]["draft"]
+            assert r["parts"]["commit"] == 0.0005 and m["parts"]["commit"] == 0.0
         else:
-            assert r["parts"] == m["parts"]
+            assert r["parts"] == m["parts"] and r["parts"]["commit"] == 0.0
 
 
 def test_cli_combines_into_the_record_and_leaves_it_alone_on_bad_input(tmp_path, capsys):
