@@ -310,10 +310,10 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
 
 
 def draft_times(cells: list) -> list:
-    """cells, each speculative row without a `draft_s` given its DFlash row's measured draft and commit
-    seconds (`draft_s`, `commit_s`: the drafter's draft and its context update; the row of the same run,
-    context, batch and chain tau that carries `stages`), in place: the projection's drafter is the measured
-    one, also in a sweep cut off after its DFlash row."""
+    """cells, each speculative row's missing `draft_s` / `commit_s` (the drafter's draft and its context
+    update) given from its DFlash row's measured stages (the row of the same run, context, batch and chain
+    tau that carries `stages`), in place: the projection's drafter is the measured one, also in a sweep cut
+    off after its DFlash row."""
     for c in cells:
         if c["mode"] == "ar" or (c.get("draft_s") is not None and c.get("commit_s") is not None):
             continue

@@ -32,7 +32,8 @@ def record_targets(record: dict) -> list[dict]:
 def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers: int = 61,
            **kw) -> list[dict]:
     """Sets k26's projection_check, projection_full and the projection target from notebook 01's record
-    `microbench` (none: the section keeps no projection); returns the check's rows. kw: more
+    `microbench` (none: the section keeps no projection), its rows' missing draft and commit times first
+    given from their runs' DFlash rows (`bench.k26.draft_times`); returns the check's rows. kw: more
     `project.check_engine` keywords (vocab, hidden)."""
     if not microbench:   # no projection: none of another set of rows either
         k26.pop("projection_check", None)
