@@ -318,6 +318,27 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     assert all(len(out[i].tokens) == 64 for i in ids) and a.free_pages == a.pages.capacity
 
 
+def test_k26_sweep_profiles_the_drafter_at_the_cells_shape():
+    """bench.k26 at the mid config's dimensions on a GPU: the DFlash row's stage profile ran at the cell's
+    batch and context (`stages_at`), its draft and commit stages measured, and every speculative row of the
+    cell carries those times as `draft_s` / `commit_s` (the projection's drafter is the measured one)."""
+    from kdtree import k26
+    from kdtree.bench import k26 as bench_k26
+    dargs = dict(num_hidden_layers=2, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                 intermediate_size=4096)
+    rec = bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4, 16), repeats=1, progress=False,
+                        device="cuda", args=k26.target_args(2, config="mid"), dargs=dargs, layers=2, queue=0)
+    cells = rec["cells"]
+    assert [c["mode"] for c in cells] == ["ar", "dflash", "ddtree", "ddtree", "ddtree"]
+    assert not any(c.get("error") for c in cells), [c.get("error") for c in cells]
+    (df,) = [c for c in cells if c["mode"] == "dflash"]
+    assert df["stages_at"] == {"batch": 2, "context": 96}
+    draft, commit = df["stages"]["draft"]["gpu_s"], df["stages"]["commit"]["gpu_s"]
+    assert draft > 0 and commit > 0, (draft, commit)
+    assert all(c["draft_s"] == draft and c["commit_s"] == commit for c in cells if c["mode"] != "ar")
+    assert "draft_s" not in cells[0] and "commit_s" not in cells[0]
+
+
 @pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 32)])
 def test_prefill_graphs_replay_the_eager_prefill(pair, mode, budget):
     """Prompts of one length served one after another: the first chunk of that shape runs eagerly (and is
