@@ -11,6 +11,9 @@ from kdtree.oracle import oracle_ar
 from kdtree.validate import kernel_model, random_prompts
 
 pytestmark = pytest.mark.gpu
+# a K2.5-DFlash-shaped drafter at the mid config's width (fewer layers): the K2.6 sweep's tests
+MID_DRAFTER = dict(num_hidden_layers=2, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                   intermediate_size=4096)
 
 
 @pytest.fixture(scope="module")
@@ -286,9 +289,7 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     from kdtree.simulate import Profile
     t = k26.build_target(2, device="cuda", config="mid")
     assert all(layer.mlp.experts.released for layer in t.model.layers[1:])
-    d = k26.build_drafter(t, args=k26.drafter_args(t.args, num_hidden_layers=2, hidden_size=2048,
-                                                   num_attention_heads=16, num_key_value_heads=4,
-                                                   intermediate_size=4096))
+    d = k26.build_drafter(t, args=k26.drafter_args(t.args, **MID_DRAFTER))
     prof = Profile(4.0, depth=7, K=64)
     prompts = [[11 + i, 12, 13, 14] for i in range(8)]
     e = Engine(t, d, mode="ddtree", budget=16, max_batch=8, max_len=2048, simulate=prof)
@@ -324,10 +325,9 @@ def test_k26_sweep_profiles_the_drafter_at_the_cells_shape():
     cell carries those times as `draft_s` / `commit_s` (the projection's drafter is the measured one)."""
     from kdtree import k26
     from kdtree.bench import k26 as bench_k26
-    dargs = dict(num_hidden_layers=2, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
-                 intermediate_size=4096)
     rec = bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4, 16), repeats=1, progress=False,
-                        device="cuda", args=k26.target_args(2, config="mid"), dargs=dargs, layers=2, queue=0)
+                        device="cuda", args=k26.target_args(2, config="mid"), dargs=MID_DRAFTER, layers=2,
+                        queue=0)
     cells = rec["cells"]
     assert [c["mode"] for c in cells] == ["ar", "dflash", "ddtree", "ddtree", "ddtree"]
     assert not any(c.get("error") for c in cells), [c.get("error") for c in cells]
