@@ -79,9 +79,9 @@ LARGE_GEMM_BLAS: str | None = "cublaslt"
 
 
 @contextlib.contextmanager
-def _blas(device: torch.device, rows: int):
-    lib = SMALL_GEMM_BLAS if rows <= SMALL_GEMM_ROWS else LARGE_GEMM_BLAS
-    if device.type != "cuda" or lib is None:
+def preferred_blas(lib: str | None):
+    """torch's preferred BLAS library set to `lib` ("cublas" | "cublaslt"; None: left as it is) inside."""
+    if lib is None:
         yield
         return
     prev = torch.backends.cuda.preferred_blas_library()
@@ -90,6 +90,12 @@ def _blas(device: torch.device, rows: int):
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(prev)
+
+
+def _blas(device: torch.device, rows: int):
+    """The BLAS library of a region of `rows` GEMM rows (SMALL_GEMM_BLAS / LARGE_GEMM_BLAS) on a GPU."""
+    lib = SMALL_GEMM_BLAS if rows <= SMALL_GEMM_ROWS else LARGE_GEMM_BLAS
+    return preferred_blas(lib if device.type == "cuda" else None)
 
 
 @dataclass

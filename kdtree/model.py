@@ -871,6 +871,8 @@ class Transformer(nn.Module):
         self.attn_impl = attn_impl
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # forward_paged's layers through kdtree.fused's kernels where they apply (False: the torch path)
+        self.fused = True
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -1015,7 +1017,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def prepare_paged(self, moe: str = "dense") -> "Transformer":
         """Build or refresh the fused weights forward_paged uses: each MLA's q_a_proj and kv_a_proj_with_mqa
-        rows as one [q_lora + R + P, D] matrix, and for moe "dense" / "grouped" each MoE's stacked experts
+        rows as one [q_lora + R + P, D] matrix, on a GPU the gate and up weights of each dense MLP and shared
+        expert as views of one [2I, D] matrix (fused.prepare), and for moe "dense" / "grouped" each MoE's
+        stacked experts
         (MoE.stacked / MoE.grouped). Copies of the weights, refreshed in place (CUDA graphs captured earlier
         keep reading valid memory and see the new values): call again after the weights change
         (kdtree.engine.Engine does at construction). Returns self."""
@@ -1032,6 +1036,8 @@ class Transformer(nn.Module):
                     mlp.stacked(refresh=True)
                 elif moe == "grouped":
                     mlp.grouped(refresh=True)
+        from . import fused
+        fused.prepare(self)
         self._paged_ready = getattr(self, "_paged_ready", set()) | {(self.device, self.dtype, moe)}
         return self
 
@@ -1039,8 +1045,10 @@ class Transformer(nn.Module):
     def forward_paged(self, tokens: torch.Tensor, pool: torch.Tensor, meta: AttnMeta, hidden_layers=(),
                       logits_for=None) -> ForwardOutput:
         """The engine's forward: tokens [B, T] (ids already checked), pool [layers, rows, R + P] the shared
-        page pool (rows = pages * page_size), meta the block's AttnMeta (paged layout). Writes the block's
-        latent rows to meta.slots of every layer; no value checks and no host reads (graph-capturable;
+        page pool (rows = pages * page_size), meta the block's AttnMeta (paged layout). The layers take
+        kdtree.fused's kernels where `fused.unsupported` allows and `self.fused` is True (bf16 on a GPU with
+        attn_impl 'kernel'), else Block.forward (the reference; the two agree to bf16 rounding). Writes the
+        block's latent rows to meta.slots of every layer; no value checks and no host reads (graph-capturable;
         logits_for, the rows given logits: a slice or a device index tensor there, a list being copied from
         the host).
         Returns ForwardOutput(logits [B, T', V] float32, hidden {layer: [B, T, D]})."""
@@ -1051,12 +1059,16 @@ class Transformer(nn.Module):
             self.prepare_paged(meta.moe)
         h = self.model.embed_tokens(tokens)  # [B, T, D]
         cos, sin = self.rope(meta.positions, h.dtype)
-        hidden = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, pool[i], meta)
-            if i in hidden_layers:
-                hidden[i] = h
-        h = self.model.norm(h)
+        from . import fused
+        if getattr(self, "fused", True) and fused.unsupported(self, meta) is None:
+            h, hidden = fused.forward_layers(self, h, cos, sin, pool, meta, hidden_layers)
+        else:
+            hidden = {}
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, cos, sin, pool[i], meta)
+                if i in hidden_layers:
+                    hidden[i] = h
+            h = self.model.norm(h)
         if logits_for is not None:
             h = h[:, logits_for].contiguous()  # a slice's rows as an index's would be laid out
         return ForwardOutput(self.lm_head(h).float(), hidden)

@@ -68,13 +68,10 @@ def routed_kernel_s(prof) -> float:
                if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("moe_")) * 1e-6
 
 
-def routed(moe: MoE, step, device, calls: int = 3) -> dict:
-    """The routed experts of one MoE layer's step: {"experts_touched": distinct experts its rows route to}
-    and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
-    kernel times over `calls` eager steps}: the share of the layer's time that depends on the routing, which
-    `project.routing_correction` replaces by an engine round's own."""
-    from torch.profiler import ProfilerActivity, profile
-    seen = []
+def experts_touched(moe: MoE, step) -> int:
+    """Distinct routed experts one call of step() selects in `moe` (a forward hook on its gate);
+    ValueError when step never called the gate."""
+    seen: list = []
     hooks = count_experts([moe], seen)
     try:
         with torch.no_grad():
@@ -82,7 +79,18 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    out = {"experts_touched": int(seen[0])}
+    if not seen:
+        raise ValueError("experts_touched: the step never called the layer's gate")
+    return int(seen[0])
+
+
+def routed(moe: MoE, step, device, calls: int = 3) -> dict:
+    """The routed experts of one MoE layer's step: {"experts_touched": distinct experts its rows route to}
+    and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
+    kernel times over `calls` eager steps}: the share of the layer's time that depends on the routing, which
+    `project.routing_correction` replaces by an engine round's own."""
+    from torch.profiler import ProfilerActivity, profile
+    out = {"experts_touched": experts_touched(moe, step)}
     if torch.device(device).type != "cuda":
         return out
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
