@@ -31,6 +31,7 @@ GPU_RECORDS = {
     "e2e.json": "python -m kdtree lab 02 (stages pair, auto, k26)",
     "trained_pair.json": "python -m kdtree lab 03 -p stage measure",
     "bridge.json": "python -m kdtree bench --bridge",
+    "bench_decode.json": "python -m kdtree.bench.decode --out outputs/<gpu>/bench_decode.json",
 }
 
 

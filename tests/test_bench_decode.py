@@ -94,27 +94,29 @@ def test_targets_mark_met_and_missed():
          ("o_proj", 1, 117e6, 0.2),          # over 40 MB: not in the GEMM target
          ("router", 128, 5.5e6, 0.1)],       # over 64 rows: not in the GEMM target
         [("torch", 0.3), ("fused", 0.8)], [("torch", 0.5)])
-    t = {x["name"]: x for x in decode.build_targets(gemm, layers, 4096, 1)}
-    assert all("floor" in n for n in t if not n.startswith("kernels"))
-    g = t["skinny GEMM floor fraction, min over 3-40 MB matrices at rows <= 64"]
-    assert (g["value"], g["goal"], g["met"], g["matrix"]) == (0.81, 0.8, True, "q_b")
-    moe = t["K2.6 MoE decode layer floor fraction (b1, 4K, graphed)"]
-    assert (moe["value"], moe["met"], moe["path"]) == (0.8, True, "fused")
-    dense = t["K2.6 dense layer floor fraction (b1, 4K, graphed)"]
-    assert (dense["value"], dense["goal"], dense["met"]) == (0.5, 0.75, False)
-    k = t["kernels per MoE layer (b1, 4K)"]
-    assert (k["value"], k["goal"], k["higher"], k["met"], k["path"]) == (12, 20, False, True, "fused")
-    assert {"name", "value", "goal", "met"} <= set(k)
+    t = {x["key"]: x for x in decode.build_targets(gemm, layers, 4096, 1)}
+    assert all("floor" in x["name"] for k, x in t.items() if "kernels" not in k)
+    g = t["decode_gemm_floor_fraction"]
+    assert (g["measured"], g["goal"], g["met"], g["matrix"]) == (0.81, 0.8, True, "q_b")
+    moe = t["decode_moe_layer_floor_fraction"]
+    assert (moe["measured"], moe["met"], moe["path"]) == (0.8, True, "fused")
+    assert moe["name"] == "K2.6 MoE decode layer (b1, 4K, graphed): fraction of its byte floor"
+    dense = t["decode_dense_layer_floor_fraction"]
+    assert (dense["measured"], dense["goal"], dense["met"]) == (0.5, 0.75, False)
+    k = t["decode_kernels_per_moe_layer"]
+    assert (k["measured"], k["goal"], k["met"], k["path"]) == (12, 20, True, "fused")
+    assert k["name"] == "K2.6 MoE decode layer (b1, 4K): kernels per step"
 
     gemm, layers = _rows([("qkv_a", 8, 30.3e6, 0.5)], [("torch", 0.3)], [], kernels=12)
-    t = {x["name"]: x for x in decode.build_targets(gemm, layers, 4096, 1)}
-    assert not t["skinny GEMM floor fraction, min over 3-40 MB matrices at rows <= 64"]["met"]
-    k = t["kernels per MoE layer (b1, 4K)"]
-    assert k["value"] == 90 and not k["met"]
+    t = {x["key"]: x for x in decode.build_targets(gemm, layers, 4096, 1)}
+    assert not t["decode_gemm_floor_fraction"]["met"]
+    k = t["decode_kernels_per_moe_layer"]
+    assert k["measured"] == 90 and not k["met"]
 
 
 def test_targets_fail_on_missing_values():
-    """No rows, an errored path, an eager-timed path, a None fraction, another context: value None, missed."""
+    """No rows, an errored path, an eager-timed path, a None fraction, another context: measured None,
+    missed."""
     gemm = [{"name": "qkv_a", "rows": 8, "weight_bytes": 30.3e6, "fraction": None, "error": "capture"}]
     layers = [{"kind": "moe", "path": "torch", "context": 4096, "batch": 1, "timing": "events",
                "fraction": 0.9, "kernels": 5},
@@ -126,10 +128,7 @@ def test_targets_fail_on_missing_values():
         ts = decode.build_targets(g, lay, 4096, 1)
         assert len(ts) == 4
         for t in ts:
-            assert t["value"] is None and t["met"] is False, t
-    assert decode.target("x floor", float("nan"), 0.5)["met"] is False
-    assert decode.target("x floor", 0.5, 0.5)["met"] is True
-    assert decode.target("kernels", 21, 20, higher=False)["met"] is False
+            assert t["measured"] is None and t["met"] is False, t
 
 
 @pytest.mark.parametrize("argv", [["--context", "0"], ["--batch", "x"], ["--nodes", "-2"], ["--parts", "all"],

@@ -1,5 +1,6 @@
 """A K2.6 decode step against its byte floor, on one GPU:
-`python -m kdtree.bench.decode [--out PATH] [--quick]` writes one JSON record (layout in `main`).
+`python -m kdtree.bench.decode [--out PATH] [--quick]` writes one JSON record (layout in `main`; by default
+outputs/<gpu>/bench_decode.json).
 
 Two parts:
   gemm    cuBLAS (torch.nn.functional.linear, bf16) on the K2.6 layer's matrices [out, in] at a few rows:
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import goals
 from .timer import input_sets, measure
 
 # (name, out, in) of the K2.6 layer's bf16 matrices, as F.linear's weight [out, in]
@@ -50,7 +52,6 @@ GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64)
 QUICK_ROWS = (1, 8, 64)
 GEMM_TARGET_MB = (3.0, 40.0)     # the GEMM target's weight sizes (MB = 1e6 bytes) ...
 GEMM_TARGET_ROWS = 64            # ... at this many rows or fewer
-GOALS = {"gemm": 0.80, "moe": 0.75, "dense": 0.75, "kernels": 20}
 PAGE_SIZE = 64
 KERNEL_NAME_CHARS = 160          # kernel names in the per-name table are cut to this length
 LAYER_WARM_S = 0.2               # untimed replays before each layer timing
@@ -60,29 +61,21 @@ def _ctx_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 and context else str(context)
 
 
-def target(name: str, value, goal, higher: bool = True, **extra) -> dict:
-    """{"name", "value", "goal", "met", "higher", **extra}: met is value >= goal (higher) or <= goal, and
-    False for a missing (None) or non-finite value."""
-    ok = value is not None and math.isfinite(float(value))
-    met = ok and (float(value) >= goal if higher else float(value) <= goal)
-    return {"name": name, "value": None if value is None else float(value), "goal": goal, "met": bool(met),
-            "higher": higher, **extra}
-
-
 def build_targets(gemm_rows, layer_rows, context: int, batch: int) -> list[dict]:
-    """The record's targets from its rows (`gemm_table`'s and `layer_steps`'s dicts; rows with an "error" or
-    a None fraction are left out):
-      GEMM: the smallest fraction over matrices of GEMM_TARGET_MB weight bytes at rows <= GEMM_TARGET_ROWS;
-      MoE / dense layer: the best fraction over the layer's graph-timed paths at (context, batch);
-      kernels per MoE layer: the kernel count of the path the MoE target took (at most GOALS["kernels"]).
-    A target whose rows are missing has value None and is not met."""
+    """The record's targets (bench.goals) from its rows (`gemm_table`'s and `layer_steps`'s dicts; rows with
+    an "error" or a None fraction are left out):
+      decode_gemm_floor_fraction: the smallest fraction over matrices of GEMM_TARGET_MB weight bytes at rows
+        <= GEMM_TARGET_ROWS;
+      decode_{moe,dense}_layer_floor_fraction: the best fraction over the layer's graph-timed paths at
+        (context, batch);
+      decode_kernels_per_moe_layer: the kernel count of the path the MoE target took.
+    A target whose rows are missing has measured None and is not met."""
     lo, hi = (m * 1e6 for m in GEMM_TARGET_MB)
     g = [r for r in gemm_rows if r.get("fraction") is not None and not r.get("error")
          and lo <= r["weight_bytes"] <= hi and r["rows"] <= GEMM_TARGET_ROWS]
     worst = min(g, key=lambda r: r["fraction"]) if g else None
-    out = [target(f"skinny GEMM floor fraction, min over {GEMM_TARGET_MB[0]:g}-{GEMM_TARGET_MB[1]:g} MB "
-                  f"matrices at rows <= {GEMM_TARGET_ROWS}", worst and worst["fraction"], GOALS["gemm"],
-                  **({"matrix": worst["name"], "rows": worst["rows"]} if worst else {}))]
+    out = [goals.target("decode_gemm_floor_fraction", worst and worst["fraction"],
+                        **({"matrix": worst["name"], "rows": worst["rows"]} if worst else {}))]
     where = f"b{batch}, {_ctx_label(context)}"
     best = {}
     for kind in ("moe", "dense"):
@@ -90,15 +83,13 @@ def build_targets(gemm_rows, layer_rows, context: int, batch: int) -> list[dict]
                 and r.get("batch") == batch and r.get("timing") == "graph" and not r.get("error")
                 and r.get("fraction") is not None]
         best[kind] = max(mine, key=lambda r: r["fraction"]) if mine else None
-    names = {"moe": f"K2.6 MoE decode layer floor fraction ({where}, graphed)",
-             "dense": f"K2.6 dense layer floor fraction ({where}, graphed)"}
-    for kind in ("moe", "dense"):
-        b = best[kind]
-        out.append(target(names[kind], b and b["fraction"], GOALS[kind],
-                          **({"path": b["path"]} if b else {})))
-    b = best["moe"]
-    out.append(target(f"kernels per MoE layer ({where})", b and b.get("kernels"), GOALS["kernels"],
-                      higher=False, **({"path": b["path"]} if b else {})))
+
+    def path(b):
+        return {"path": b["path"]} if b else {}
+    m, d = best["moe"], best["dense"]
+    out.append(goals.target("decode_moe_layer_floor_fraction", m and m["fraction"], where=where, **path(m)))
+    out.append(goals.target("decode_dense_layer_floor_fraction", d and d["fraction"], where=where, **path(d)))
+    out.append(goals.target("decode_kernels_per_moe_layer", m and m.get("kernels"), where=where, **path(m)))
     return out
 
 
@@ -419,7 +410,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kdtree.bench.decode",
                                  description="K2.6 GEMMs and decode layer steps against the byte floor "
                                              "(one JSON record)")
-    ap.add_argument("--out", default="outputs/bench_decode.json", help="the JSON record's path")
+    ap.add_argument("--out", default=None,
+                    help="the JSON record's path (default: outputs/<gpu>/bench_decode.json, the lab's folder "
+                    "for this GPU)")
     ap.add_argument("--quick", action="store_true",
                     help=f"GEMM rows {QUICK_ROWS} and fewer repeats (a smoke run)")
     ap.add_argument("--context", type=_positive_int, default=4096, help="cached tokens per request")
@@ -455,8 +448,8 @@ def _table(rec: dict) -> str:
             lines.append(f"{str(r['layer']) + ' ' + r['kind']:<12}{r['path']:<15}{t:>9}{fl:>10}{f:>7}{k:>9}"
                          f"  {r['experts_touched']}{err}")
     for t in rec.get("targets", []):
-        v = "-" if t["value"] is None else f"{t['value']:.3g}"
-        op = ">=" if t["higher"] else "<="
+        v = "-" if t["measured"] is None else f"{t['measured']:.3g}"
+        op = ">=" if goals.goal(t["key"]).get("higher", True) else "<="
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['name']}: {v} (goal {op} {t['goal']})")
     return "\n".join(lines)
 
@@ -479,7 +472,11 @@ def main(argv=None) -> dict:
     from .layer import layer_model
     repeats = a.repeats or (10 if a.quick else 30)
     rows = QUICK_ROWS if a.quick else GEMM_ROWS
-    out = Path(a.out)
+    if a.out is None:
+        from ..lab import output_dir
+        out = output_dir("cuda") / "bench_decode.json"
+    else:
+        out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     copy = copy_bandwidth()
     rec = {"bench": "decode", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
