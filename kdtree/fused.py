@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from .model import MLP, AttnMeta, Gate, Int4Experts, MoE, Transformer, _launch, apply_rope
 from .ops import decode as dec
+from .ops import gemv
 
 ABSORB_ROWS = 32   # rows up to which q_absorb / uv_absorb replace the absorbed products' batched GEMMs
+GEMV_ROWS = 0      # rows up to which the projections take ops.gemv's kernel instead of cuBLAS (0: never)
 
 
 def unsupported(model: Transformer, meta: AttnMeta) -> str | None:
@@ -90,18 +92,31 @@ def _eager(fn, *args, **kw):
     return _launch(fn, *args, **kw)
 
 
+def _linear(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [M, K] @ w [N, K]^T: ops.gemv for at most GEMV_ROWS rows, else cuBLAS (F.linear)."""
+    return _eager(gemv.gemv, y, w) if y.shape[0] <= GEMV_ROWS else F.linear(y, w)
+
+
+def _proj(mod, y: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear (no bias) applied to y: through `_linear`, or the module's own call where it has hooks
+    (tensor parallelism's all-reduce)."""
+    if mod._forward_hooks or mod._forward_pre_hooks:
+        return mod(y)
+    return _linear(y, mod.weight)
+
+
 def _mlp(m: MLP, y: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(y)) * up(y)), y bf16 [M, D]: one gate+up GEMM where prepared, silu_mul, down."""
     if m._forward_hooks or m._forward_pre_hooks:
         return m(y)
     gu = _gate_up(m)
     if gu is not None:
-        t = F.linear(y, gu)                                             # [M, 2I]
+        t = _linear(y, gu)                                              # [M, 2I]
         I = t.shape[1] // 2
         h = _eager(dec.silu_mul, t[:, :I], t[:, I:])
     else:
-        h = _eager(dec.silu_mul, m.gate_proj(y), m.up_proj(y))
-    return m.down_proj(h)
+        h = _eager(dec.silu_mul, _proj(m.gate_proj, y), _proj(m.up_proj, y))
+    return _proj(m.down_proj, h)
 
 
 def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
@@ -142,10 +157,10 @@ def _attention(attn, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool
     B, T = meta.slots.shape
     M = B * T
     Dn, Dv, R, P = a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, a.qk_rope_head_dim
-    qkv = F.linear(y, attn.qkv_a)                                                       # [M, QL + R + P]
+    qkv = _linear(y, attn.qkv_a)                                                        # [M, QL + R + P]
     q = _eager(dec.mla_latent, qkv, attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, cos, sin,
                meta.slots.reshape(M), pool, attn.kv_a_layernorm.eps, a.rope_interleave, check_values=False)
-    qb = attn.q_b_proj(q)                                                               # [M, H (Dn + P)]
+    qb = _proj(attn.q_b_proj, q)                                                        # [M, H (Dn + P)]
     H = qb.shape[1] // (Dn + P)
     w = attn.kv_b_proj.weight.view(H, Dn + Dv, R)
     qb = qb.view(M, H, Dn + P)
@@ -163,7 +178,7 @@ def _attention(attn, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool
         o = _eager(dec.uv_absorb, o_lat, w, Dn)                                         # [M, H Dv]
     else:
         o = torch.einsum("mhr,hdr->mhd", o_lat, w[:, Dn:]).reshape(M, H * Dv)
-    return attn.o_proj(o)
+    return _proj(attn.o_proj, o)
 
 
 def forward_layers(model: Transformer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -76,7 +76,7 @@ def test_layer_paths_follow_the_fused_attribute():
     from types import SimpleNamespace
     assert decode.layer_paths(SimpleNamespace()) == ["torch", "torch.compile"]
     assert decode.layer_paths(SimpleNamespace(), compile=False) == ["torch"]
-    assert decode.layer_paths(SimpleNamespace(fused=False)) == ["torch", "fused", "torch.compile"]
+    assert decode.layer_paths(SimpleNamespace(fused=False)) == ["torch", "fused", "fused+gemv", "torch.compile"]
 
 
 def _rows(gemm_fracs, moe_fracs, dense_fracs, kernels=12):
@@ -194,14 +194,15 @@ def test_layer_rows_time_each_path(monkeypatch, tiny_b_int4):
             m.fused = before
         else:
             del m.fused
-    assert [(r["layer"], r["path"]) for r in rows] == [(i, p) for i in range(4) for p in ("torch", "fused")]
+    paths = ("torch", "fused", "fused+gemv")
+    assert [(r["layer"], r["path"]) for r in rows] == [(i, p) for i in range(4) for p in paths]
     for r in rows:
         touched = r["experts_touched"]
         assert (touched == 0) if r["kind"] == "dense" else 4 <= touched <= 8
         layer = m.model.layers[r["layer"]]
         assert r["kind"] == ("dense" if r["layer"] < 2 else "moe")
         assert r["floor_bytes"] == decode.layer_floor_bytes(layer, touched, 100, 1, 4)   # float32 pool
-        if r["path"] == "fused":
+        if r["path"].startswith("fused"):
             assert "fused" in r["error"] and r["time_s"] is None and r["fraction"] is None
         else:
             assert not r.get("error") and r["kernels"] == 7
@@ -226,6 +227,7 @@ def test_the_fused_path_runs_one_layer_with_model_fused_set(monkeypatch, tiny_b_
     fake = ModuleType("kdtree.fused")
     fake.forward_layers = forward_layers
     fake.unsupported, fake.prepare = (lambda model, meta: None), (lambda model: None)
+    fake.GEMV_ROWS = 0
     monkeypatch.setitem(sys.modules, "kdtree.fused", fake)
     monkeypatch.setattr(kdtree, "fused", fake, raising=False)
     flags = []

@@ -312,3 +312,31 @@ def test_fused_forward_matches_the_torch_path(B, T, ctx):
     m.fused = True
     bad = m.forward_paged(tokens, pool.clone()[[1, 0, *range(2, L)]], meta)  # layers' caches swapped: caught
     assert (bad.logits - b.logits).double().norm() / b.logits.double().norm() > 1e-2
+
+
+# ----------------------------------------------------------------------------- skinny GEMM (ops.gemv)
+def test_gemv_names_the_bad_argument_before_the_device():
+    from kdtree.ops.gemv import gemv
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="x:"):
+        gemv(torch.zeros(2, 12, dtype=bf), torch.zeros(4, 12, dtype=bf))
+    with pytest.raises(ValueError, match="w:"):
+        gemv(torch.zeros(2, 16, dtype=bf), torch.zeros(4, 8, dtype=bf))
+    with pytest.raises(ValueError, match="CUDA"):
+        gemv(torch.zeros(2, 16, dtype=bf), torch.zeros(4, 16, dtype=bf))
+
+
+@gpu
+@pytest.mark.parametrize("M,N,K", [(1, 2112, 7168), (8, 384, 7168), (9, 12288, 1536), (16, 100, 2056),
+                                   (3, 7168, 8192)])
+def test_gemv_matches_twin(poison_outputs, M, N, K):
+    from kdtree.ops import gemv_golden
+    from kdtree.ops.gemv import gemv
+    rng = np.random.default_rng(M + N + K)
+    x, xn = _bf(rng, M, K)
+    w, wn = _bf(rng, N, K, scale=K ** -0.5)
+    y = gemv(x.cuda(), w.cuda())
+    want = gemv_golden.gemv(xn, wn)
+    assert _rel(y.double().cpu().numpy(), want) < 1e-2 and not torch.isnan(y).any()
+    with pytest.raises(AssertionError):   # the check sees a wrong answer: another weight row order
+        assert _rel(y.double().cpu().numpy(), gemv_golden.gemv(xn, wn[::-1])) < 1e-2

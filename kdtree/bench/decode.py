@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import goals
+from ..ops.gemv import GEMV_MAX_ROWS, gemv
 from .timer import input_sets, measure
 
 # (name, out, in) of the K2.6 layer's bf16 matrices, as F.linear's weight [out, in]
@@ -112,7 +113,8 @@ def gemm_table(rows=GEMM_ROWS, shapes=K26_GEMMS, repeats: int = 30, copy_rate: f
     floor (default: measured here). blas: torch's preferred BLAS library during the cells (None: torch's
     own). bar: a progress bar (update(1) per cell) or None. device: a CUDA device (graph replays need one).
     One row per cell: {name, rows, out, in, weight_bytes, bytes (weight + input + output), time_s, floor_s,
-    fraction = bytes / time_s / copy_rate, sets, blas}."""
+    fraction = bytes / time_s / copy_rate, sets, blas}; up to ops.gemv.GEMV_MAX_ROWS rows also the same cell
+    through ops.gemv's kernel, {gemv_time_s, gemv_fraction} (or gemv_error)."""
     if copy_rate is None:
         from .ceilings import copy_bandwidth
         copy_rate = copy_bandwidth()["bytes_per_s"]
@@ -136,6 +138,14 @@ def gemm_table(rows=GEMM_ROWS, shapes=K26_GEMMS, repeats: int = 30, copy_rate: f
                 row.update(time_s=t, floor_s=nbytes / copy_rate, fraction=nbytes / t / copy_rate)
             except RuntimeError as e:
                 row.update(time_s=None, floor_s=nbytes / copy_rate, fraction=None, error=str(e)[:500])
+            if r <= GEMV_MAX_ROWS and torch.device(device).type == "cuda":
+                try:
+                    gfns = [lambda w=w, x=x: gemv(x, w) for w, x in zip(ws, xs)]
+                    with torch.no_grad():
+                        t = measure(gfns, repeats, "graph").median
+                    row.update(gemv_time_s=t, gemv_fraction=nbytes / t / copy_rate)
+                except Exception as e:  # noqa: BLE001 - the cuBLAS row stands; the reason is kept
+                    row["gemv_error"] = f"{type(e).__name__}: {e}"[:500]
             out_rows.append(row)
             del fns, xs
             if bar is not None:
@@ -264,9 +274,11 @@ def _build_meta(page_table, cache_len, positions, mask, attn_impl: str, moe: str
 
 
 def layer_paths(model, compile: bool = True) -> list[str]:
-    """The paths `layer_steps` times on `model`: "torch", then "fused" where the model has a `fused`
+    """The paths `layer_steps` times on `model`: "torch", then "fused" and "fused+gemv" (the fused path with
+    its projections through ops.gemv, fused.GEMV_ROWS raised to the step's rows) where the model has a `fused`
     attribute, then "torch.compile" when compile."""
-    return ["torch"] + (["fused"] if hasattr(model, "fused") else []) + (["torch.compile"] if compile else [])
+    fused = ["fused", "fused+gemv"] if hasattr(model, "fused") else []
+    return ["torch"] + fused + (["torch.compile"] if compile else [])
 
 
 def fused_layer_step(model, i: int, x, cos, sin, pool, meta):
@@ -317,13 +329,18 @@ def layer_steps(model, context: int = 4096, batch: int = 1, nodes: int = 1, repe
     pool, x, cos, sin, meta = paged_inputs(model, context, batch, nodes, moe, seed)
     has_fused = hasattr(model, "fused")
     fused0 = getattr(model, "fused", None)
+    if has_fused:
+        from .. import fused
+        gemv_rows0 = fused.GEMV_ROWS
     paths = layer_paths(model, compile)
     n_rows = batch * nodes
     rows = []
 
     def set_path(path):
         if has_fused:
-            model.fused = path == "fused"
+            from .. import fused
+            model.fused = path.startswith("fused")
+            fused.GEMV_ROWS = n_rows if path == "fused+gemv" else gemv_rows0
 
     try:
         for i, layer in enumerate(model.model.layers):
@@ -346,6 +363,7 @@ def layer_steps(model, context: int = 4096, batch: int = 1, nodes: int = 1, repe
                         floor_s=None if floor is None else floor / copy_rate)
             makers = {"torch": lambda step=step: step,
                       "fused": lambda i=i: fused_layer_step(model, i, x, cos, sin, pool, meta),
+                      "fused+gemv": lambda i=i: fused_layer_step(model, i, x, cos, sin, pool, meta),
                       "torch.compile": lambda step=step: _compiled(step, blas, dev, n_rows)}
             for path in paths:
                 set_path(path)
