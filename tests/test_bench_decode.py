@@ -76,7 +76,8 @@ def test_layer_paths_follow_the_fused_attribute():
     from types import SimpleNamespace
     assert decode.layer_paths(SimpleNamespace()) == ["torch", "torch.compile"]
     assert decode.layer_paths(SimpleNamespace(), compile=False) == ["torch"]
-    assert decode.layer_paths(SimpleNamespace(fused=False)) == ["torch", "fused", "fused+gemv", "torch.compile"]
+    want = ["torch", "fused", "fused+gemv", "torch.compile"]
+    assert decode.layer_paths(SimpleNamespace(fused=False)) == want
 
 
 def _rows(gemm_fracs, moe_fracs, dense_fracs, kernels=12):
@@ -176,7 +177,7 @@ def test_gemm_rows_and_the_table(monkeypatch):
     assert r["weight_bytes"] == 64 * 32 * 2 and r["bytes"] == r["weight_bytes"] + 4 * (32 + 64) * 2
     assert r["fraction"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9) and r["sets"] >= 1
     rec = {"gemm": rows, "layers": [], "targets": decode.build_targets(rows, [], 1, 1)}
-    assert "gemm" in decode._table(rec) and "MISSED" in decode._table(rec)
+    assert "gemm" in decode.format_table(rec) and "MISSED" in decode.format_table(rec)
 
 
 def test_layer_rows_time_each_path(monkeypatch, tiny_b_int4):
@@ -207,7 +208,7 @@ def test_layer_rows_time_each_path(monkeypatch, tiny_b_int4):
         else:
             assert not r.get("error") and r["kernels"] == 7
             assert r["fraction"] == pytest.approx(r["floor_bytes"] / 1e9 / r["time_s"])
-    assert "fused" in decode._table({"gemm": [], "layers": rows, "targets": []})
+    assert "fused" in decode.format_table({"gemm": [], "layers": rows, "targets": []})
 
 
 def test_the_fused_path_runs_one_layer_with_model_fused_set(monkeypatch, tiny_b_int4):

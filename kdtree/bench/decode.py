@@ -445,16 +445,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _table(rec: dict) -> str:
+def format_table(rec: dict) -> str:
+    """A record's rows and targets as a plain-text table (what `main` prints last)."""
     lines = []
     if rec.get("gemm"):
         lines.append(f"{'gemm':<16}{'rows':>5}{'out':>7}{'in':>7}{'MB':>8}{'us':>9}{'floor us':>10}"
-                     f"{'frac':>7}")
+                     f"{'frac':>7}{'gemv us':>9}{'frac':>7}")
         for r in rec["gemm"]:
             t = "-" if r["time_s"] is None else f"{r['time_s'] * 1e6:.1f}"
             f = "-" if r["fraction"] is None else f"{r['fraction']:.2f}"
+            gt = f"{r['gemv_time_s'] * 1e6:.1f}" if r.get("gemv_time_s") else "-"
+            gf = f"{r['gemv_fraction']:.2f}" if r.get("gemv_fraction") else "-"
             lines.append(f"{r['name']:<16}{r['rows']:>5}{r['out']:>7}{r['in']:>7}"
-                         f"{r['weight_bytes'] / 1e6:>8.1f}{t:>9}{r['floor_s'] * 1e6:>10.1f}{f:>7}")
+                         f"{r['weight_bytes'] / 1e6:>8.1f}{t:>9}{r['floor_s'] * 1e6:>10.1f}{f:>7}"
+                         f"{gt:>9}{gf:>7}")
     if rec.get("layers"):
         lines.append(f"{'layer':<12}{'path':<15}{'us':>9}{'floor us':>10}{'frac':>7}{'kernels':>9}  experts")
         for r in rec["layers"]:
@@ -528,7 +532,7 @@ def main(argv=None) -> dict:
     rec["gpu_state_end"] = gpu_state()
     rec["partial"] = False
     save()
-    print(_table(rec))
+    print(format_table(rec))
     print(out)
     return rec
 
