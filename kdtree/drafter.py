@@ -19,6 +19,7 @@ A drafter hands out sessions with three calls the decode loop uses:
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import asdict, dataclass
 
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import MLP, RMSNorm, _refresh, apply_rope
+from .ops.draft_attn import HEAD_DIM as DRAFT_HEAD_DIM
+from .ops.draft_attn import MAX_ROWS as DRAFT_MAX_ROWS
+from .ops.draft_attn import draft_attn as _draft_attn_op
 
 
 DRAFTER_REQUIRED_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "vocab_size", "num_hidden_layers",
@@ -169,12 +173,14 @@ class DraftAttention(nn.Module):
         states; kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T)
         this pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
         (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
-        and v come from one GEMM. impl: "math" (scores as one batched GEMM over every column, masked softmax,
-        a second GEMM: parallel over the columns, so a few query rows over a long context keep the GPU busy)
-        or "sdpa" (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at
-        batch 1, each streaming the whole context), or "auto": math while sdpa's grid would be under
-        SDPA_MIN_BLOCKS blocks, and always in float32 (torch's fused float32 kernel runs without tensor
-        cores; python -m kdtree.bench.drafter measures both)."""
+        and v come from one GEMM. impl: "kernel" (kdtree.ops.draft_attn: a split-KV kernel that reads only
+        each request's ctx_len + T live columns, ctx_len on the device; bf16 on a CUDA device, head_dim 128,
+        G * T <= 64), "math" (scores as one batched GEMM over every column, masked softmax, a second GEMM:
+        parallel over the columns, so a few query rows over a long context keep the GPU busy) or "sdpa"
+        (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at batch 1, each
+        streaming the whole context), or "auto": kernel where draft_attn_kernel_fits, else math while sdpa's
+        grid would be under SDPA_MIN_BLOCKS blocks, and always in float32 (torch's fused float32 kernel runs
+        without tensor cores; python -m kdtree.bench.drafter measures them)."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -187,13 +193,16 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(k.view(B, T, Hk, hd)), cos[:, :, None], sin[:, :, None], interleave=False)
         kbuf[:, :, C:C + T] = k.transpose(1, 2)
         vbuf[:, :, C:C + T] = v.view(B, T, Hk, hd).transpose(1, 2)
-        col = torch.arange(C + T, device=x.device)
-        seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
         # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
         G = H // Hk
         q = q.reshape(B, Hk, G * T, hd)
         if impl == "auto":
-            impl = "math" if draft_attn_math(B, Hk, G * T, kbuf.dtype) else "sdpa"
+            impl = draft_attn_auto(kbuf.device, kbuf.dtype, B, Hk, G * T, hd)
+        if impl == "kernel":
+            o = _draft_attn_kernel(q.contiguous(), kbuf, vbuf, ctx_len.to(torch.int32), C, hd ** -0.5)
+            return self.o_proj(o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
+        col = torch.arange(C + T, device=x.device)
+        seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
         if impl == "math":
             s = (q @ kbuf.transpose(-1, -2)).float() * hd ** -0.5                        # [B, Hk, G*T, C+T]
             p = s.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
@@ -218,13 +227,43 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-DRAFT_ATTN_IMPLS = ("auto", "math", "sdpa")
+DRAFT_ATTN_IMPLS = ("auto", "kernel", "math", "sdpa")
 SDPA_MIN_BLOCKS = 16   # "auto": below this many blocks of torch's fused attention, the batched-GEMM form
 
 
+@torch.compiler.disable
+def _draft_attn_kernel(q, kbuf, vbuf, ctx_len, C: int, scale: float) -> torch.Tensor:
+    """kdtree.ops.draft_attn.draft_attn with no host reads (check_values=False: graph-capturable), run outside
+    torch.compile's graphs (dynamo must not trace the launch plumbing)."""
+    return _draft_attn_op(q, kbuf, vbuf, ctx_len, C, scale, check_values=False)
+
+
+_HAVE_CUPY = importlib.util.find_spec("cupy") is not None  # the kernels' launcher is installed
+
+
+def draft_attn_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,
+                           have_cupy: bool | None = None) -> bool:
+    """impl "auto"'s first choice: the split-KV kernel (kdtree.ops.draft_attn) for bfloat16 buffers on a CUDA
+    device, head_dim 128 and at most 64 query rows per KV head (G * T), where CuPy is installed (have_cupy:
+    that condition given, e.g. for a GPU record read on another machine)."""
+    cupy_ok = _HAVE_CUPY if have_cupy is None else have_cupy
+    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and head_dim == DRAFT_HEAD_DIM
+            and rows <= DRAFT_MAX_ROWS and cupy_ok)
+
+
+def draft_attn_auto(device, dtype: torch.dtype, batch: int, kv_heads: int, rows: int, head_dim: int,
+                    have_cupy: bool | None = None) -> str:
+    """The impl "auto" takes: "kernel" where `draft_attn_kernel_fits`, else "math" where `draft_attn_math`,
+    else "sdpa"."""
+    if draft_attn_kernel_fits(device, dtype, head_dim, rows, have_cupy):
+        return "kernel"
+    return "math" if draft_attn_math(batch, kv_heads, rows, dtype) else "sdpa"
+
+
 def draft_attn_math(batch: int, kv_heads: int, rows: int, dtype: torch.dtype) -> bool:
-    """impl "auto"'s choice: the batched-GEMM form ("math") for float32, or while torch's fused attention
-    would run fewer than SDPA_MIN_BLOCKS blocks (batch x KV heads x tiles of 64 query rows)."""
+    """impl "auto"'s choice where the kernel does not fit: the batched-GEMM form ("math") for float32, or
+    while torch's fused attention would run fewer than SDPA_MIN_BLOCKS blocks (batch x KV heads x tiles of 64
+    query rows)."""
     return dtype == torch.float32 or batch * kv_heads * -(-rows // 64) < SDPA_MIN_BLOCKS
 
 

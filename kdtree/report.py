@@ -285,19 +285,20 @@ def _microbench(rec) -> list[str]:
 
 def _drafter(rec) -> list[str]:
     import torch
-    from .drafter import draft_attn_math
+    from .drafter import draft_attn_auto
 
-    def auto(c):  # the current rule's choice (the record's own "auto" is the rule of its run)
+    def auto(c):  # the current rule's choice on the record's GPU (the record's own "auto" is its run's rule)
         G = c["num_attention_heads"] // c["num_key_value_heads"]
-        dt = getattr(torch, c["dtype"])
-        return "math" if draft_attn_math(c["batch"], c["num_key_value_heads"], G * c["block_size"], dt) \
-            else "sdpa"
+        return draft_attn_auto("cuda", getattr(torch, c["dtype"]), c["batch"], c["num_key_value_heads"],
+                               G * c["block_size"], c["head_dim"], have_cupy=True)
     rows = [[c["drafter"], c["dtype"], c["batch"], c["context"], auto(c), _us(c["math"]["median_s"]),
-             _us(c["sdpa"]["median_s"]), c.get("sdpa_over_math")] for c in rec.get("cells", [])]
+             _us(c["sdpa"]["median_s"]), _us((c.get("kernel") or {}).get("median_s")),
+             c.get("sdpa_over_math")] for c in rec.get("cells", [])]
     return [f"{rec.get('device')}, torch {rec.get('torch')}: one drafter layer's drafting pass "
             "(`DraftAttention.forward_buffered`) over its preallocated context, per attention impl, graph "
             "replays (median), µs; `auto` as the code decides now:", "",
-            *_table(["drafter", "dtype", "batch", "context", "auto", "math", "sdpa", "sdpa / math"], rows)]
+            *_table(["drafter", "dtype", "batch", "context", "auto", "math", "sdpa", "kernel", "sdpa / math"],
+                    rows)]
 
 
 RENDER = {"golden_validation.json": _golden, "bench_drafter.json": _drafter, "trained_pair.json": _trained,

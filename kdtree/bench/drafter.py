@@ -1,7 +1,8 @@
 """The drafter's attention over the engine's preallocated context, per implementation
-(`DraftAttention.forward_buffered`'s impl: "math" | "sdpa"): one layer's drafting pass at a drafter shape,
-batch and context capacity C, graph replays; every column up to C is attended (masked past each request's
-length), as inside the engine's captured round.
+(`DraftAttention.forward_buffered`'s impl: "math" | "sdpa" | "kernel"): one layer's drafting pass at a
+drafter shape, batch and context capacity C, graph replays; "math" and "sdpa" attend every column up to C
+(masked past each request's length), "kernel" (where it applies: bf16, head_dim 128) only the live ones, as
+inside the engine's captured round.
 
     python -m kdtree.bench.drafter --out outputs/h200
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafter import DraftAttention, DrafterArgs, draft_attn_math
+from ..drafter import DraftAttention, DrafterArgs, draft_attn_auto, draft_attn_kernel_fits
 from .timer import input_sets, measure
 
 TRAINED = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, block_size=16)
@@ -28,9 +29,10 @@ SHAPES = (
 
 def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", repeats: int = 50,
          seed: int = 0) -> dict:
-    """Seconds per pass (graph replay median and min) of one layer's forward_buffered in each impl, the
-    outputs' relative difference (math vs sdpa, float64 norms), at batch x block rows over C + block
-    columns; requests' lengths spread over [C / 2, C]; which impl "auto" takes there."""
+    """Seconds per pass (graph replay median and min) of one layer's forward_buffered in each impl (kernel
+    where it applies), the outputs' relative differences to math (float64 norms: rel_diff sdpa's,
+    kernel_rel_diff the kernel's), at batch x block rows over C + block columns; requests' lengths spread
+    over [C / 2, C]; which impl "auto" takes there."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     a = DrafterArgs(**dims)
     at = DraftAttention(a).to(device=device, dtype=dtype)
@@ -49,16 +51,20 @@ def cell(dims: dict, batch: int, C: int, dtype=torch.bfloat16, device="cuda", re
         sets.append((x, cos, sin, k, v, n))
     G = a.num_attention_heads // Hk
     res = dict(batch=batch, context=C, rows=batch * T, dtype=str(dtype).removeprefix("torch."),
-               auto="math" if draft_attn_math(batch, Hk, G * T, dtype) else "sdpa")
+               auto=draft_attn_auto(device, dtype, batch, Hk, G * T, hd))
+    impls = ("math", "sdpa") + (("kernel",) if draft_attn_kernel_fits(device, dtype, hd, G * T) else ())
     out = {}
     with torch.no_grad():
-        for impl in ("math", "sdpa"):
+        for impl in impls:
             fns = [lambda s=s, impl=impl: at.forward_buffered(*s, C, impl) for s in sets]
             t = measure(fns, repeats, "graph", warm_s=0.3)   # clocks up before the timed replays
             res[impl] = {"median_s": t.median, "min_s": t.min}
             out[impl] = fns[0]().double()
     res["rel_diff"] = float((out["math"] - out["sdpa"]).norm() / out["sdpa"].norm())
     res["sdpa_over_math"] = res["sdpa"]["median_s"] / res["math"]["median_s"]
+    if "kernel" in out:
+        res["kernel_rel_diff"] = float((out["kernel"] - out["math"]).norm() / out["math"].norm())
+        res["kernel_over_math"] = res["kernel"]["median_s"] / res["math"]["median_s"]
     return res
 
 
@@ -72,7 +78,8 @@ def run(out_dir=None, shapes=SHAPES, repeats: int = 50) -> dict:
                 print(f"{name:17s} {r['dtype']:9s} b{b:<3d} C{C:<6d} auto -> {r['auto']:4s}  "
                       f"math {1e6 * r['math']['median_s']:8.1f} us  "
                       f"sdpa {1e6 * r['sdpa']['median_s']:8.1f} us  sdpa/math {r['sdpa_over_math']:.2f}  "
-                      f"rel diff {r['rel_diff']:.1e}", flush=True)
+                      + (f"kernel {1e6 * r['kernel']['median_s']:8.1f} us  " if "kernel" in r else "")
+                      + f"rel diff {r['rel_diff']:.1e}", flush=True)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "bench_drafter.json").write_text(json.dumps(rec, indent=1))
