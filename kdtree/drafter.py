@@ -178,9 +178,10 @@ class DraftAttention(nn.Module):
         G * T <= 64), "math" (scores as one batched GEMM over every column, masked softmax, a second GEMM:
         parallel over the columns, so a few query rows over a long context keep the GPU busy) or "sdpa"
         (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at batch 1, each
-        streaming the whole context), or "auto": kernel where draft_attn_kernel_fits, else math while sdpa's
-        grid would be under SDPA_MIN_BLOCKS blocks, and always in float32 (torch's fused float32 kernel runs
-        without tensor cores; python -m kdtree.bench.drafter measures them)."""
+        streaming the whole context), or "auto" (`draft_attn_auto`: kernel where it fits and KERNEL_AUTO is
+        set, else math while sdpa's grid would be under SDPA_MIN_BLOCKS blocks, and always in float32:
+        torch's fused float32 kernel runs without tensor cores; python -m kdtree.bench.drafter measures
+        them)."""
         a = self.a
         B, T, _ = x.shape
         H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -239,6 +240,7 @@ def _draft_attn_kernel(q, kbuf, vbuf, ctx_len, C: int, scale: float) -> torch.Te
 
 
 _HAVE_CUPY = importlib.util.find_spec("cupy") is not None  # the kernels' launcher is installed
+KERNEL_AUTO = False   # impl "auto" takes "kernel" (where it fits) only when set; by name it always runs
 
 
 def draft_attn_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,
@@ -253,9 +255,9 @@ def draft_attn_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: i
 
 def draft_attn_auto(device, dtype: torch.dtype, batch: int, kv_heads: int, rows: int, head_dim: int,
                     have_cupy: bool | None = None) -> str:
-    """The impl "auto" takes: "kernel" where `draft_attn_kernel_fits`, else "math" where `draft_attn_math`,
-    else "sdpa"."""
-    if draft_attn_kernel_fits(device, dtype, head_dim, rows, have_cupy):
+    """The impl "auto" takes: "kernel" where KERNEL_AUTO is set and `draft_attn_kernel_fits`, else "math"
+    where `draft_attn_math`, else "sdpa"."""
+    if KERNEL_AUTO and draft_attn_kernel_fits(device, dtype, head_dim, rows, have_cupy):
         return "kernel"
     return "math" if draft_attn_math(batch, kv_heads, rows, dtype) else "sdpa"
 

@@ -871,8 +871,8 @@ class Transformer(nn.Module):
         self.attn_impl = attn_impl
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # forward_paged's layers through kdtree.fused's kernels where they apply (False: the torch path)
-        self.fused = True
+        # forward_paged's layers through kdtree.fused's kernels where they apply (True), else Block.forward
+        self.fused = False
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

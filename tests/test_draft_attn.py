@@ -245,7 +245,7 @@ def _rel_t(a, b) -> float:
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("heads,kv,T", [(8, 2, 8), (16, 2, 8), (4, 4, 3)])
-def test_forward_buffered_kernel_matches_math(heads, kv, T):
+def test_forward_buffered_kernel_matches_math(heads, kv, T, monkeypatch):
     """impl "kernel" against impl "math" (the reference) on a random bf16 drafter layer, requests of empty,
     partial and full contexts in one batch (G * T = 32, 64 and 3 rows a KV head); "auto" takes the kernel
     there; a wrong context length fails the comparison."""
@@ -253,6 +253,8 @@ def test_forward_buffered_kernel_matches_math(heads, kv, T):
     at, x, cos, sin, kbuf, vbuf, n = _attention_inputs("cuda", B=3, C=C, heads=heads, kv=kv, T=T,
                                                         lens=[0, 37, C])
     assert draft_attn_kernel_fits(kbuf.device, kbuf.dtype, 128, heads // kv * T)
+    from kdtree import drafter
+    monkeypatch.setattr(drafter, "KERNEL_AUTO", True)
     with torch.no_grad():
         want = at.forward_buffered(x, cos, sin, kbuf, vbuf, n, C, "math")
         got = at.forward_buffered(x, cos, sin, kbuf, vbuf, n, C, "kernel")

@@ -47,7 +47,7 @@ PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
 BUDGETS = (4, 8, 16, 32, 64, 128)
 CELLS = ((4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32))
 PROMPT, MAX_NEW = 16, 256
-DECODE_PATHS = ("fused", "torch")   # the target's layers: kdtree.fused's kernels, or Block.forward
+DECODE_PATHS = ("default", "fused", "torch")   # the target's layers: as built, kdtree.fused's, Block.forward
 
 
 def max_new(batch: int) -> int:
@@ -200,7 +200,7 @@ def check_sweep(cells, profiles, budgets, repeats: int, queue: int) -> list:
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
-        on_engine=None, routing: str = "model", queue: int = 2, decode_path: str = "fused") -> dict:
+        on_engine=None, routing: str = "model", queue: int = 2, decode_path: str = "default") -> dict:
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
     device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
     on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off).
@@ -209,8 +209,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     its own experts, the spread of a trained router across requests). queue: from batch 2 on, each engine
     also serves `queue` x batch requests that wait for a slot (`queued`: whole-run and full-batch tok/s,
     `run_engine`), the steady state of a serving queue where a static batch ends on its slowest request.
-    decode_path: the target's layers through kdtree.fused's kernels ("fused", where they apply) or the torch
-    path ("torch", Transformer.fused False: the path before the fused layer), named in the record and rows."""
+    decode_path: the target's layers through kdtree.fused's kernels ("fused", where they apply), the torch
+    path ("torch", Transformer.fused False: the path before the fused layer) or the model's default
+    ("default"); the path taken is named in the record and rows."""
     profiles = list(profiles)
     fitted = [isinstance(p, Profile) for p in profiles]   # a given Profile: a fitted one (`--trained`)
     profiles = check_sweep(cells, profiles, budgets, repeats, queue)
@@ -224,7 +225,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
         raise ValueError(f"bench_k26: no cell of {list(cells)} fits in {free / 2**30:.0f} GiB")
     t0 = time.perf_counter()
     target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu, routing=routing)
-    target.fused = decode_path == "fused"
+    if decode_path != "default":
+        target.fused = decode_path == "fused"
+    decode_path = "fused" if target.fused else "torch"
     drafter = k26.build_drafter(target, args=None if dargs is None else
                                 k26.drafter_args(target.args, **dargs))
     run_id = time.strftime("%Y%m%dT%H%M%S")   # each row's sweep: ratios pair rows of one run
@@ -497,9 +500,10 @@ def main(argv=None) -> None:
                     help="from batch 2 on, each engine also serves QUEUE x batch queued requests (0: none)")
     ap.add_argument("--routing", choices=k26.ROUTINGS, default="model",
                     help="the random router as it is, or uniform (DIR/e2e_k26_uniform.json)")
-    ap.add_argument("--decode-path", choices=DECODE_PATHS, default="fused",
-                    help="the target's layers through kdtree.fused's kernels, or the torch path (the one "
-                    "before them: a same-run baseline, best written to another --out)")
+    ap.add_argument("--decode-path", choices=DECODE_PATHS, default="default",
+                    help="the target's layers as the model does by default (Transformer.fused), through "
+                    "kdtree.fused's kernels, or the torch path (a same-run baseline: write it to another "
+                    "--out)")
     ap.add_argument("--trained", default=None,
                     help="an e2e_auto.json (or the lab's e2e.json) whose calibration_check (the trained "
                     "pair's realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
