@@ -52,6 +52,14 @@ def finite_float(name: str, v, lo: float | None = None, hi: float | None = None,
     return float(v)
 
 
+def flag(name: str, v) -> bool:
+    """v as a bool: True or False (a numpy bool too); strings, numbers and None are refused, so that "no" or
+    "false" is never taken as True."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name}={v!r}: expected True or False")
+    return bool(v)
+
+
 def one_of(name: str, v, choices) -> object:
     if v not in tuple(choices):
         raise ValueError(f"{name}={v!r}: expected one of {tuple(choices)}")
@@ -59,8 +67,10 @@ def one_of(name: str, v, choices) -> object:
 
 
 def token_list(name: str, ids, vocab_size: int | None = None, allow_empty: bool = False) -> list[int]:
-    """A host sequence of token ids -> list[int]: a list / tuple / numpy array / CPU or CUDA tensor of shape
-    [T] or [1, T] (a tensor is copied to the host: for entry points only), ids in [0, vocab_size)."""
+    """An ordered sequence of token ids -> list[int]: a list / tuple / range / numpy array / CPU or CUDA
+    tensor of shape [T] or [1, T] (a tensor is copied to the host: for entry points only), ids in [0,
+    vocab_size). Unordered or one-pass collections (dict, set, generator) are refused: their iteration order
+    would become the token order."""
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         t = torch.as_tensor(ids)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or not (
@@ -68,8 +78,9 @@ def token_list(name: str, ids, vocab_size: int | None = None, allow_empty: bool 
             raise ValueError(f"{name}: expected integer token ids, shape [T] or [1, T], got {t.dtype} "
                              f"{tuple(t.shape)}")
         ids = t.flatten().tolist()
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"{name}: expected a sequence of integer token ids, got {type(ids).__name__}")
+    if not isinstance(ids, (list, tuple, range)):
+        raise ValueError(f"{name}: expected an ordered sequence of integer token ids (list, tuple, 1-D "
+                         f"integer tensor or array), got {type(ids).__name__}")
     ids = list(ids)
     bad = next((t for t in ids if not is_int(t)), None)
     if bad is not None:

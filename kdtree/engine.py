@@ -135,8 +135,12 @@ def check_max_new(max_new_tokens) -> int:
     return checks.positive_int("max_new_tokens", max_new_tokens)
 
 
+TEMPERATURE_MAX = float(np.finfo(np.float32).max)   # the rounds hold temperatures in float32
+
+
 def check_temperature(temperature) -> float:
-    return checks.finite_float("temperature", temperature, lo=0.0)
+    return checks.finite_float("temperature", temperature, lo=0.0, hi=TEMPERATURE_MAX,
+                               note=" (0: greedy; the rounds compute in float32)")
 
 
 def check_seed(seed) -> int:
@@ -146,16 +150,19 @@ def check_seed(seed) -> int:
     return seed
 
 
-def check_stop(stop_tokens) -> set[int]:
-    """stop_tokens: an iterable of token ids (None: none)."""
+def check_stop(stop_tokens, vocab_size: int | None = None) -> set[int]:
+    """stop_tokens: token ids as a prompt takes them (checks.token_list: list, tuple, set of ints, 1-D
+    integer tensor or array; empty allowed), in [0, vocab_size) when given; None: none."""
     if stop_tokens is None:
         return set()
-    if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
-        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
-    toks = list(stop_tokens)
-    if not all(checks.is_int(t) for t in toks):
-        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints)")
-    return {int(t) for t in toks}
+    if isinstance(stop_tokens, (set, frozenset)):   # order does not matter for a stop set
+        stop_tokens = sorted(stop_tokens, key=lambda t: (not checks.is_int(t), str(t)))
+    try:
+        return set(checks.token_list("stop_tokens", stop_tokens, vocab_size, allow_empty=True))
+    except ValueError as e:
+        detail = str(e).removeprefix("stop_tokens: ")
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected token ids (ints) in a list, tuple, set or "
+                         f"1-D integer tensor ({detail})") from None
 
 
 def check_drafter(model: Transformer, drafter) -> None:
@@ -414,6 +421,8 @@ class Engine:
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
         checks.one_of("mode", mode, MODES)
         checks.one_of("admission", admission, ADMISSIONS)
+        graphs, debug, graph_sampling, compile = (checks.flag(n, v) for n, v in (
+            ("graphs", graphs), ("debug", debug), ("graph_sampling", graph_sampling), ("compile", compile)))
         if admission == "grouped" and getattr(model, "tp", None) is not None:
             raise ValueError("admission='grouped' under tensor parallelism: each rank times its own "
                              "admissions, so their decisions could part; use 'eager'")
@@ -671,11 +680,17 @@ class Engine:
         prefilled, instead of prefilling them: the request's tokens then mean nothing. Their fill is a
         benchmark device, not a cost of serving: it runs between two device synchronizations and its time
         goes to `synthetic_s`, not to `prefill_s` or the request's prefill stage time."""
-        prompt = check_prompt(prompt, self.model.args.vocab_size)
+        return self._queue(self._request(prompt, max_new_tokens, temperature, seed, stop_tokens,
+                                         synthetic_context))
+
+    def _request(self, prompt, max_new_tokens, temperature, seed, stop_tokens, synthetic_context,
+                 what: str = "prompt") -> Request:
+        """add_request's arguments checked into a Request (id -1, not queued); `what` names the prompt."""
+        prompt = checks.token_list(what, prompt, self.model.args.vocab_size)
         max_new = check_max_new(max_new_tokens)
         temperature = check_temperature(temperature)
         seed = check_seed(seed)
-        stop = check_stop(stop_tokens)
+        stop = check_stop(stop_tokens, self.model.args.vocab_size)
         synthetic = checks.int_in("synthetic_context", synthetic_context, 0)
         if synthetic and self.mode != "ar" and not self.batched_drafter:
             raise ValueError("synthetic_context: a host drafter keeps its own context; use mode 'ar' or the "
@@ -683,21 +698,24 @@ class Engine:
         need = len(prompt) + synthetic + max_new + self.lookahead
         mpe = self.model.args.max_position_embeddings
         if need > mpe:
-            raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
+            raise ValueError(f"context overflow: {what} ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
                              f"lookahead ({self.lookahead}) = {need} > max_position_embeddings ({mpe})")
-        if need > self.kv_cap:
-            raise ValueError(f"context overflow: prompt ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
-                             f"lookahead ({self.lookahead}) = {need} > the engine's max_len ({self.max_len}, "
-                             f"{self.kv_cap} rows of pages)")
+        if need > self.max_len:
+            raise ValueError(f"context overflow: {what} ({len(prompt)}) + max_new_tokens ({max_new}) + draft "
+                             f"lookahead ({self.lookahead}) = {need} > the engine's max_len ({self.max_len})")
         reserve = -(-need // self.page_size)
         if reserve > self.pages.capacity:
-            raise ValueError(f"prompt + max_new_tokens: {need} rows need {reserve} pages, the pool has "
+            raise ValueError(f"{what} + max_new_tokens: {need} rows need {reserve} pages, the pool has "
                              f"{self.pages.capacity} (max_tokens)")
-        rid = self._next_id
+        return Request(-1, prompt, max_new, temperature, seed, stop, GenerationResult([], self.mode), reserve,
+                       synthetic=synthetic)
+
+    def _queue(self, req: Request) -> int:
+        """A checked Request into the waiting queue under the next id; returns the id."""
+        req.rid = self._next_id
         self._next_id += 1
-        self.waiting.append(Request(rid, prompt, max_new, temperature, seed, stop,
-                                    GenerationResult([], self.mode), reserve, synthetic=synthetic))
-        return rid
+        self.waiting.append(req)
+        return req.rid
 
     def step(self, overlap: bool = False) -> dict[int, list[int]]:
         """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}.
@@ -744,11 +762,22 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  stop_tokens=()) -> list[GenerationResult]:
-        """One request per prompt (request i seeded seed + i), run to the end; results in prompt order."""
-        ids = [self.add_request(p, max_new_tokens, temperature, seed + i, stop_tokens)
-               for i, p in enumerate(prompts)]
+        """One request per prompt (request i seeded seed + i), run to the end; results in prompt order. Every
+        prompt and seed is checked before any request is queued (a ValueError queues nothing). Requests queued
+        earlier with add_request run alongside; their results stay for the next run()."""
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a list of prompts (each a sequence of token ids), got "
+                             f"{type(prompts).__name__}")
+        seed = check_seed(seed)
+        if prompts:
+            check_seed(seed + len(prompts) - 1)   # request i's seed is seed + i
+        reqs = [self._request(p, max_new_tokens, temperature, seed + i, stop_tokens, 0, what=f"prompts[{i}]")
+                for i, p in enumerate(prompts)]
+        ids = [self._queue(r) for r in reqs]
         res = self.run()
-        return [res[i] for i in ids]
+        own = [res.pop(i) for i in ids]
+        self.finished.update(res)   # others' results: handed out by the next run()
+        return own
 
     @property
     def free_pages(self) -> int:
