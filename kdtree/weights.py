@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import quant
+from . import checks, quant
 from .config import ModelArgs
 from .model import Int4Experts, MoE, Transformer
 
@@ -220,12 +222,92 @@ def _config(d: Path) -> tuple[dict, int]:
     return cfg, nextn
 
 
+def _path_arg(fn: str, path) -> Path:
+    """A checkpoint folder argument as a Path: a non-empty str or os.PathLike, else ValueError naming it."""
+    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+        raise ValueError(f"{fn}: path={path!r}: expected a checkpoint folder (a non-empty str or "
+                         "os.PathLike)")
+    return Path(path)
+
+
+def _dtype_arg(fn: str, dtype, allow_none: bool = False):
+    if (dtype is None and allow_none) or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    raise ValueError(f"{fn}: dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, "
+                     "torch.float32, ...)")
+
+
+def _device_arg(fn: str, device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{fn}: device={device!r}: expected a torch device ('cpu', 'cuda', 'cuda:1', ...)") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{fn}: device={device!r}: no CUDA device on this machine")
+    return dev
+
+
+def checkpoint_kind(folder: Path) -> str | None:
+    """'drafter' or 'target' for a folder whose config.json says which (a DFlash drafter's carries
+    block_size and target_layer_ids), None without a readable config.json."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    dflash = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else cfg
+    return "drafter" if "block_size" in dflash and "target_layer_ids" in dflash else "target"
+
+
+def _writable(fn: str, path, kind: str) -> Path:
+    """The folder `fn` may write a `kind` checkpoint into: refused (ValueError, nothing written) when it is
+    a file, holds the other kind of checkpoint, or holds safetensors files other than model.safetensors
+    (stale shards the loader would read)."""
+    d = _path_arg(fn, path)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{fn}: {d} is a file, not a folder")
+    if d.is_dir():
+        if (d / "model.safetensors.index.json").exists():
+            raise ValueError(f"{fn}: {d} holds a sharded checkpoint (model.safetensors.index.json), which a "
+                             "load would read instead of the file written here: write into an empty folder")
+        other = checkpoint_kind(d)
+        if other is not None and other != kind:
+            raise ValueError(f"{fn}: {d} holds a {other} checkpoint (its config.json); write the {kind} into "
+                             "another folder")
+        stray = sorted(p.name for p in d.iterdir()
+                       if p.suffix == ".safetensors" and p.name != "model.safetensors")
+        if stray:
+            raise ValueError(f"{fn}: {d} holds other checkpoint files ({', '.join(stray)}) that a load would "
+                             "read: write into an empty folder, or remove them")
+    return d
+
+
+def _commit(d: Path, files: dict) -> None:
+    """Write files {name: writer(path)} into a temporary folder beside d, then move each into d (each move
+    atomic): a failed write leaves d's earlier files as they were."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+        d.mkdir(exist_ok=True)
+        for name in files:
+            os.replace(tmp / name, d / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: str = "absorb",
          args: ModelArgs | None = None, allow_nonfinite: bool = False) -> Transformer:
     """Load a hub-layout checkpoint directory into a Transformer (config from its config.json unless given).
     INT4 routed experts stay packed (Int4Experts); `dtype` applies to the floating-point weights. Checked as
     the module docstring says, before anything is built; allow_nonfinite: accept NaN / inf weights."""
-    d = Path(path)
+    allow_nonfinite = checks.flag("allow_nonfinite", allow_nonfinite)
+    d = _path_arg("load", path)
+    _dtype_arg("load", dtype)
+    _device_arg("load", device)
     if not d.is_dir():
         raise CheckpointError(f"load: {d} is not a directory")
     nextn = 0
@@ -265,20 +347,18 @@ def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: 
 
 def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     """Write config.json + model.safetensors in the hub layout (INT4 routed experts as pack-quantized
-    tensors per expert, the way compressed-tensors writes them)."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, "
-                         "...)")
+    tensors per expert, the way compressed-tensors writes them). Refuses (before writing) a folder that holds
+    a drafter checkpoint or stray shards (`_writable`); the files are written beside it and moved in whole."""
+    if not isinstance(model, Transformer):
+        raise ValueError(f"save: model: expected a kdtree Transformer, got {type(model).__name__} (a "
+                         "drafter: save_drafter)")
+    _dtype_arg("save", dtype, allow_none=True)
     released = [i for i, layer in enumerate(model.model.layers)
                 if getattr(getattr(layer.mlp, "experts", None), "released", False)]
     if released:
         raise ValueError(f"save: layer {released[0]}'s INT4 experts keep only the kernel-format copy "
                          "(Int4Experts.keep_kernel_only): there are no release-format weights to write")
-    d = Path(path)
-    if (d / "model.safetensors.index.json").exists():
-        raise ValueError(f"{d}: holds a sharded checkpoint (model.safetensors.index.json), which load() "
-                         "would read instead of the file written here: save into an empty folder")
-    d.mkdir(parents=True, exist_ok=True)
+    d = _writable("save", path, "target")
     sd = {}
     for k, v in model.state_dict().items():
         if ".mlp.experts.w" in k:
@@ -300,29 +380,36 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
                     f"{pre}.{n}_proj"))
             sd.update(quant.Int4Weight(ex.w2_packed[j].cpu(), ex.w2_scale[j].cpu(), (D, I)).state_dict(
                 f"{pre}.down_proj"))
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.args.to_hf_config()
     if quantized:
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                           "num_bits": 4, "type": "int", "symmetric": True,
                                           "strategy": "group", "group_size": quant.GROUP}}}}
-    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    _commit(d, {"model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
+                "config.json": lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n")})
     return d
 
 
 def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     """A DFlash drafter as config.json (DFlashDraftModel keys) + model.safetensors (its own weights: the
     embedding and lm_head are the target's and are not written). A calibration table already in the folder
-    is removed: it was measured on other weights (python -m kdtree.calibration measures it again)."""
+    is removed: it was measured on other weights (python -m kdtree.calibration measures it again). Refuses
+    (before writing) a folder that holds a target checkpoint or stray shards (`_writable`); the files are
+    written beside it and moved in whole."""
     from .calibration import FILE
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / FILE).unlink(missing_ok=True)
+    from .drafter import DFlashDrafter
+    if not isinstance(drafter, DFlashDrafter):
+        raise ValueError(f"save_drafter: drafter: expected a DFlashDrafter, got {type(drafter).__name__} (a "
+                         "target: save)")
+    _dtype_arg("save_drafter", dtype, allow_none=True)
+    d = _writable("save_drafter", path, "drafter")
     sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.state_dict().items()}
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    (d / "config.json").write_text(json.dumps(drafter.args.to_hf_config(), indent=2) + "\n")
+    cfg = drafter.args.to_hf_config()
+    _commit(d, {"model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt"}),
+                "config.json": lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n")})
+    (d / FILE).unlink(missing_ok=True)
     return d
 
 
@@ -331,7 +418,12 @@ def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float
     """The drafter saved by save_drafter, attached to `target` (checked like load: names, shapes, dtypes,
     finite values); `drafter.calibration` is the folder's calibration table (kdtree.calibration) or None."""
     from .drafter import DFlashDrafter, DrafterArgs
-    d = Path(path)
+    d = _path_arg("load_drafter", path)
+    if not isinstance(target, Transformer):
+        raise ValueError(f"load_drafter: target: expected the kdtree Transformer the drafter serves, got "
+                         f"{type(target).__name__}")
+    _dtype_arg("load_drafter", dtype)
+    allow_nonfinite = checks.flag("allow_nonfinite", allow_nonfinite)
     if not (d / "config.json").is_file():
         raise CheckpointError(f"load_drafter: no config.json in {d}")
     try:
