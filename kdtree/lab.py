@@ -1,15 +1,22 @@
 """Running the lab's notebooks with papermill: `python -m kdtree lab [NOTEBOOK ...] [-p KEY VALUE ...]`.
 
 Executed notebooks and their JSON/PNG results go to outputs/ on a CPU and to outputs/<gpu>/ (for example
-outputs/h200/) when a CUDA GPU is present, so a CPU run never overwrites a GPU record.
+outputs/h200/) when a CUDA GPU is present; a GPU record folder is written only by a run on that GPU (paths
+compared resolved). Each notebook runs in a copy of the output folder beside it, and its files move in only
+when the whole notebook succeeded: a failed run leaves the folder as it was (the copy, with the failed
+notebook, is named in the error).
 """
 from __future__ import annotations
 
 import ast
+import filecmp
 import io
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import tokenize
 from pathlib import Path
 
@@ -134,25 +141,97 @@ def executed_name(nb: Path, params: dict) -> str:
     return nb.name if stage == "all" else f"{nb.stem}-stage-{stage}.ipynb"
 
 
+def check_out_dir(out: Path, device: str) -> Path:
+    """The output folder a run on `device` may write: ValueError when it is a file or lies under one, or when
+    it is another GPU's record folder (outputs/<gpu>/, compared resolved: '..', '.', trailing slashes and
+    links are seen through)."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"--out-dir {out}: {p} is a file, not a folder")
+    r = out.resolve()
+    if r.parent == OUTPUTS.resolve() and device_slug(device) != r.name:
+        raise ValueError(f"--out-dir {out}: outputs/{r.name}/ holds the {r.name} GPU's records; a run on "
+                         f"{device} writes to {output_dir(device)} (or to a folder outside outputs/)")
+    return out
+
+
+TRAINED = ROOT / "data" / "trained"   # the shipped pair (notebook 03's default ckpt_dir, "../data/trained")
+
+
+def _normalized(nb: Path, params: dict) -> dict:
+    """params with a ckpt_dir that resolves to data/trained written as the notebook's own default string, so
+    the notebook's guard (a smoke run never writes there) sees it however it was spelt."""
+    v = params.get("ckpt_dir")
+    if isinstance(v, str) and (nb.parent / v).resolve() == TRAINED.resolve():
+        return {**params, "ckpt_dir": "../data/trained"}
+    return params
+
+
+class LabRunError(RuntimeError):
+    """A notebook failed; `run_dir` holds its executed copy (with the traceback) and the files it wrote, the
+    output folder is as it was."""
+
+    def __init__(self, cause: BaseException, run_dir: Path):
+        super().__init__(str(cause))
+        self.cause, self.run_dir = cause, run_dir
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a.is_dir() != b.is_dir():
+        return False
+    if not a.is_dir():
+        return filecmp.cmp(a, b, shallow=False)
+    c = filecmp.dircmp(a, b)
+    return (not (c.left_only or c.right_only or c.diff_files or c.funny_files)
+            and all(_same(a / d, b / d) for d in c.common_dirs))
+
+
+def _run_staged(out: Path, run) -> None:
+    """run(folder) in a copy of `out` made beside it; on success the entries it added or changed move into
+    `out` (each file by an atomic rename), on failure LabRunError names the copy and `out` is untouched."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.run-", dir=out.parent))
+    for f in out.iterdir():
+        if f.is_dir():
+            shutil.copytree(f, tmp / f.name, symlinks=True)
+        else:
+            shutil.copy2(f, tmp / f.name)
+    try:
+        run(tmp)
+    except Exception as e:
+        raise LabRunError(e, tmp) from e
+    for f in tmp.iterdir():
+        dst = out / f.name
+        if dst.exists() and _same(f, dst):
+            continue
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        os.replace(f, dst)   # the copy lies beside `out`: one file system, a rename
+    shutil.rmtree(tmp)
+
+
 def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
             out_dir: str | None = None) -> list[Path]:
-    """Execute notebooks with papermill; returns the executed copies."""
+    """Execute notebooks with papermill; returns the executed copies. Every check (notebook names, parameters,
+    the output folder) runs before anything is written."""
     import papermill as pm
 
     device = pick_device(device)
     nbs = find_notebooks(notebooks)
     for nb in nbs:  # every notebook's parameters checked before anything runs or is written
         check_parameters(nb, params or {})
-    out = Path(out_dir) if out_dir else output_dir(device)
+    out = check_out_dir(Path(out_dir) if out_dir else output_dir(device), device)
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for nb in nbs:
-        p = {"device": device, "out_dir": str(out.resolve()), **(params or {})}
-        target = out / executed_name(nb, p)
-        print(f"[kdtree lab] {nb.name} on {device} -> {target}", flush=True)
-        pm.execute_notebook(str(nb), str(target), parameters=p, cwd=str(nb.parent), progress_bar=True,
-                            kernel_name="python3")
-        done.append(target)
+        p = _normalized(nb, {"device": device, **(params or {})})
+        name = executed_name(nb, p)
+        print(f"[kdtree lab] {nb.name} on {device} -> {out / name}", flush=True)
+
+        def run(folder, nb=nb, p=p, name=name):
+            pm.execute_notebook(str(nb), str(folder / name), cwd=str(nb.parent), progress_bar=True,
+                                parameters={**p, "out_dir": str(folder.resolve())}, kernel_name="python3")
+        _run_staged(out, run)
+        done.append(out / name)
     refresh_results(out)
     return done
 
@@ -189,8 +268,13 @@ def main_lab(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except PapermillExecutionError as e:  # the failing cell's exception in a few lines, not the traceback
-        print(f"error: a notebook failed in cell {e.exec_count}: {e.ename}: {str(e.evalue)[:600]}\n"
-              "(the executed copy, with the full traceback, is in the output folder)", file=sys.stderr)
+    except LabRunError as err:  # the failing cell's exception in a few lines, not the traceback
+        e = err.cause
+        if isinstance(e, PapermillExecutionError):
+            what = f"cell {e.exec_count}: {e.ename}: {str(e.evalue)[:600]}"
+        else:
+            what = f"{type(e).__name__}: {str(e)[:600]}"
+        print(f"error: a notebook failed in {what}\n(the output folder is as it was; the executed copy, with "
+              f"the full traceback, is in {err.run_dir})", file=sys.stderr)
         return 1
     return 0

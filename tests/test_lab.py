@@ -200,3 +200,51 @@ def test_staged_notebook_03_smoke_runs_share_their_checkpoints_on_a_cpu(tmp_path
     assert (tmp_path / "smoke_ckpt" / "target" / "config.json").exists()
     assert (tmp_path / "smoke_ckpt" / "drafter" / "config.json").exists()
     assert json.loads((tmp_path / "trained_pair.json").read_text())["measure"]
+
+
+def test_a_gpu_record_folder_is_written_only_by_its_gpu(tmp_path):
+    """A CPU run into outputs/h200 (however the path is spelt) is refused before anything runs; so is a
+    folder that is a file or lies under one."""
+    for spelt in ("h200", "./h200/", "x/../h200"):
+        with pytest.raises(ValueError, match=r"outputs/h200/ holds the h200 GPU's records"):
+            lab.check_out_dir(lab.OUTPUTS / spelt, "cpu")
+    assert lab.check_out_dir(lab.OUTPUTS, "cpu") == lab.OUTPUTS
+    f = tmp_path / "f"
+    f.write_text("x")
+    for bad in (f, f / "sub"):
+        with pytest.raises(ValueError, match="is a file, not a folder"):
+            lab.check_out_dir(bad, "cpu")
+    before = sorted(p.name for p in (lab.OUTPUTS / "h200").iterdir())
+    spelt = str(lab.OUTPUTS / "." / "h200" / ".." / "h200")
+    assert lab.main_lab(["00", "--device", "cpu", "--out-dir", spelt]) == 2
+    assert sorted(p.name for p in (lab.OUTPUTS / "h200").iterdir()) == before
+
+
+def test_the_shipped_pair_is_named_one_way_for_the_notebooks_guard():
+    nb = lab.find_notebooks(["03"])[0]
+    for spelt in ("../data/trained/", "../data/./trained", "../notebooks/../data/trained"):
+        assert lab._normalized(nb, {"ckpt_dir": spelt})["ckpt_dir"] == "../data/trained"
+    assert lab._normalized(nb, {"ckpt_dir": "/tmp/elsewhere"})["ckpt_dir"] == "/tmp/elsewhere"
+
+
+def test_a_failed_notebook_leaves_the_output_folder_as_it_was(tmp_path, capsys):
+    """The notebook writes a record into its out_dir, then fails: the folder keeps its earlier files byte for
+    byte, and the error names the copy that holds the failed run."""
+    nb = tmp_path / "98_writes_then_fails.ipynb"
+    cells = [{"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "execution_count": None,
+              "outputs": [], "source": ['device = "auto"\n', 'out_dir = "."\n']},
+             {"cell_type": "code", "id": "w", "metadata": {}, "execution_count": None, "outputs": [],
+              "source": ['import pathlib\n', 'pathlib.Path(out_dir, "rec.json").write_text("new")\n',
+                         'raise RuntimeError("after writing")\n']}]
+    kernel = {"name": "python3", "language": "python", "display_name": "Python 3"}
+    nb.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": kernel}, "nbformat": 4,
+                              "nbformat_minor": 5}))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rec.json").write_text("old")
+    (out / nb.name).write_text("the committed executed copy")
+    assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(out)]) == 1
+    assert (out / "rec.json").read_text() == "old"
+    assert (out / nb.name).read_text() == "the committed executed copy"
+    err = capsys.readouterr().err
+    assert "the output folder is as it was" in err and "RuntimeError: after writing" in err
