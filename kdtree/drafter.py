@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import checks
 from .model import MLP, RMSNorm, _refresh, apply_rope
 from .ops.draft_attn import HEAD_DIM as DRAFT_HEAD_DIM
 from .ops.draft_attn import MAX_ROWS as DRAFT_MAX_ROWS
@@ -564,7 +565,17 @@ class OracleDrafter:
 
     def __init__(self, reference, vocab_size: int, block_size: int = 8, concentration: float = 0.3,
                  k: int = 4, miss: float = 0.05, background: float = 0.02, noise: float = 0.5, seed: int = 0):
-        self.reference = [int(t) for t in reference]
+        vocab_size = checks.positive_int("OracleDrafter vocab_size", vocab_size)
+        reference = checks.token_list("OracleDrafter reference", reference, vocab_size, allow_empty=True)
+        block_size = checks.int_in("OracleDrafter block_size", block_size, 2,
+                                   note=" (the root and at least one drafted depth)")
+        k = checks.int_in("OracleDrafter k", k, 0, vocab_size - 1, " (decoys besides the true token)")
+        concentration = checks.finite_float("OracleDrafter concentration", concentration, lo=1e-6)
+        miss = checks.finite_float("OracleDrafter miss", miss, lo=0.0, hi=1.0)
+        background = checks.finite_float("OracleDrafter background", background, lo=0.0, hi=0.999)
+        noise = checks.finite_float("OracleDrafter noise", noise, lo=0.0)
+        seed = checks.int_in("OracleDrafter seed", seed, 0)
+        self.reference = reference
         self.vocab_size, self.block_size = vocab_size, block_size
         self.concentration, self.k, self.miss = concentration, k, miss
         self.background, self.noise, self.seed = background, noise, seed

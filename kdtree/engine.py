@@ -171,6 +171,11 @@ def check_drafter(model: Transformer, drafter) -> None:
     dv = getattr(getattr(drafter, "args", None), "vocab_size", getattr(drafter, "vocab_size", None))
     if dv is not None and dv != model.args.vocab_size:
         raise ValueError(f"drafter: vocabulary {dv} differs from the target's {model.args.vocab_size}")
+    attached = getattr(drafter, "_target", None)   # a DFlashDrafter drafts through its target's embedding
+    if attached is not None and attached[0] is not model:
+        raise ValueError("drafter: attached to " + ("no target" if attached[0] is None else "another target")
+                         + ": it drafts through its target's embedding, lm_head and hidden states "
+                         "(drafter.attach(model) checks the shapes and attaches it to this one)")
 
 
 def finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> bool:

@@ -83,3 +83,26 @@ def test_max_len_bounds_a_request_not_its_page_rounding(tiny):
         e.add_request([1] * 10, 20)
     e.add_request([1] * 10, 6)
     assert len(e.waiting) == 1
+
+
+def test_a_drafter_must_be_attached_to_the_target_it_serves():
+    from kdtree.config import TINY_A
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    a, b = build_model(TINY_A, seed=1), build_model(TINY_A, seed=2)   # the same shapes, other weights
+    d = build_drafter(a, block_size=4)
+    with pytest.raises(ValueError, match="drafter: attached to another target"):
+        Engine(b, d, mode="dflash", max_batch=1, max_len=64)
+    Engine(a, d, mode="dflash", max_batch=1, max_len=64)
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(block_size=0), "block_size=0: expected an int >= 2"),
+                                       (dict(block_size=1), "block_size=1"),
+                                       (dict(k=-1), "k=-1"), (dict(miss=1.5), "miss=1.5"),
+                                       (dict(vocab_size=0), "vocab_size=0"),
+                                       (dict(reference={1, 2}), "reference: expected an ordered sequence")])
+def test_the_oracle_drafter_checks_its_arguments(kw, needle):
+    from kdtree.drafter import OracleDrafter
+    args = dict(reference=[1, 2, 3], vocab_size=100) | kw
+    with pytest.raises(ValueError, match=needle):
+        OracleDrafter(**args)
