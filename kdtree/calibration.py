@@ -35,6 +35,36 @@ class Calibration:
     budget: int = 0
     prompts: int = 0
 
+    def __post_init__(self):
+        """The table's contract, checked however it arrives (built, loaded, handed to an Engine): edges at
+        least two finite probabilities in [0, 1], strictly ascending; count / predicted / accepted [depths >=
+        1][bins] with counts ints >= 0, predictions finite >= 0, 0 <= accepted <= count; budget and prompts
+        ints >= 0. ValueError naming the first field that breaks it."""
+        e = self.edges
+        if (not isinstance(e, (list, tuple)) or len(e) < 2 or not all(checks.is_number(x) for x in e)
+                or not all(np.isfinite(float(x)) and 0.0 <= float(x) <= 1.0 for x in e)
+                or any(float(b) <= float(a) for a, b in zip(e, e[1:]))):
+            raise ValueError(f"calibration edges={e!r}: expected at least two finite probabilities in "
+                             "[0, 1], strictly ascending")
+        nb = len(e) - 1
+        tables = {"count": self.count, "predicted": self.predicted, "accepted": self.accepted}
+        for name, t in tables.items():
+            if not (isinstance(t, (list, tuple)) and len(t) >= 1
+                    and all(isinstance(r, (list, tuple)) and len(r) == nb for r in t)):
+                raise ValueError(f"calibration {name}: expected [depths >= 1][{nb} bins] (a bin between each "
+                                 "two edges)")
+        if not len(self.count) == len(self.predicted) == len(self.accepted):
+            raise ValueError("calibration count, predicted, accepted: expected one row per depth in each")
+        for rc, rp, ra in zip(self.count, self.predicted, self.accepted):
+            for c, p, a in zip(rc, rp, ra):
+                if not (checks.is_int(c) and c >= 0 and checks.is_int(a) and 0 <= a <= c
+                        and checks.is_number(p) and np.isfinite(float(p)) and p >= 0):
+                    raise ValueError(f"calibration: a bin holds count={c!r}, predicted={p!r}, "
+                                     f"accepted={a!r}: expected ints 0 <= accepted <= count and a finite "
+                                     "predicted >= 0")
+        checks.int_in("calibration budget", self.budget, 0)
+        checks.int_in("calibration prompts", self.prompts, 0)
+
     @classmethod
     def empty(cls, depths: int, edges=EDGES) -> "Calibration":
         nb = len(edges) - 1
@@ -106,18 +136,14 @@ class Calibration:
             return None
         try:
             raw = json.loads(path.read_text())
-            cal = cls(**raw)
-        except (json.JSONDecodeError, TypeError) as e:
+        except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a calibration table ({e})") from None
-        nb = len(cal.edges) - 1
-        shapes_ok = nb >= 1 \
-            and all(len(r) == nb for t in (cal.count, cal.predicted, cal.accepted) for r in t) \
-            and len(cal.count) == len(cal.predicted) == len(cal.accepted) >= 1
-        if not shapes_ok or list(cal.edges) != sorted(cal.edges) or any(
-                a > n or a < 0 for rc, ra in zip(cal.count, cal.accepted) for n, a in zip(rc, ra)):
-            raise ValueError(f"{path}: inconsistent calibration table (edges ascending, [depths][bins] "
-                             "tables, 0 <= accepted <= count)")
-        return cal
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"{path}: not a calibration table ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: inconsistent calibration table: {e}") from None
 
 
 def node_acceptance(block: golden.VerifyBlock, choice) -> np.ndarray:

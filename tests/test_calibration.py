@@ -121,3 +121,24 @@ def test_the_trained_drafter_carries_its_calibration(tmp_path):
     weights.save_drafter(d, tmp_path / "drafter")  # new weights: the stale table goes
     assert not (tmp_path / "drafter" / FILE).exists()
     assert weights.load_drafter(tmp_path / "drafter", t).calibration is None
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda r: r.update(edges=[0.0, float("nan"), 1.0]), "edges="),
+    (lambda r: r.update(edges=["0", "0.5", "1"]), "edges="),
+    (lambda r: r.update(edges=list(reversed(r["edges"]))), "strictly ascending"),
+    (lambda r: r["predicted"][0].__setitem__(0, float("nan")), "a bin holds"),
+    (lambda r: r["count"][0].__setitem__(1, 2.5), "a bin holds"),
+    (lambda r: r.update(budget=-1), "budget=-1"),
+])
+def test_a_calibration_is_checked_however_it_arrives(tmp_path, edit, needle):
+    """Loaded from a file or built by hand (as Engine(calibration=...) takes it): the same checks."""
+    from dataclasses import asdict
+    raw = asdict(Calibration.empty(3))
+    raw["count"][0][0], raw["accepted"][0][0], raw["predicted"][0][0] = 4, 1, 0.5
+    edit(raw)
+    with pytest.raises(ValueError, match=needle):
+        Calibration(**raw)
+    (tmp_path / "calibration.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="inconsistent calibration table"):
+        Calibration.load(tmp_path)
