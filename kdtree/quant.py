@@ -23,6 +23,8 @@ from typing import Mapping
 
 import torch
 
+from . import checks
+
 GROUP = 32      # inputs per scale
 PER_WORD = 8    # 4-bit values per int32
 QMIN, QMAX = -8, 7
@@ -70,10 +72,12 @@ class Int4Weight:
 def check_int4(packed: torch.Tensor, scale: torch.Tensor, shape, name: str = "weight") -> None:
     """Raise QuantFormatError naming the tensor and the expected value when the three do not fit together."""
     try:
-        out, inp = (int(v) for v in shape)
-    except (TypeError, ValueError):
-        raise QuantFormatError(f"{name}.weight_shape: expected two integers (out, in), "
-                               f"got {shape!r}") from None
+        vals = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in shape]
+    except TypeError:
+        vals = None
+    if vals is None or len(vals) != 2 or not all(checks.is_int(v) for v in vals):
+        raise QuantFormatError(f"{name}.weight_shape: expected two integers (out, in), got {shape!r}")
+    out, inp = (int(v) for v in vals)
     if out <= 0 or inp <= 0 or inp % GROUP:
         raise QuantFormatError(f"{name}.weight_shape: expected (out, in) with in a positive multiple of "
                                f"{GROUP}, got {(out, inp)}")

@@ -7,8 +7,12 @@ import numpy as np
 
 
 def unpack_int4(packed) -> np.ndarray:
-    """int32 [..., n / 8] (compressed-tensors pack-quantized) -> int8 [..., n] in [-8, 7]."""
-    w = np.asarray(packed).astype(np.int64) & 0xFFFFFFFF
+    """int32 [..., n / 8] (compressed-tensors pack-quantized) -> int8 [..., n] in [-8, 7]. Integer words
+    only: a float array is refused (truncating it would unpack other values)."""
+    w = np.asarray(packed)
+    if not np.issubdtype(w.dtype, np.integer):
+        raise ValueError(f"packed: expected integer (int32) words, got dtype {w.dtype}")
+    w = w.astype(np.int64) & 0xFFFFFFFF
     u = (w[..., None] >> (4 * np.arange(8))) & 0xF
     return (u - 8).astype(np.int8).reshape(*w.shape[:-1], -1)
 
