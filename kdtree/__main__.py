@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "info":
         import platform
 
+        if rest:
+            print(f"error: python -m kdtree info takes no arguments, got {rest}", file=sys.stderr)
+            return 2
         import numpy
         import torch
 

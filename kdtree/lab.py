@@ -249,10 +249,24 @@ def refresh_results(out: Path) -> Path | None:
     return report.PAGE
 
 
+def notebooks_help() -> str:
+    """The notebooks and the parameters each declares (name = default  # comment), for `lab --help`."""
+    lines = ["notebooks and their parameters (-p NAME VALUE; device, out_dir: --device, --out-dir):"]
+    for nb in find_notebooks(()):
+        lines.append(f"  {nb.stem}")
+        cells = json.loads(nb.read_text())["cells"]
+        cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+        for line in "".join(cell["source"] if cell else []).splitlines():
+            name = line.split("=", 1)[0].strip()
+            if "=" in line and name.isidentifier() and name not in RUNNER_PARAMETERS:
+                lines.append(f"    {line.strip()}")
+    return "\n".join(lines)
+
+
 def main_lab(argv: list[str]) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kdtree lab", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kdtree lab", description=__doc__, epilog=notebooks_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="*",
                     help="notebook names or paths (default: every notebooks/NN_*.ipynb)")

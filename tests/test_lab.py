@@ -248,3 +248,26 @@ def test_a_failed_notebook_leaves_the_output_folder_as_it_was(tmp_path, capsys):
     assert (out / nb.name).read_text() == "the committed executed copy"
     err = capsys.readouterr().err
     assert "the output folder is as it was" in err and "RuntimeError: after writing" in err
+
+
+def test_lab_help_lists_every_notebook_and_its_parameters_and_info_refuses_arguments(capsys):
+    with pytest.raises(SystemExit):
+        lab.main_lab(["--help"])
+    out = capsys.readouterr().out
+    for nb in lab.find_notebooks(()):
+        assert nb.stem in out
+        for name in lab.declared_parameters(nb):
+            if name not in lab.RUNNER_PARAMETERS:
+                assert f"    {name} = " in out, name
+    from kdtree.__main__ import main
+    assert main(["info", "extra"]) == 2
+
+
+def test_no_parameters_cell_comment_holds_an_equals_sign():
+    """papermill reads a parameters cell line by line; an '=' inside a comment makes it warn that it cannot
+    parse the line (and a user cannot tell whether the parameter is settable)."""
+    for nb in lab.find_notebooks(()):
+        cells = json.loads(nb.read_text())["cells"]
+        cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        for line in "".join(cell["source"]).splitlines():
+            assert "=" not in line.partition("#")[2], (nb.name, line)
