@@ -7,16 +7,6 @@ import torch
 from kdtree import golden, quant
 
 
-def test_build_tree_refuses_an_unsorted_top_k_list():
-    rng = np.random.default_rng(0)
-    toks, lps = golden.topk_logprobs(rng.standard_normal((3, 50)).astype(np.float32), 4)
-    golden.build_tree(toks, lps, 8)
-    bad = lps.copy()
-    bad[1] = bad[1][::-1]
-    with pytest.raises(ValueError, match="top_logprobs: expected each depth's list sorted.*depth 2"):
-        golden.build_tree(toks, bad, 8)
-
-
 def test_unpack_int4_refuses_float_words():
     w = np.array([[0x12345678, -1]], dtype=np.int32)
     assert golden.unpack_int4(w).shape == (1, 16)

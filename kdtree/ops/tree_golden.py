@@ -136,10 +136,6 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
                          f"and {lp.shape}")
     if np.isnan(lp).any() or np.isposinf(lp).any() or (lp > 0).any():
         raise ValueError("top_logprobs: expected log-probabilities (<= 0, no NaN)")
-    if (np.diff(lp, axis=1) > 0).any():
-        d = int(np.argwhere(np.diff(lp, axis=1) > 0)[0, 0])
-        raise ValueError(f"top_logprobs: expected each depth's list sorted largest first (as topk_logprobs "
-                         f"returns it); depth {d + 1} is not")
     L, K = lp.shape
     tokens, depths, parents, scores, ranks = [], [], [], [], []
     # heap entries: (-score, depth, parent_index, rank, parent_score); the first four are the order key
