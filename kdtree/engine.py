@@ -156,7 +156,7 @@ def check_stop(stop_tokens, vocab_size: int | None = None) -> set[int]:
     if stop_tokens is None:
         return set()
     if isinstance(stop_tokens, (set, frozenset)):   # order does not matter for a stop set
-        stop_tokens = sorted(stop_tokens, key=lambda t: (not checks.is_int(t), str(t)))
+        stop_tokens = list(stop_tokens)
     try:
         return set(checks.token_list("stop_tokens", stop_tokens, vocab_size, allow_empty=True))
     except ValueError as e:

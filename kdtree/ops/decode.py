@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p
+from .loader import _aligned, _empty, _i, _launch, _need, _on_one_gpu, _p
 
 QA_ROWS, UV_ROWS, RS_ROWS = 4, 4, 8   # rows a block of q_absorb, uv_absorb, router_scores (decode_fused.cu)
 SEL_MAX_E, SEL_MAX_K = 1024, 32      # router_select's limits
@@ -30,13 +30,6 @@ _NULL = np.uint64(0)
 
 def _f(v: float) -> np.float32:
     return np.float32(v)
-
-
-def _aligned(**tensors) -> None:
-    """Tensors the kernels read 16 bytes at a time start on a 16-byte boundary (a view's offset may not)."""
-    for name, t in tensors.items():
-        if t is not None and t.data_ptr() % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned start (a view at an odd offset? a copy is)")
 
 
 def _rows(name: str, t: torch.Tensor, width: int | None = None) -> tuple[int, int]:

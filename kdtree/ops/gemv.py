@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p
+from .loader import _aligned, _empty, _i, _launch, _need, _on_one_gpu, _p
 
 GEMV_ROWS, GEMV_CHUNK = 8, 2048   # gemv.cu: x rows a block, x columns staged at a time
 GEMV_MAX_ROWS = 16                # rows up to which the kernel is meant to be used (two passes over W)
@@ -27,9 +27,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if N == 0 or w.shape[1] != K:
         raise ValueError(f"w: expected [N, {K}] with N > 0, got {tuple(w.shape)}")
     _on_one_gpu(x=x, w=w)
-    for name, t in (("x", x), ("w", w)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned start (a view at an odd offset? a copy is)")
+    _aligned(x=x, w=w)
     y = _empty(M, N, dtype=torch.bfloat16, device=x.device)
     _launch("gemv", "gemv_bf16", (-(-N // 8), -(-M // GEMV_ROWS)), (256,),
             (_p(x), _p(w), _i(M), _i(N), _i(K), _p(y)), smem=GEMV_ROWS * GEMV_CHUNK * 2)

@@ -185,6 +185,13 @@ def _on_one_gpu(**tensors) -> None:
                          f"torch.cuda.device({dev.index}) (or torch.cuda.set_device)")
 
 
+def _aligned(**tensors) -> None:
+    """Tensors the kernels read 16 bytes at a time start on a 16-byte boundary (a view's offset may not)."""
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name}: expected a 16-byte aligned start (a view at an odd offset? a copy is)")
+
+
 def _check_pages(page_table: torch.Tensor, num_pages: int, check_values: bool) -> None:
     """Every page index in [0, num_pages) (reads the device; skipped unless check_values)."""
     if check_values and page_table.numel():
