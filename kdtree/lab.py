@@ -4,7 +4,8 @@ Executed notebooks and their JSON/PNG results go to outputs/ on a CPU and to out
 outputs/h200/) when a CUDA GPU is present; a GPU record folder is written only by a run on that GPU (paths
 compared resolved). Each notebook runs in a copy of the output folder beside it, and its files move in only
 when the whole notebook succeeded: a failed run leaves the folder as it was (the copy, with the failed
-notebook, is named in the error).
+notebook, is named in the error). Every notebook name and parameter value is checked (against the notebook's
+declaration in kdtree.lab_params) before torch or papermill is imported.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import tempfile
 import tokenize
 from pathlib import Path
 
-import torch
+from . import lab_params
 
+# torch and papermill load only once every name and value has been checked (a refusal comes at once)
 
 
 def repo_root() -> Path:
@@ -36,13 +38,16 @@ OUTPUTS = ROOT / "outputs"
 
 
 def pick_device(device: str = "auto") -> str:
-    """'auto' -> 'cuda' when a CUDA GPU is present, else 'cpu'; anything else is checked and returned."""
+    """'auto' -> 'cuda' when a CUDA GPU is present, else 'cpu'; anything else is checked and returned. The
+    spelling is checked before torch is imported."""
+    lab_params.check_device(device)
+    if device == "cpu":
+        return device
+    import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: no CUDA GPU is visible; use 'auto' or 'cpu'")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"device={device!r}: expected 'auto', 'cpu' or 'cuda[:N]'")
     return device
 
 
@@ -50,6 +55,7 @@ def device_slug(device: str) -> str | None:
     """A folder name for a GPU record ('NVIDIA H200' -> 'h200'); None on the CPU."""
     if not device.startswith("cuda"):
         return None
+    import torch
     name = torch.cuda.get_device_name(torch.device(device)).lower()
     name = re.sub(r"^nvidia\s+", "", name)
     name = re.sub(r"\b(nvl|sxm\d*|pcie|hbm\w*|\d+gb)\b", "", name)
@@ -116,21 +122,30 @@ def declared_parameters(nb: Path) -> dict[str, str]:
 
 
 def check_parameters(nb: Path, params: dict) -> None:
-    """-p names the notebook declares (not the runner's own), and a value among the listed ones where the
-    parameter's comment starts with a list 'a | b | c' (notebook 03's stage). ValueError naming the
-    parameter."""
+    """-p names the notebook declares in its parameters cell (not the runner's own), each value as the
+    notebook's declaration in kdtree.lab_params wants it (type, range, choices; paths read from the notebook's
+    folder). ValueError naming the parameter, the value and what was expected; no torch needed."""
     declared = declared_parameters(nb)
+    has_declaration = nb.stem in lab_params.NOTEBOOKS
     for k, v in params.items():
         if k in RUNNER_PARAMETERS:
             raise ValueError(f"-p {k}: set by the runner (use --{k.replace('_', '-')})")
         if k not in declared:
             raise ValueError(f"-p {k}: {nb.name} declares no such parameter; it declares "
                              f"{sorted(n for n in declared if n not in RUNNER_PARAMETERS)}")
-        m = re.match(r"([\w.-]+(?:\s*\|\s*[\w.-]+)+)", declared[k])
-        if m:
-            choices = [c.strip() for c in m.group(1).split("|")]
-            if not isinstance(v, str) or v not in choices:
-                raise ValueError(f"-p {k} {v!r}: expected one of {choices}")
+        want = lab_params.problem(nb.stem, k, v, nb.parent) if has_declaration else None
+        if want:
+            raise ValueError(f"-p {k} {v!r}: expected {want}")
+
+
+def check_run(nb: Path, params: dict, device: str) -> None:
+    """The declaration's rules over several parameters for a run on `device` (resolved), such as notebook 02's
+    chain taus below its block size. ValueError naming the notebook."""
+    if nb.stem in lab_params.NOTEBOOKS:
+        try:
+            lab_params.check_rules(nb.stem, {**params, "device": device}, nb.parent)
+        except ValueError as e:
+            raise ValueError(f"{nb.name}: {e}") from None
 
 
 def executed_name(nb: Path, params: dict) -> str:
@@ -212,18 +227,22 @@ def _run_staged(out: Path, run) -> None:
 def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
             out_dir: str | None = None) -> list[Path]:
     """Execute notebooks with papermill; returns the executed copies. Every check (notebook names, parameters,
-    the output folder) runs before anything is written."""
-    import papermill as pm
-
-    device = pick_device(device)
+    the output folder) runs before anything is written, the names and values before torch is imported."""
+    lab_params.check_device(device)
     nbs = find_notebooks(notebooks)
     for nb in nbs:  # every notebook's parameters checked before anything runs or is written
         check_parameters(nb, params or {})
+    per_nb = {nb: dict(params or {}) for nb in nbs}
+    device = pick_device(device)
+    for nb in nbs:
+        check_run(nb, per_nb[nb], device)
     out = check_out_dir(Path(out_dir) if out_dir else output_dir(device), device)
+    import papermill as pm
+
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for nb in nbs:
-        p = _normalized(nb, {"device": device, **(params or {})})
+        p = _normalized(nb, {"device": device, **per_nb[nb]})
         name = executed_name(nb, p)
         print(f"[kdtree lab] {nb.name} on {device} -> {out / name}", flush=True)
 
@@ -250,10 +269,15 @@ def refresh_results(out: Path) -> Path | None:
 
 
 def notebooks_help() -> str:
-    """The notebooks and the parameters each declares (name = default  # comment), for `lab --help`."""
-    lines = ["notebooks and their parameters (-p NAME VALUE; device, out_dir: --device, --out-dir):"]
+    """The notebooks and their parameters from each one's declaration (name = default  help; allowed values),
+    for `lab --help`; a notebook without one: its parameters cell's lines."""
+    lines = ["notebooks and their parameters (-p NAME VALUE; device, out_dir: --device, --out-dir; paths are "
+             "read from notebooks/):"]
     for nb in find_notebooks(()):
         lines.append(f"  {nb.stem}")
+        if nb.stem in lab_params.NOTEBOOKS:
+            lines += lab_params.describe(nb.stem, skip=RUNNER_PARAMETERS)
+            continue
         cells = json.loads(nb.read_text())["cells"]
         cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
         for line in "".join(cell["source"] if cell else []).splitlines():
@@ -276,13 +300,13 @@ def main_lab(argv: list[str]) -> int:
     ap.add_argument("--out-dir", default=None, help="default: outputs/ on a CPU, outputs/<gpu>/ on a GPU")
     a = ap.parse_args(argv)
     params = {k: parse_value(v) for k, v in a.parameter}
-    from papermill.exceptions import PapermillExecutionError
     try:
         run_lab(a.notebooks, params, a.device, a.out_dir)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LabRunError as err:  # the failing cell's exception in a few lines, not the traceback
+        from papermill.exceptions import PapermillExecutionError
         e = err.cause
         if isinstance(e, PapermillExecutionError):
             what = f"cell {e.exec_count}: {e.ename}: {str(e.evalue)[:600]}"
