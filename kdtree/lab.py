@@ -5,7 +5,8 @@ outputs/h200/) when a CUDA GPU is present; a GPU record folder is written only b
 compared resolved). Each notebook runs in a copy of the output folder beside it, and its files move in only
 when the whole notebook succeeded: a failed run leaves the folder as it was (the copy, with the failed
 notebook, is named in the error). Every notebook name and parameter value is checked (against the notebook's
-declaration in kdtree.lab_params) before torch or papermill is imported.
+declaration in kdtree.lab_params) before torch or papermill is imported; notebook 03 trains into the shipped
+pair (data/trained/) only with --overwrite-trained.
 """
 from __future__ import annotations
 
@@ -139,8 +140,9 @@ def check_parameters(nb: Path, params: dict) -> None:
 
 
 def check_run(nb: Path, params: dict, device: str) -> None:
-    """The declaration's rules over several parameters for a run on `device` (resolved), such as notebook 02's
-    chain taus below its block size. ValueError naming the notebook."""
+    """The declaration's rules over several parameters for a run on `device` (resolved): for notebook 03, no
+    training run into the shipped pair (data/trained/, however spelt) without overwrite_trained=True.
+    ValueError naming the notebook."""
     if nb.stem in lab_params.NOTEBOOKS:
         try:
             lab_params.check_rules(nb.stem, {**params, "device": device}, nb.parent)
@@ -225,14 +227,23 @@ def _run_staged(out: Path, run) -> None:
 
 
 def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
-            out_dir: str | None = None) -> list[Path]:
+            out_dir: str | None = None, overwrite_trained: bool = False) -> list[Path]:
     """Execute notebooks with papermill; returns the executed copies. Every check (notebook names, parameters,
-    the output folder) runs before anything is written, the names and values before torch is imported."""
+    the output folder) runs before anything is written, the names and values before torch is imported.
+    overwrite_trained: passed to the notebooks that declare it (03: a training run may replace
+    data/trained/)."""
     lab_params.check_device(device)
     nbs = find_notebooks(notebooks)
     for nb in nbs:  # every notebook's parameters checked before anything runs or is written
         check_parameters(nb, params or {})
     per_nb = {nb: dict(params or {}) for nb in nbs}
+    if overwrite_trained:
+        takers = [nb for nb in nbs if "overwrite_trained" in declared_parameters(nb)]
+        if not takers:
+            raise ValueError("--overwrite-trained: none of the notebooks named trains the pair (notebook "
+                             "03_train_pair does)")
+        for nb in takers:
+            per_nb[nb]["overwrite_trained"] = True
     device = pick_device(device)
     for nb in nbs:
         check_run(nb, per_nb[nb], device)
@@ -298,10 +309,12 @@ def main_lab(argv: list[str]) -> int:
                     help="papermill parameter; VALUE is parsed as JSON when it can be")
     ap.add_argument("--device", default="auto", help="auto (default), cpu or cuda[:N]")
     ap.add_argument("--out-dir", default=None, help="default: outputs/ on a CPU, outputs/<gpu>/ on a GPU")
+    ap.add_argument("--overwrite-trained", action="store_true",
+                    help="let notebook 03 train into data/trained/, replacing the shipped pair")
     a = ap.parse_args(argv)
     params = {k: parse_value(v) for k, v in a.parameter}
     try:
-        run_lab(a.notebooks, params, a.device, a.out_dir)
+        run_lab(a.notebooks, params, a.device, a.out_dir, overwrite_trained=a.overwrite_trained)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ with the same words.
 
 A declaration's names and defaults are those of the notebook's cell tagged `parameters` (a test keeps them
 equal). Paths are read relative to the notebook's folder (where papermill and Jupyter run it). Besides each
-value on its own, a rule may look at several (notebook 02's chain taus must lie below the block size).
+value on its own, a few rules look at several: notebook 02's chain taus must lie below the block size, and
+notebook 03 trains into the shipped pair (`data/trained/`) only with `overwrite_trained=True`
+(`python -m kdtree lab 03 --overwrite-trained`).
 
 This module imports neither torch nor numpy, so that the runner refuses a bad name or value at once.
 """
@@ -23,6 +25,8 @@ from .config import CONFIG_DIR, PRESETS, ModelArgs
 
 CORPUS_SOURCES = ("stdlib", "torch", "numpy")   # kdtree.data.SOURCES (a test keeps them equal)
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelArgs))   # what target_kw may override
+TRAINED_DEFAULT = "../data/trained"   # notebook 03's ckpt_dir: the shipped pair, beside notebooks/
+TRAINED = Path(__file__).resolve().parent.parent / "data" / "trained"   # the package checkout's pair
 SEED_MAX = 2**31 - 1
 
 
@@ -239,6 +243,33 @@ class Param:
 
 
 # ---------------------------------------------------------------------------------------------- rules
+def shipped_pair(path, base: Path | None = None) -> bool:
+    """Whether `path` (relative to `base`, default the working directory) is the shipped trained pair: the
+    notebooks' own default ../data/trained or the package checkout's data/trained, compared resolved ('..',
+    '.', trailing slashes and links seen through)."""
+    base = Path.cwd() if base is None else Path(base)
+    p = _path(path, base).resolve()
+    return p in (TRAINED.resolve(), (base / TRAINED_DEFAULT).resolve())
+
+
+def _gpu(device: str) -> bool:
+    if device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _training_keeps_the_shipped_pair(v: dict, base: Path | None) -> str | None:
+    if v["stage"] not in ("all", "target", "drafter") or v["overwrite_trained"] is True:
+        return None
+    smoke = (not _gpu(v["device"])) if v["smoke"] == "auto" else v["smoke"]
+    if smoke or not shipped_pair(v["ckpt_dir"], base):   # a smoke run writes to a scratch folder
+        return None
+    return (f"ckpt_dir={v['ckpt_dir']!r} is the shipped trained pair (data/trained/): a training run (stage "
+            f"{v['stage']!r}) replaces it only with overwrite_trained=True (python -m kdtree lab 03 "
+            "--overwrite-trained); or set ckpt_dir to another folder")
+
+
 def _chain_taus_below_the_block(v: dict, base: Path | None) -> str | None:
     bad = [t for t in v["profiles"] if t >= v["block_size"]]
     if bad:
@@ -347,7 +378,9 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
         "smoke": Param(SMOKE, "auto", "auto: the tiny set on a CPU (checkpoints in a scratch folder)"),
         "stage": Param(OneOf("all", "target", "drafter", "measure"), "all",
                        "one stage only (one device command each)"),
-        "ckpt_dir": Param(WritableFolder(), "../data/trained", "target/ and drafter/ in the HF layout"),
+        "ckpt_dir": Param(WritableFolder(), TRAINED_DEFAULT, "target/ and drafter/ in the HF layout"),
+        "overwrite_trained": Param(Flag(), False, "True: a training run may replace the shipped pair "
+                                   "data/trained/ (the runner's --overwrite-trained)"),
         "corpus": Param(ListOf(OneOf(*CORPUS_SOURCES), distinct=True), ["stdlib", "torch"],
                         "kdtree.data.SOURCES: Python sources present wherever the lab runs"),
         "seed": Param(SEED, 0, "seed of training and the prompts"),
@@ -383,6 +416,7 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
 
 RULES: dict[str, tuple[Callable[[dict, Path | None], str | None], ...]] = {
     "02_end_to_end": (_chain_taus_below_the_block,),
+    "03_train_pair": (_training_keeps_the_shipped_pair,),
 }
 
 

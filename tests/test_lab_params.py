@@ -1,5 +1,6 @@
 """The notebooks' parameter declarations (kdtree.lab_params): one per notebook, read by the runner before the
-kernel starts, by `lab --help` and by each notebook's own check cell; the runner's quick refusals."""
+kernel starts, by `lab --help` and by each notebook's own check cell; the runner's quick refusals; the
+shipped trained pair written only on request."""
 import ast
 import json
 import subprocess
@@ -59,6 +60,7 @@ BAD = [  # (notebook, name, value, what the message says is expected)
     ("03", "target_kw", {"hiden_size": 64}, "ModelArgs fields"),
     ("03", "depth_decay", 1.5, "a finite number in (0, 1]"),
     ("03", "target_lr", 0, "a finite number > 0"),
+    ("03", "overwrite_trained", "yes", "True or False"),
 ]
 
 
@@ -88,7 +90,7 @@ def test_good_values_pass():
           "02": {"stage": "k26", "temperatures": [0, 1.0], "k26_cells": [[4096, 1], [4096, 8]],
                  "allreduce_Bps": 4.5e11, "k26_from": None, "profile_ratio": 0},
           "03": {"stage": "measure", "corpus": ["stdlib"], "target_kw": {"hidden_size": 64},
-                 "ckpt_dir": "/tmp/elsewhere"}}
+                 "ckpt_dir": "/tmp/elsewhere", "overwrite_trained": True}}
     for nb, params in ok.items():
         lab.check_parameters(lab.find_notebooks([nb])[0], params)
 
@@ -162,6 +164,7 @@ def test_lab_help_lists_each_parameter_with_its_allowed_values(capsys):
     out = capsys.readouterr().out
     assert "n_prompts = 6" in out and "an int >= 1" in out
     assert "stage = 'all'" in out and "one of ['all', 'target', 'drafter', 'measure']" in out
+    assert "overwrite_trained = False" in out and "--overwrite-trained" in out
     for nb in lab.find_notebooks(()):
         for name, p in lab_params.declaration(nb).items():
             if name not in lab.RUNNER_PARAMETERS:
@@ -212,3 +215,45 @@ def test_the_package_still_exports_its_names():
     assert kdtree.model.Transformer is Transformer and callable(build_model)
     with pytest.raises(AttributeError):
         kdtree.no_such_name  # noqa: B018
+
+
+# ------------------------------------------------------------------ the shipped trained pair
+def test_training_into_the_shipped_pair_needs_the_flag(tmp_path, capsys):
+    nb = lab.find_notebooks(["03"])[0]
+    for spelt in ("../data/trained", "../data/trained/", "../notebooks/../data/./trained",
+                  str(ROOT / "data" / "trained")):
+        for stage in ("all", "target", "drafter"):
+            with pytest.raises(ValueError, match="overwrite_trained=True .*--overwrite-trained"):
+                lab.check_run(nb, {"smoke": False, "stage": stage, "ckpt_dir": spelt}, "cpu")
+    with pytest.raises(ValueError, match="--overwrite-trained"):
+        lab.check_run(nb, {}, "cuda")  # a GPU run: smoke "auto" is a full run
+    lab.check_run(nb, {"smoke": False, "overwrite_trained": True}, "cpu")
+    lab.check_run(nb, {"smoke": False, "stage": "measure"}, "cpu")   # reads only
+    lab.check_run(nb, {"smoke": False, "ckpt_dir": str(tmp_path)}, "cpu")
+    lab.check_run(nb, {}, "cpu")   # a CPU smoke run: its checkpoints go to a scratch folder
+    out = tmp_path / "never"
+    assert lab.main_lab(["03", "--device", "cpu", "--out-dir", str(out), "-p", "smoke", "false"]) == 2
+    assert not out.exists()
+    assert "--overwrite-trained" in capsys.readouterr().err
+    # the flag goes to the notebooks that declare it; alone with others it is refused
+    assert lab.main_lab(["00", "--overwrite-trained", "--device", "cpu", "--out-dir", str(out)]) == 2
+    assert "--overwrite-trained" in capsys.readouterr().err and not out.exists()
+
+
+def test_notebook_03_itself_refuses_to_train_into_the_shipped_pair(monkeypatch):
+    nb = lab.find_notebooks(["03"])[0]
+    monkeypatch.chdir(nb.parent)
+    ns = {}
+    exec(_parameters_cell(nb), ns)
+    assert ns["overwrite_trained"] is False
+    ns.update(device="cpu", smoke=False)
+    with pytest.raises(ValueError, match=r"ckpt_dir='\.\./data/trained' .*overwrite_trained=True"):
+        exec(_first_check_lines(nb), ns)
+    ns.update(overwrite_trained=True)
+    exec(_first_check_lines(nb), ns)
+    ns.update(overwrite_trained=False, smoke=True)   # the smoke run writes to a scratch folder
+    exec(_first_check_lines(nb), ns)
+    src = "".join(next(c for c in _cells(nb) if "lab_params.check" in "".join(c["source"]))["source"])
+    assert "lab_params.shipped_pair(ckpt_dir)" in src   # however ckpt_dir is spelt
+    assert lab_params.shipped_pair("../data/trained/") and lab_params.shipped_pair(ROOT / "data" / "trained")
+    assert not lab_params.shipped_pair("/tmp/elsewhere")
