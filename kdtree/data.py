@@ -143,3 +143,11 @@ def windows(stream: np.ndarray, length: int, n: int, rng: np.random.Generator) -
         raise ValueError(f"stream of {stream.size} tokens: expected more than length={length}")
     starts = rng.integers(0, stream.size - length, size=n)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int64)
+
+
+def heldout_prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    """n windows of `length` tokens from the held-out split of the lab's corpus (notebook 02's prompts)."""
+    tok = load_tokenizer()
+    files = corpus_files(("stdlib", "torch"))
+    ids = encode_files(tok, files["heldout"][:200])
+    return [w.tolist() for w in windows(ids, length, n, np.random.default_rng(seed))]

@@ -26,8 +26,7 @@ from .ops.walk_golden import compact_kv, greedy_walk, sampled_walk, walk
 __all__ = [
     # ops.tree_golden
     "MAX_BUDGET", "Tree", "VerifyBlock", "all_prefixes_ranked", "ancestor_mask", "build_tree", "chain_tree",
-    "compile_tree", "ddtree", "log_softmax", "pack_mask_bits", "topk_logprobs", "_as_logits", "_check_budget",
-    "_check_parents", "_ids",
+    "compile_tree", "ddtree", "log_softmax", "pack_mask_bits", "topk_logprobs",
     # ops.walk_golden
     "compact_kv", "greedy_walk", "sampled_walk", "walk",
     # ops.sglang_golden

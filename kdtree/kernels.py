@@ -11,7 +11,8 @@
     ops.plan_estimates  plan_estimates(scores, depths, chain_lp, ...) -> fp32 [b, plans] (budget="auto")
     ops.loader       _launch, _empty, _p, _i, _need, _on_one_gpu, compile_defines, cuda_source_dir, ...
 
-Every public and private name kdtree.kernels had is here, bound to the same object as in its home module.
+Every name kdtree.kernels had is here (the private ones importable, outside __all__), bound to the same
+object as in its home module.
 Rebinding a name on this module changes only what is looked up through it (callers that call
 `kernels.verify_attn`); flags the wrappers read, such as POISON (kdtree.ops.loader) and TOPK_SMALL_K
 (kdtree.ops.tree), must be set in their home module.
@@ -37,24 +38,19 @@ from .ops.walk import kv_compact, tree_walk
 
 __all__ = [
     # ops.loader
-    "PAGE_SIZE", "POISON", "cuda_source_dir", "cuda_sources", "compile_defines", "_SM90A_MODULES",
-    "_SMEM_OPTIN", "_DEFINES", "_check_pages", "_clear_compiled", "_cupy_stream", "_empty", "_i", "_kernel",
-    "_launch", "_module", "_need", "_need_page_size", "_on_one_gpu", "_p", "_sm90", "_sm_count",
+    "PAGE_SIZE", "POISON", "cuda_source_dir", "cuda_sources", "compile_defines",
     # ops.tree
     "MAX_BUDGET", "MAX_CANDIDATES", "MAX_CHUNK", "MAX_DEPTH", "MAX_VOCAB", "TOPK_BLOCK_FIXED_S",
     "TOPK_COLUMN_S", "TOPK_SMALL_K", "TOPK_SMALL_MAX_K", "TREE_REG_SLOTS", "TREE_SMEM_LIMIT", "TreeBatch",
-    "check_logit_values", "topk_logprobs", "tree_build", "tree_kernel", "tree_smem_bytes", "_check_budget",
-    "_chunking",
+    "check_logit_values", "topk_logprobs", "tree_build", "tree_kernel", "tree_smem_bytes",
     # ops.walk
     "kv_compact", "tree_walk",
     # ops.verify_attn
     "D_QK", "D_V", "MAX_SPLITS", "VERIFY_IMPLS", "VERIFY_SMEM", "VERIFY_WG_SMEM", "VERIFY_WS_SMEM",
     "available_verify_impls", "default_splits", "default_verify_impl", "pack_mask", "verify_attn",
-    "_VERIFY_KERNELS",
     # ops.moe_int4
     "FUSED_BLOCKS_PER_SM", "FUSED_MAX_PAIRS", "MAX_GROUP_EXPERTS", "MOE_TILE_TOKENS", "MoeWeights",
-    "group_pairs", "moe_int4", "repack_int4_mma", "repack_moe", "_FUSED_SYNC", "_fused_sync",
-    "_group_pairs_kernel", "_group_pairs_torch", "_moe_fused",
+    "group_pairs", "moe_int4", "repack_int4_mma", "repack_moe",
     # ops.plan_estimates
     "plan_estimates",
 ]

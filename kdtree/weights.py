@@ -394,7 +394,7 @@ def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
 def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     """A DFlash drafter as config.json (DFlashDraftModel keys) + model.safetensors (its own weights: the
     embedding and lm_head are the target's and are not written). A calibration table already in the folder
-    is removed: it was measured on other weights (python -m kdtree.calibration measures it again). Refuses
+    is removed: it was measured on other weights (python -m kdtree.bench.calibrate measures it again). Refuses
     (before writing) a folder that holds a target checkpoint or stray shards (`_writable`); the files are
     written beside it and moved in whole."""
     from .calibration import FILE

@@ -59,7 +59,7 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     out = stage_kernels(e, p, rounds=2, plan="B=8")
     i = [pl.name for pl in e.auto.plans].index("B=8")
     # the round builds B=8's own tree or a wider one where the measured front costs little (wider_builds)
-    assert (out["plan"], out["build_nodes"]) == ("B=8", e.auto.build(e._bucket(1), i))
+    assert (out["plan"], out["build_nodes"]) == ("B=8", e.auto.build(e.bucket(1), i))
     assert out["build_nodes"] >= 8
     assert all(out[st]["ops"] > 0 for st in STAGES), out   # each stage's range ran, in the round's order
     assert out["attributed"] == "ops"   # no CUDA stream: no markers
@@ -88,15 +88,15 @@ def test_stage_kernels_profiles_the_ar_plan_at_a_batch():
         stage_kernels(e, p, plan="AR", batch=3)
     assert not e.active and not e.waiting and e.rounds == 0
     seen, step, run = [], e.step, e.run
-    e.step = lambda *a, **k: (step(*a, **k), seen.append(e.pend_n.clone()))[0]
-    e.run = lambda *a, **k: (seen.append(e.pend_n.clone()), run(*a, **k))[1]
+    e.step = lambda *a, **k: (step(*a, **k), seen.append(e.policy.pend_n.clone()))[0]
+    e.run = lambda *a, **k: (seen.append(e.policy.pend_n.clone()), run(*a, **k))[1]
     out = stage_kernels(e, p, rounds=2, plan="AR", batch=2)
     del e.step, e.run
     assert len(seen) >= 3 and torch.equal(seen[1], seen[2]), seen   # the profiled AR rounds' rows undone
     assert out["plan"] == "AR" and out["build_nodes"] is None
     assert out["draft"]["ops"] == out["build"]["ops"] == 0, out
     assert all(out[st]["ops"] > 0 for st in ("verify", "walk", "commit")), out
-    assert not e.active and e.free_pages == e.pages.capacity and not e.pend_n.any()
+    assert not e.active and e.free_pages == e.pages.capacity and not e.policy.pend_n.any()
     ids = [e.add_request(p, 20), e.add_request(p[:-3], 20)]
     res = e.run()
     assert [res[i].tokens for i in ids] == [oracle_ar(t, p, 20).tokens, oracle_ar(t, p[:-3], 20).tokens]

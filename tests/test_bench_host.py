@@ -3,7 +3,6 @@ import pytest
 from kdtree import weights
 from kdtree.bench import host
 from kdtree.bench.engine import heldout_prompts
-from kdtree.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -13,16 +12,16 @@ def pair():
 
 
 def test_host_timers_count_the_engines_methods_and_restore_them(pair):
-    """A fixed-budget run on the CPU: one row with tok/s and tau, `_land` timed once a landed round and
-    `_launch` once a launched one; the engine's methods are the class's own again afterwards."""
-    before = {m: getattr(Engine, m) for m in host.METHODS}
+    """A fixed-budget run on the CPU: one row with tok/s and tau, `land` timed once a landed round and
+    `launch` once a launched one; the engine's methods are the class's own again afterwards."""
+    before = {k: getattr(*m) for k, m in host.METHODS.items()}
     rows = host.run(*pair, heldout_prompts(2, 64, seed=2), batches=(2,), plans=("B=8",), max_new=6,
                     repeats=1, progress=False)
-    assert {m: getattr(Engine, m) for m in host.METHODS} == before
+    assert {k: getattr(*m) for k, m in host.METHODS.items()} == before
     (row,) = rows
     assert row["batch"] == 2 and row["plan"] == "B=8" and row["tok_per_s"] > 0 and row["tau"] >= 1
     us = row["host_us_per_round"]
-    assert us["_land"] > 0 and us["_launch"] > 0 and list(us.values()) == sorted(us.values(), reverse=True)
+    assert us["land"] > 0 and us["launch"] > 0 and list(us.values()) == sorted(us.values(), reverse=True)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(plans=("B=5",)), "plans"), (dict(batches=(0,)), "batch"),

@@ -10,6 +10,8 @@ import torch
 from kdtree import budget as kb
 from kdtree import golden, weights
 from kdtree.calibration import Calibration
+from kdtree.budget.auto import AutoBudget
+from kdtree.budget.estimates import Estimates
 from kdtree.engine import Engine
 from kdtree.oracle import oracle_ar
 from kdtree.round_ops import GoldenOps, truncate
@@ -197,9 +199,9 @@ def test_expected_tokens_are_capped_at_the_tokens_left():
         def __init__(self, max_new, emitted):
             self.max_new, self.result = max_new, type("Res", (), {"tokens": [0] * emitted})()
     est = np.array([[1.0, 5.0, 3.0, 7.0], [1.0, 5.0, 3.0, 7.0]])
-    got = Engine._capped([R(100, 10), R(100, 97)], est)
+    got = Estimates.capped([R(100, 10), R(100, 97)], est)
     assert np.array_equal(got[0], est[0]) and np.array_equal(got[1], [1.0, 3.0, 3.0, 3.0])
-    assert np.array_equal(Engine._capped([R(5, 5)], est[:1]), [[1.0, 1.0, 1.0, 1.0]])   # at least 1
+    assert np.array_equal(Estimates.capped([R(5, 5)], est[:1]), [[1.0, 1.0, 1.0, 1.0]])   # at least 1
 
 
 def test_ar_holds_double_and_each_ends_with_one_draft_round(monkeypatch):
@@ -400,8 +402,9 @@ def test_auto_engine_equals_the_oracle_on_the_trained_pair(pair, decide):
     drafted = [i for i, p in enumerate(e.plans) if p.kind != "ar"
                and any(name == p.name for _, _, name in e.auto.history)]
     if decide == "previous":   # the drafted plans' rounds measured the accept lengths' spread
-        assert drafted and (e.spread.base[drafted] > 0).all() and np.isfinite(e.spread.ratios()).all()
-    assert e.spread.base[0] == 0
+        sp = e.policy.ests.spread
+        assert drafted and (sp.base[drafted] > 0).all() and np.isfinite(sp.ratios()).all()
+    assert e.policy.ests.spread.base[0] == 0
 
 
 def test_chain_rounds_add_their_own_accept_lengths_to_the_chains_spread(pair, monkeypatch):
@@ -423,11 +426,12 @@ def test_chain_rounds_add_their_own_accept_lengths_to_the_chains_spread(pair, mo
     assert names.count("chain") > len(names) // 2 and set(names) == {"chain", e.plans[top].name}
     whole = sum(k - 1 for i in ids for k in res[i].accept_lengths)
     have = lambda sp: sp.got[chain] > 0 and sp.got[chain] + sp.got[top] == whole  # noqa: E731
-    assert whole > 0 and have(e.spread)
+    assert whole > 0 and have(e.policy.ests.spread)
     # the largest tree's rounds: every smaller tree's accept lengths on its truncation, none above its own
-    assert (e.spread.base[2:top] > 0).all() and (e.spread.got[2:top] <= e.spread.got[top]).all()
+    sp = e.policy.ests.spread
+    assert (sp.base[2:top] > 0).all() and (sp.got[2:top] <= sp.got[top]).all()
     lacking = kb.Spread(len(e.plans))   # the check can fail: the tree rounds alone
-    lacking.add(top, [1 + e.spread.got[top]], [1.0])
+    lacking.add(top, [1 + e.policy.ests.spread.got[top]], [1.0])
     assert not have(lacking)
 
 
@@ -437,18 +441,18 @@ def test_startup_costs_read_spread_pages_and_leave_no_trace(pair, monkeypatch):
     after it equals the oracle. Can fail: the measurement without the spread sees page 0 alone."""
     t, d = pair
     seen = []
-    real = Engine._phase
+    real = AutoBudget.phase
 
     def spy(self, b, sampling, i, build=None, clock=None):
-        pt = self.page_table[:b]
+        pt = self.e.page_table[:b]
         seen.append((int(pt.min()), int(pt.unique().numel())))
-        roots.append(int(self.root[:b].unique().numel()) == b)   # distinct roots: requests' routing
+        roots.append(int(self.e.root[:b].unique().numel()) == b)   # distinct roots: requests' routing
         return real(self, b, sampling, i, build, clock)
     roots = []
 
-    monkeypatch.setattr(Engine, "_phase", spy)
+    monkeypatch.setattr(AutoBudget, "phase", spy)
     e = Engine(t, d, mode="ddtree", budget="auto", max_budget=8, max_batch=2, max_len=256)
-    monkeypatch.setattr(Engine, "_phase", real)
+    monkeypatch.setattr(AutoBudget, "phase", real)
     want = min(e.pages.n_pages - 1, e.pages_per_req * min(e.buckets))
 
     def spread(marks):   # every phase saw no scratch page and the distinct pages the pool allows
@@ -484,7 +488,7 @@ def test_forced_plans_serve_their_blocks(pair):
 
 
 def test_rounds_left_counts_the_rounds_in_flight_where_the_batchs_end_is_in_view(pair):
-    """Engine._rounds_left: the longest request's tokens left less one a round launched and not landed
+    """Estimates.rounds_left: the longest request's tokens left less one a round launched and not landed
     (ahead: one more), at least 1; None with makespan off, and while a request waits for a slot it takes as
     soon as it frees: eager admission, or grouped before an admission is timed or in a deterministic engine
     (`_grouping`: where freed slots wait for company, the end is in view)."""
@@ -494,24 +498,25 @@ def test_rounds_left_counts_the_rounds_in_flight_where_the_batchs_end_is_in_view
     for p in prompts:
         e.add_request(p, 40)
     e.step()
-    assert e.waiting and e._rounds_left() is None
+    assert e.waiting and e.policy.ests.rounds_left() is None
     while e.waiting:
         e.step()
     e.step(overlap=True)
-    assert e._flight is not None and e._launched - e.rounds == 1
+    assert e.in_flight and e.runner.launched - e.rounds == 1
     left = max(r.max_new - len(r.result.tokens) for r in e.active)
-    assert e._rounds_left() == left - 1 and e._rounds_left(ahead=True) == left - 2
-    e.makespan = False
-    assert e._rounds_left() is None
-    e.makespan = True
+    assert e.policy.ests.rounds_left() == left - 1 and e.policy.ests.rounds_left(ahead=True) == left - 2
+    e.policy.ests.makespan = False
+    assert e.policy.ests.rounds_left() is None
+    e.policy.ests.makespan = True
     e.waiting.append(object())   # a request waits: no end in view under eager admission
-    assert e._rounds_left() is None and not e._grouping()
-    e.admission = "grouped"
-    assert e.admit_cost() is None and e._rounds_left() is None      # no admission timed: it joins at once
-    e.admit_cost = lambda: (0.05, 0.0)
-    assert e._grouping() and e._rounds_left() == left - 1            # freed slots wait for company
+    assert e.policy.ests.rounds_left() is None and not e.scheduler.grouping()
+    e.scheduler.admission = "grouped"
+    # no admission timed: it joins at once
+    assert e.admit_cost() is None and e.policy.ests.rounds_left() is None
+    e.scheduler.admit_cost = lambda: (0.05, 0.0)
+    assert e.scheduler.grouping() and e.policy.ests.rounds_left() == left - 1   # freed slots wait for company
     e.deterministic = True
-    assert not e._grouping() and e._rounds_left() is None
+    assert not e.scheduler.grouping() and e.policy.ests.rounds_left() is None
     e.waiting.pop()
 
 
@@ -560,7 +565,7 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
         e.add_request(prompt, 60)
         return e
     e, ref = forced(), forced()
-    ref.pend = None                               # extends the context in every AR round
+    ref.policy.pend = None                               # extends the context in every AR round
     held = caught = 0
     while e.waiting or e.active:
         e.step()
@@ -568,7 +573,7 @@ def test_ar_rounds_defer_the_drafters_context_and_catch_up_before_drafting(pair,
         assert e.auto.history == ref.auto.history and e.lens.tolist() == ref.lens.tolist()
         if not e.active:
             break
-        L, n = int(e.lens[0]), int(e.pend_n[0])
+        L, n = int(e.lens[0]), int(e.policy.pend_n[0])
         rows = [(a[0, :, :L - n], b[0, :, :L - n]) for a, b in zip(e.ctx.k + e.ctx.v, ref.ctx.k + ref.ctx.v)]
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in rows)
         if e.auto.history[-1][2] == kb.AR_PROBE:   # caught up before its draft; only its own row waits
@@ -680,9 +685,9 @@ def test_the_next_plan_is_decided_while_the_round_runs(pair):
     refs = [oracle_ar(t, p, 30).tokens for p in prompts]
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 16), max_batch=4, max_len=128)
     log = []
-    before, phase = e.auto.before, e._phase
+    before, phase = e.auto.before, e.policy.phase
     e.auto.before = lambda *a: (log.append(("decide", e.rounds)), before(*a))[1]
-    e._phase = lambda *a, **k: (log.append(("phase", e.rounds)), phase(*a, **k))[1]
+    e.policy.phase = lambda *a, **k: (log.append(("phase", e.rounds)), phase(*a, **k))[1]
     assert [r.tokens for r in e.generate(prompts, 30)] == refs
     decisions = [i for i, ev in enumerate(log) if ev[0] == "decide"]
     ahead = [i for i in decisions if ("phase", log[i][1]) in log[:i]]
@@ -702,18 +707,18 @@ def test_overlapped_rounds_give_each_request_its_own_estimates(pair):
     stop = next(x for j, x in enumerate(refs[0]) if j >= 6 and x not in refs[0][:j])
     e = Engine(t, d, mode="ddtree", budget="auto", budgets=(4, 8, 16), max_batch=4, max_len=128)
     _force(e, 3)   # B=8 by far the cheapest: every round drafts (and so estimates)
-    moved, land = [], e._land
+    moved, land = [], e.runner.land
 
     def checking(f, emitted):
         was = [r.slot >= 0 and r.slot != i for i, r in enumerate(f.reqs)]   # moved since f launched
         land(f, emitted)
-        if f.info is not None and f.info["drafted"]:
-            rows = e.est_host[f.buf, :len(f.reqs)].numpy()
+        if f.ticket is not None and f.ticket.drafted:
+            rows = e.policy.est_host[f.buf, :len(f.reqs)].numpy()
             for i, r in enumerate(f.reqs):
                 if r.slot >= 0:
                     assert np.array_equal(r.est, rows[i]), (r.rid, i, r.slot)
                     moved.append(was[i])
-    e._land = checking
+    e.runner.land = checking
     ids = [e.add_request(p, 40, stop_tokens=(stop,) if i == 0 else ()) for i, p in enumerate(prompts)]
     got = {i: [] for i in ids}
     while e.waiting or e.active or e.in_flight:
@@ -892,19 +897,19 @@ def test_consecutive_draft_rounds_measure_the_estimates_persistence(pair, decide
                decide=decide)
     _force(e, 3)
     ests, lags, lands, pairs = {}, [], [], []
-    take, lag, land, add = e._take_estimates, e._lag, e._land, e.persist.add
-    e._take_estimates = lambda reqs, rows, at: (
+    take, lag, land, add = e.policy.ests.take, e.policy.ests.lag, e.runner.land, e.policy.ests.persist.add
+    e.policy.ests.take = lambda reqs, rows, at: (
         ests.update({(r.rid, at): row.copy() for r, row in zip(reqs, rows)}), take(reqs, rows, at))[1]
-    e._lag = lambda reqs, at: (lambda got: (lags.append((at, [(r.rid, x, m) for r, x, m in got])), got)[1])(
-        lag(reqs, at))
+    e.policy.ests.lag = lambda reqs, at: (
+        lambda got: (lags.append((at, [(r.rid, x, m) for r, x, m in got])), got)[1])(lag(reqs, at))
 
     def landing(f, emitted):
         n = {r.rid: len(r.result.accept_lengths) for r in f.reqs}
         land(f, emitted)
-        lands.append((f.info["at"], f.i, {r.rid: r.result.accept_lengths[-1] for r in f.reqs
+        lands.append((f.ticket.at, f.ticket.plan, {r.rid: r.result.accept_lengths[-1] for r in f.reqs
                                           if len(r.result.accept_lengths) > n[r.rid]}))
-    e._land = landing
-    e.persist.add = lambda x, y: (pairs.extend(zip(x, y)), add(x, y))
+    e.runner.land = landing
+    e.policy.ests.persist.add = lambda x, y: (pairs.extend(zip(x, y)), add(x, y))
     assert [r.tokens for r in e.generate(prompts, 24)] == refs
     want = []
     for at, i, k in lands:   # each pair: the round before's estimate of this round's plan, this round's L
@@ -917,7 +922,7 @@ def test_consecutive_draft_rounds_measure_the_estimates_persistence(pair, decide
 
 
 def test_the_policy_reads_each_requests_estimates_aged_by_the_rounds_since_its_draft():
-    """Engine._estimates: a request's row is its last draft's estimates aged (`Persistence.age`) by the
+    """Estimates.estimates: a request's row is its last draft's estimates aged (`Persistence.age`) by the
     rounds from that draft to the round decided (the one being launched, or ahead the one after it), about
     its long-run rate; a request not drafted yet reads the requests' mean. The check can fail: rows read as
     they were drafted would differ."""
@@ -927,17 +932,17 @@ def test_the_policy_reads_each_requests_estimates_aged_by_the_rounds_since_its_d
     prior = np.array([1.0, 4.0])
     reqs = [SimpleNamespace(est=np.array([1.0, 2.0]), est_at=5, est_sum=np.array([1.0, 2.0]), est_n=1),
             SimpleNamespace(est=None, est_at=-1, est_sum=None, est_n=0)]
-    e = SimpleNamespace(active=reqs, _prior=prior, _launched=8, persist=ps, _expected=lambda r, x: x,
-                        _end_in_view=lambda: False)   # a batch's end not in view: the rows as read
-    e._long_run = lambda r, x: Engine._long_run(e, r, x)
+    e = Estimates(SimpleNamespace(active=reqs, runner=SimpleNamespace(launched=8)), 2,
+                  False, None)   # makespan off: a batch's end not in view, the rows as read
+    e.prior, e.persist, e.expected = prior, ps, lambda r, x: x
     m = (np.array([1.0, 2.0]) + kb.SHRINK * prior) / (1 + kb.SHRINK)
     s = ps.slopes()[0]
     for ahead, a in ((False, 3), (True, 4)):
-        got = Engine._estimates(e, ahead)
+        got = e.estimates(ahead)
         assert np.allclose(got, [m + s ** a * (reqs[0].est - m), prior]), (ahead, got)
         assert not np.allclose(got[0], reqs[0].est)
-    e._prior = None   # before any request drafted
-    assert Engine._estimates(e) is None
+    e.prior = None   # before any request drafted
+    assert e.estimates() is None
 
 
 def test_an_ar_hold_ends_once_the_aged_estimates_favour_a_draft():
@@ -958,9 +963,10 @@ def test_an_ar_hold_ends_once_the_aged_estimates_favour_a_draft():
     assert pol.before(1, good, 0) == 2 and not pol.probed and pol.backoff == 3   # drafted: halved
     pol.restart()
     pol.backoff = 8
-    e = SimpleNamespace(auto=pol, costs=pol.costs, active=[SimpleNamespace(length=0)], plans=plans,
-                        _rounds_left=lambda ahead=False: None, _agree=lambda i, a=False: (i, a))
-    got = [Engine._decide(e, 1, x) for x in (poor, poor, good, good)]
+    e = SimpleNamespace(policy=pol, costs=pol.costs, e=SimpleNamespace(active=[SimpleNamespace(length=0)]),
+                        plans=plans, ests=SimpleNamespace(rounds_left=lambda ahead=False: None),
+                        agree=lambda i, a=False: (i, a))
+    got = [AutoBudget.decide(e, 1, x) for x in (poor, poor, good, good)]
     assert [(i, probe) for i, _, probe, _ in got] == [(0, False), (0, False), (2, True), (2, False)]
 
 
@@ -998,7 +1004,7 @@ def test_a_near_plan_whose_cost_no_round_refreshed_is_verified_now_and_then():
 
 
 def test_a_requests_rate_to_its_end_is_its_rounds_mean_shrunk_toward_the_requests():
-    """Engine._long_run: a request not drafted yet reads the requests' mean (`_prior`; without one, the
+    """Estimates.long_run: a request not drafted yet reads the requests' mean (`_prior`; without one, the
     estimates' mean); one drafted k times its rounds' mean with SHRINK rounds of the prior. One request's one
     low round then moves a batch's end far less than it would as that request's rate (the check can fail:
     drained on the raw estimates, the drafting plan's tokens fall below half)."""
@@ -1007,12 +1013,12 @@ def test_a_requests_rate_to_its_end_is_its_rounds_mean_shrunk_toward_the_request
     reqs = [SimpleNamespace(est_sum=None, est_n=0), SimpleNamespace(est_sum=np.array([2.0, 4.0]), est_n=2),
             SimpleNamespace(est_sum=np.array([1.0, 1.2]), est_n=1)]
     est = np.array([[1.0, 2.0], [1.0, 2.0], [1.0, 1.2]])
-    e = SimpleNamespace(_prior=prior)
-    got = Engine._long_run(e, reqs, est)
+    e = SimpleNamespace(prior=prior)
+    got = Estimates.long_run(e, reqs, est)
     k = kb.SHRINK
     assert np.allclose(got, [prior, (np.array([2.0, 4.0]) + k * prior) / (2 + k),
                              (np.array([1.0, 1.2]) + k * prior) / (1 + k)])
-    assert np.allclose(Engine._long_run(SimpleNamespace(_prior=None), reqs[:1], est[:1]), est[0])
+    assert np.allclose(Estimates.long_run(SimpleNamespace(prior=None), reqs[:1], est[:1]), est[0])
     longest, left = np.array([1, 8]), np.full(3, 100.0)
     shrunk = kb.drain(got, left, longest, np.ones(2)).sum(0)
     raw = kb.drain(np.vstack([prior, prior, est[2]]), left, longest, np.ones(2)).sum(0)
@@ -1106,7 +1112,7 @@ def test_drain_sums_a_wide_end_in_blocks_to_the_same_rounds():
 
 
 def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_grouped():
-    """Engine._expected: capped estimates while a request waits for eager admission, with makespan off or at
+    """Estimates.expected: capped estimates while a request waits for eager admission, with makespan off or at
     one request; drain's otherwise (grouped admission: while requests wait, too). Bad makespan values are
     refused, and only budget='auto' takes one."""
     from types import SimpleNamespace
@@ -1118,32 +1124,28 @@ def test_the_engines_policy_input_drains_a_batch_nothing_waits_to_join_or_groupe
     plans = kb.plans(7, (4,))
     reqs = [R(100, 10), R(100, 20)]
     est = np.array([[1.0, 5.0, 3.0], [1.0, 5.0, 3.0]])
-    def engine(**kw):   # the attributes _expected reads, its helper bound to them
-        e = SimpleNamespace(**kw)
-        e._end_in_view = lambda: Engine._end_in_view(e)
-        e._long_run = lambda r, x: Engine._long_run(e, r, x)
-        return e
-    base = dict(makespan=True, waiting=[], _longest=kb.longest_accepts(plans, 7), _capped=Engine._capped,
-                _grouping=lambda: False, _prior=None, spread=kb.Spread(3))
-    me = engine(**base)
-    got = Engine._expected(me, reqs, est)
-    assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me._longest, np.ones(3)))   # no rounds: 1
+    def engine(makespan=True, waiting=(), grouping=lambda: False):   # what `expected` reads of an engine
+        eng = SimpleNamespace(waiting=list(waiting), scheduler=SimpleNamespace(grouping=grouping))
+        return Estimates(eng, 3, makespan, kb.longest_accepts(plans, 7))
+    me = engine()
+    got = me.expected(reqs, est)
+    assert np.allclose(got, kb.drain(est, np.array([90.0, 80.0]), me.longest, np.ones(3)))   # no rounds: 1
     assert not np.allclose(got, est)
     for other in (dict(waiting=[object()]), dict(makespan=False),
-                  dict(makespan=False, waiting=[object()], _grouping=lambda: True)):
-        assert np.array_equal(Engine._expected(engine(**{**base, **other}), reqs, est), est)
-    grouped = engine(**{**base, "waiting": [object()], "_grouping": lambda: True})
-    assert np.array_equal(Engine._expected(grouped, reqs, est), got)   # freed slots wait for company
-    assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])
+                  dict(makespan=False, waiting=[object()], grouping=lambda: True)):
+        assert np.array_equal(engine(**other).expected(reqs, est), est)
+    grouped = engine(waiting=[object()], grouping=lambda: True)
+    assert np.array_equal(grouped.expected(reqs, est), got)   # freed slots wait for company
+    assert np.array_equal(me.expected(reqs[:1], est[:1]), est[:1])
     # drain reads the long-run rates with their tokens beyond the root scaled by Spread.realized per plan
     me.spread.add(1, np.full(40, 1 + 1.5 * 4.0), np.full(40, 5.0))   # plan 1 emitted 1.5 x its estimates
     r = me.spread.realized()
     assert r[1] > 1.3 and r[0] == r[2] > 1.0   # plans not run: the pooled ratio
-    m = 1.0 + (Engine._long_run(me, reqs, est) - 1.0) * r
-    assert np.allclose(Engine._expected(me, reqs, est), kb.drain(m, np.array([90.0, 80.0]), me._longest,
-                                                                 me.spread.ratios()))
-    assert Engine._expected(me, reqs, est)[0, 1] > got[0, 1]
-    assert np.array_equal(Engine._expected(me, reqs[:1], est[:1]), est[:1])   # no batch's end: as drafted
+    m = 1.0 + (me.long_run(reqs, est) - 1.0) * r
+    assert np.allclose(me.expected(reqs, est), kb.drain(m, np.array([90.0, 80.0]), me.longest,
+                                                        me.spread.ratios()))
+    assert me.expected(reqs, est)[0, 1] > got[0, 1]
+    assert np.array_equal(me.expected(reqs[:1], est[:1]), est[:1])   # no batch's end: as drafted
     t = weights.load("data/trained/target").eval()
     d = weights.load_drafter("data/trained/drafter", t)
     with pytest.raises(ValueError, match="makespan='yes': expected True or False"):

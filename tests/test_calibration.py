@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kdtree import golden, weights
-from kdtree.calibration import FILE, MIN_COUNT, Calibration, measure, node_acceptance
+from kdtree.bench.calibrate import measure
+from kdtree.calibration import FILE, MIN_COUNT, Calibration, node_acceptance
 from kdtree.validate import random_prompts
 
 

@@ -7,6 +7,8 @@ import torch
 from kdtree import weights
 from kdtree.drafter import OracleDrafter, build_drafter
 from kdtree.engine import Engine
+from kdtree.engine.prefill import Prefill
+from kdtree.engine.scheduler import Scheduler
 from kdtree.round_ops import gumbel
 from kdtree.oracle import oracle_ar
 from kdtree.validate import random_prompts
@@ -167,12 +169,12 @@ def test_pages_grow_all_or_none(tiny):
     e.step()
     (r,) = e.active
     assert r.reserve >= 4 and len(r.pages) == 1
-    e._grow(r, 3 * e.page_size + 1)   # three more pages at once
+    e.scheduler.grow(r, 3 * e.page_size + 1)   # three more pages at once
     assert len(r.pages) == 4 and e.page_table[r.slot, :4].tolist() == r.pages
     e.check_state()
     state = (list(r.pages), list(e.pages.free), e.pages.reserved, e.page_table.clone())
     with pytest.raises(RuntimeError, match=f"needs page {r.reserve + 1} of a reservation of {r.reserve}"):
-        e._grow(r, (r.reserve + 2) * e.page_size)
+        e.scheduler.grow(r, (r.reserve + 2) * e.page_size)
     assert (list(r.pages), list(e.pages.free), e.pages.reserved) == state[:3]
     assert torch.equal(e.page_table, state[3])
     e.run()
@@ -312,7 +314,7 @@ def test_prompts_of_one_chunk_length_share_each_prefill_forward(tiny):
         e = Engine(model, d, mode="ddtree", budget=8, max_batch=4, max_len=128, prefill_chunk=7,
                    deterministic=det, moe="dense", backend="golden")
         ids = [e.add_request(p, 6) for p in prompts]
-        e._admit({})  # admission and every prefill, no round yet
+        e.scheduler.admit({})  # admission and every prefill, no round yet
         assert e.prefill_forwards == forwards, det
         ctx = [t[:4].clone() for t in e.ctx.k + e.ctx.v]
         if det:
@@ -356,12 +358,12 @@ def test_requests_ending_together_leave_from_the_highest_slot(pair, monkeypatch)
     t, d = pair
     prompts = random_prompts(t.args, 4, seed=8, min_len=12, max_len=12)
     e = Engine(t, d, mode="ddtree", budget="auto", max_budget=16, max_batch=4, max_len=256, graphs=False)
-    moves, real = [], Engine._release
+    moves, real = [], Scheduler.release
 
     def spy(self, r):
         moves.append(r.slot != len(self.active) - 1)
         real(self, r)
-    monkeypatch.setattr(Engine, "_release", spy)
+    monkeypatch.setattr(Scheduler, "release", spy)
     out = [r.tokens for r in e.generate(prompts, 1)]   # every request ends with its prefill's token
     assert out == [oracle_ar(t, p, 1).tokens for p in prompts]
     assert len(moves) == 4 and not any(moves)
@@ -409,7 +411,7 @@ def test_deterministic_rounds_are_batch_invariant(pair):
 
 def test_moe_path_defaults_and_refusals(tiny):
     """The engine's MoE path: the host loop on the CPU, dense when deterministic; bad names refused."""
-    from kdtree.engine import _moe_path
+    from kdtree.engine import moe_path as _moe_path
     _, args, model = tiny
     assert _moe_path(model, None, False) == "loop"
     assert _moe_path(model, None, True) == "dense"
@@ -470,8 +472,8 @@ def test_prefill_phases_split_an_admissions_prefill(pair, monkeypatch):
     synthetic fill, made slow here, left out of both); the AR engine has no drafter phase; off (None) nothing
     is recorded."""
     import time
-    fill = Engine._synthesize
-    monkeypatch.setattr(Engine, "_synthesize", lambda self, r: (time.sleep(0.1), fill(self, r)))
+    fill = Prefill.synthesize
+    monkeypatch.setattr(Prefill, "synthesize", lambda self, r: (time.sleep(0.1), fill(self, r)))
     t, d = pair
     prompts = random_prompts(t.args, 2, seed=3, min_len=10, max_len=14)
     for mode, drafter in (("ddtree", d), ("ar", None)):
@@ -502,8 +504,8 @@ def test_synthetic_fill_is_left_out_of_prefill_and_the_run_wall(pair, monkeypatc
     prompts = random_prompts(t.args, 2, seed=13, min_len=12, max_len=13)
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=512)
     run_engine(e, prompts, 4, synthetic_context=100)   # warm
-    fill = Engine._synthesize
-    monkeypatch.setattr(Engine, "_synthesize", lambda self, r: (time.sleep(0.3), fill(self, r)))
+    fill = Prefill.synthesize
+    monkeypatch.setattr(Prefill, "synthesize", lambda self, r: (time.sleep(0.3), fill(self, r)))
     p0 = e.prefill_s
     t0 = time.perf_counter()
     r = run_engine(e, prompts, 4, synthetic_context=100)
@@ -564,37 +566,40 @@ def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
 
 
 def test_grouped_admission_waits_while_the_idle_slots_cost_less_than_an_admission(pair):
-    """The rule (`Engine._due`): "eager" admits whenever a slot is free; "grouped" admits at once with no
+    """The rule (`Scheduler.due`): "eager" admits whenever a slot is free; "grouped" admits at once with no
     request active, when every waiting request has a slot, before any admission is timed, or in a
     deterministic engine, else once the idle slots' seconds reach the fitted fixed cost of an admission
     (one size timed: its median bounds it; refitted when an admission is added)."""
     t, _ = pair
     e = Engine(t, None, mode="ar", max_batch=4, max_len=128, admission="grouped")
-    e.active, e.waiting = [object()] * 2, [object()] * 5
-    assert e._due() and e.admit_cost() is None                     # nothing timed yet
-    e._admits = [(10, 1.0), (10, 1.2), (10, 1.4)]
-    assert e.admit_cost() == pytest.approx((1.2, 0.0)) and not e._due()   # one size: its median bounds it
-    e._rent = 1.2
-    assert e._due()
-    e._admits, e._fit = [(10, 1.0), (20, 1.5), (40, 2.5)], None    # 0.5 s fixed + 0.05 s a row
+    e.scheduler.active, e.scheduler.waiting = [object()] * 2, [object()] * 5
+    assert e.scheduler.due() and e.admit_cost() is None                     # nothing timed yet
+    e.scheduler.admits = [(10, 1.0), (10, 1.2), (10, 1.4)]
+    # one size: its median bounds it
+    assert e.admit_cost() == pytest.approx((1.2, 0.0)) and not e.scheduler.due()
+    e.scheduler.rent = 1.2
+    assert e.scheduler.due()
+    # 0.5 s fixed + 0.05 s a row
+    e.scheduler.admits, e.scheduler.fit = [(10, 1.0), (20, 1.5), (40, 2.5)], None
     assert e.admit_cost() == pytest.approx((0.5, 0.05))
-    e._rent = 0.49
-    assert not e._due()
-    e._rent = 0.501
-    assert e._due()
-    e._rent, e.waiting = 0.0, [object()] * 2                       # every waiting request has a slot
-    assert e._due()
-    e._bill(1, 0.02)                          # 3 of 4 slots idle: 3/4 of the round, not 3 live-row rounds
-    e._bill(3, 0.02)
-    e._bill(4, 0.02)
-    assert e._rent == pytest.approx(0.015 + 0.005)
-    e._rent, e.waiting, e.active = 0.0, [object()] * 5, []                       # nothing active to wait for
-    assert e._due()
-    e.active, e.deterministic = [object()] * 2, True              # each request prefills alone
-    assert e._due()
-    e.deterministic, e.admission = False, "eager"
-    assert e._due()
-    e.active, e.waiting = [], []
+    e.scheduler.rent = 0.49
+    assert not e.scheduler.due()
+    e.scheduler.rent = 0.501
+    assert e.scheduler.due()
+    e.scheduler.rent, e.scheduler.waiting = 0.0, [object()] * 2   # every waiting request has a slot
+    assert e.scheduler.due()
+    e.scheduler.bill(1, 0.02)   # 3 of 4 slots idle: 3/4 of the round, not 3 live-row rounds
+    e.scheduler.bill(3, 0.02)
+    e.scheduler.bill(4, 0.02)
+    assert e.scheduler.rent == pytest.approx(0.015 + 0.005)
+    # nothing active to wait for
+    e.scheduler.rent, e.scheduler.waiting, e.scheduler.active = 0.0, [object()] * 5, []
+    assert e.scheduler.due()
+    e.scheduler.active, e.deterministic = [object()] * 2, True              # each request prefills alone
+    assert e.scheduler.due()
+    e.deterministic, e.scheduler.admission = False, "eager"
+    assert e.scheduler.due()
+    e.scheduler.active, e.scheduler.waiting = [], []
 
 
 def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admissions(pair, monkeypatch):
@@ -613,16 +618,16 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
     for admission in ("eager", "grouped"):
         e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission=admission)
         if admission == "grouped":
-            monkeypatch.setattr(e, "admit_cost", lambda: (1e9, 0.0))
+            monkeypatch.setattr(e.scheduler, "admit_cost", lambda: (1e9, 0.0))
             seen = []
-            admit = e._admit
+            admit = e.scheduler.admit
 
             def spy(emitted, admit=admit, e=e):
                 if e.waiting and e.max_batch > len(e.active):
-                    seen.append((len(e.active), len(e.waiting), e._rent))
+                    seen.append((len(e.active), len(e.waiting), e.scheduler.rent))
                 admit(emitted)
-                assert e._rent == 0.0 or not seen     # an admission restarts the rent
-            monkeypatch.setattr(e, "_admit", spy)
+                assert e.scheduler.rent == 0.0 or not seen     # an admission restarts the rent
+            monkeypatch.setattr(e.scheduler, "admit", spy)
         ids = [e.add_request(p, n) for p, n in zip(prompts, lens)]
         res = e.run()
         assert [res[i].tokens for i in ids] == refs, admission
@@ -632,36 +637,36 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
         assert active == 0 or 4 - active >= waiting
     assert any(rent > 0 for _, _, rent in seen[1:])                # rounds ran with idle slots, waiting
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission="grouped")
-    monkeypatch.setattr(e, "admit_cost", lambda: (1e-9, 0.0))
+    monkeypatch.setattr(e.scheduler, "admit_cost", lambda: (1e-9, 0.0))
     mid = []
-    admit = e._admit
+    admit = e.scheduler.admit
 
     def spy2(emitted, admit=admit, e=e):
         if e.active and e.waiting and 4 - len(e.active) < len(e.waiting):
-            mid.append(e._rent)
+            mid.append(e.scheduler.rent)
         admit(emitted)
-    monkeypatch.setattr(e, "_admit", spy2)
+    monkeypatch.setattr(e.scheduler, "admit", spy2)
     ids = [e.add_request(p, n) for p, n in zip(prompts, lens)]
     res = e.run()
     assert [res[i].tokens for i in ids] == refs
     assert mid and all(r >= 1e-9 for r in mid)                    # admitted mid-batch, the rent billed
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=4, max_len=128, admission="grouped")
     q = run_engine(e, prompts, 12)
-    assert q["admissions"] == e.admissions >= 2 and 2 <= len(e._admits) <= q["admissions"]
+    assert q["admissions"] == e.admissions >= 2 and 2 <= len(e.scheduler.admits) <= q["admissions"]
     assert q["admit_cost"] == list(e.admit_cost()) and min(q["admit_cost"]) >= 0
     assert all(len(a) == 4 and a[0] >= 1 and a[3] is False for a in q["admitted"])   # no graphs here
-    grow = e._grow
+    grow = e.scheduler.grow
 
     def fail(r, rows):
         if r.prompt == [3, 5, 7]:
             raise RuntimeError("no page")
         grow(r, rows)
-    monkeypatch.setattr(e, "_grow", fail)
-    n0 = len(e._admits)
+    monkeypatch.setattr(e.scheduler, "grow", fail)
+    n0 = len(e.scheduler.admits)
     bad = e.add_request([3, 5, 7], 4)
     with pytest.raises(ValueError, match="no page"):
         e.run()
-    assert e.admissions == q["admissions"] + 1 and len(e._admits) == n0 and bad not in e.finished
+    assert e.admissions == q["admissions"] + 1 and len(e.scheduler.admits) == n0 and bad not in e.finished
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -74,7 +74,7 @@ def test_auto_budget_graphed_equals_the_oracle(pair, decide):
     kw = dict(mode="ddtree", budget="auto", max_budget=64, max_batch=4, max_len=2048, decide=decide)
     g = Engine(t, d, **kw)
     assert g.graph_reason is None and (4, False, len(g.plans) - 1) in g.graphs
-    assert all(("front", 4, B) in g.graphs for B in g._tree_ops)   # a front graph per tree size
+    assert all(("front", 4, B) in g.graphs for B in g.policy.tree_ops)   # a front graph per tree size
     ctxs = g.costs.ctx_buckets
     assert ctxs == (0, 1024)
     assert len(g.costs.back) == len(g.buckets) * len(g.plans) * len(ctxs)
@@ -380,10 +380,10 @@ def test_a_prefill_capture_mid_serving_keeps_the_allocators_cache(pair):
     torch.cuda.synchronize()
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del x                                                      # a free 64 MiB block in the cache
-    reserved, shapes = torch.cuda.memory_reserved(), sum(1 for v in e._pg.values() if v)
+    reserved, shapes = torch.cuda.memory_reserved(), sum(1 for v in e.prefill.graphs.values() if v)
     b = e.add_request(prompts[2], 8)                           # a new shape: captured at its admission
     res = e.run()
-    assert sum(1 for v in e._pg.values() if v) == shapes + 1 and e.last_admission[3] is True
+    assert sum(1 for v in e.prefill.graphs.values() if v) == shapes + 1 and e.last_admission[3] is True
     assert torch.cuda.memory_reserved() >= reserved
     assert res[a].tokens == oracle_ar(t, prompts[1], 40).tokens
     assert res[b].tokens == oracle_ar(t, prompts[2], 8).tokens

@@ -69,8 +69,8 @@ def test_auto_on_a_profile_uses_its_probabilities(pair):
                decide="sync", simulate=prof)
     assert e.calibration is None
     rows = []
-    take = e._take_estimates
-    e._take_estimates = lambda reqs, r, at: (rows.append(r.copy()), take(reqs, r, at))
+    take = e.policy.ests.take
+    e.policy.ests.take = lambda reqs, r, at: (rows.append(r.copy()), take(reqs, r, at))
     e.generate(random_prompts(t.args, 2, seed=3, min_len=4, max_len=10), 60)
     m = np.concatenate(rows).mean(0)
     want = project.profile_taus(4.0, [4, 16, 64], 7)

@@ -241,8 +241,8 @@ def _engine_bits(model):
     """(the engine's MoE path for `model`, a context manager factory setting the engine's BLAS library for a
     region of `rows` GEMM rows), from kdtree.engine; (None -> "grouped", a no-op) if it does not import."""
     try:
-        from ..engine import _blas, _moe_path
-        return _moe_path(model, None, False), _blas
+        from ..engine import blas_for, moe_path
+        return moe_path(model, None, False), blas_for
     except Exception:  # the engine's private helpers moved: the layer still runs, with torch's defaults
         return "grouped", lambda device, rows: contextlib.nullcontext()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import platform
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import weights
+from ..budget.config import AutoConfig
 from ..engine import Engine
 from ..model import ModelArgs
 from .engine import heldout_prompts, run_engine, stage_kernels, write_record
@@ -38,7 +38,7 @@ from .goals import target as _goal
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 # the engine's decision mode (Engine's default): the targets hold it; another mode is reported against it
-DECIDE = inspect.signature(Engine).parameters["decide"].default
+DECIDE = AutoConfig.decide   # the engine's default
 
 
 def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, after=None,
@@ -83,10 +83,11 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
         out["plan_counts"] = dict(Counter(mid["plans"]))
         out["costs"] = e.costs.as_dict(e.plans)
         # the policy's measured inputs at the end (plans in e.plans' order)
-        out["spread"] = [round(float(x), 4) for x in e.spread.ratios()]
-        out["realized"] = [round(float(x), 4) for x in e.spread.realized()]
-        out["persistence"] = [round(float(x), 4) for x in e.persist.slopes()]
-        out["prior"] = None if e._prior is None else [round(float(x), 3) for x in e._prior]
+        ests = e.policy.ests
+        out["spread"] = [round(float(x), 4) for x in ests.spread.ratios()]
+        out["realized"] = [round(float(x), 4) for x in ests.spread.realized()]
+        out["persistence"] = [round(float(x), 4) for x in ests.persist.slopes()]
+        out["prior"] = None if ests.prior is None else [round(float(x), 3) for x in ests.prior]
     if after is not None:
         out.update(after(e))
     return out
@@ -165,7 +166,8 @@ def trained_pair(ckpt_dir="data/trained", batches=(1, 8, 32), budgets=BUDGETS, n
     prompts = prompts if prompts is not None else heldout_prompts(n_all, prompt_len, seed=2)
     rec.update(prompts=prompts, prompt_source=source)
     if drafter.calibration is not None:  # the table against the realized tokens of every truncation
-        from ..calibration import measure, truncations
+        from ..calibration import truncations
+        from .calibrate import measure
         rounds: list = []
         measure(target, drafter, heldout_prompts(check[0], prompt_len, seed=2), check[1], budget=max(budgets),
                 rounds=rounds)

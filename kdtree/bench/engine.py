@@ -24,21 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import data, weights
+from .. import weights
+from ..data import heldout_prompts
 from ..engine import STAGES, Engine
 from .baselines import hf_generate
 from .ceilings import copy_bandwidth, launch_floor
 from . import goals
 from .goals import target as _goal
 from .timer import measure
-
-
-def heldout_prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
-    """n windows of `length` tokens from the held-out split of the lab's corpus (notebook 02's prompts)."""
-    tok = data.load_tokenizer()
-    files = data.corpus_files(("stdlib", "torch"))
-    ids = data.encode_files(tok, files["heldout"][:200])
-    return [w.tolist() for w in data.windows(ids, length, n, np.random.default_rng(seed))]
 
 
 def _sync():
@@ -74,7 +67,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     a0, admits = engine.admissions, []
     t0 = time.perf_counter()
     while engine.waiting or engine.active or engine.in_flight:
-        before, syn, pre, pend = engine.rounds, engine.synthetic_s, engine.prefill_s, engine._pending
+        before, syn, pre, pend = (engine.rounds, engine.synthetic_s, engine.prefill_s,
+                                   getattr(engine.policy, "pending", 0))
         queued, na = bool(engine.waiting and engine.active), engine.admissions
         ts = time.perf_counter()
         got = engine.step(overlap=True)
@@ -84,7 +78,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
         if steps is not None:
             landed = engine.last_round if engine.rounds > before else {}
             steps.append({"s": dt - (engine.prefill_s - pre), "prefill_s": engine.prefill_s - pre,
-                          "plan": landed.get("plan"), "catchup": engine._pending < pend})
+                          "plan": landed.get("plan"), "catchup": getattr(engine.policy, "pending", 0) < pend})
         if engine.rounds > before:
             lr = engine.last_round
             if queued or lr["batch"] == engine.max_batch:
@@ -180,7 +174,7 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         if name not in trees and not (name == "AR" and names[0] == "AR"):
             raise ValueError(f"plan={plan!r}: expected 'AR' or one of the engine's tree plans {trees}")
         i = names.index(name)
-        phases = (engine.auto.build(engine._bucket(batch), i), engine.plans[i])
+        phases = (engine.auto.build(engine.bucket(batch), i), engine.plans[i])
     elif plan is not None:
         raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
     room = engine.max_len - len(prompt) - engine.lookahead - int(add.get("synthetic_context", 0) or 0)
@@ -193,7 +187,7 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     gpu = engine.device.type == "cuda"
     mark = (lambda: torch.cuda._sleep(1)) if gpu else (lambda: None)   # MARK_KERNEL on the stream
 
-    class Marks:  # clock for Engine._round: closes each stage's profiler range at its end, opens the next
+    class Marks:  # clock for Runner.round: closes each stage's profiler range at its end, opens the next
         def __init__(self):
             mark()
             self.i, self.cur = 0, record_function("stage:" + order[0])
@@ -207,8 +201,8 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
                 self.cur = record_function("stage:" + order[self.i])
                 self.cur.__enter__()
 
-    b = engine._bucket(len(engine.active))
-    state = [t for t in (engine.lens, engine.root, engine.pend_n) if t is not None]
+    b = engine.bucket(len(engine.active))
+    state = [t for t in (engine.lens, engine.root, getattr(engine.policy, "pend_n", None)) if t is not None]
     snapshot = [t.clone() for t in state]
 
     def restore():
@@ -218,16 +212,16 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         for _ in range(rounds):  # the same round repeated from the same state
             restore()
             if phases is None:
-                engine._round(b, False, Marks())
+                engine.runner.round(b, False, Marks())
             elif phases[0] is None:   # the AR plan: no front, its stages empty
                 marks = Marks()
                 marks("draft")
                 marks("build")
-                engine._round(b, False, marks, plan=phases[1])
+                engine.runner.round(b, False, marks, plan=phases[1])
             else:   # one Marks over both phases: draft, build in the front; verify, walk, commit after
                 marks = Marks()
-                engine._front(b, phases[0], marks)
-                engine._round(b, False, marks, plan=phases[1])
+                engine.policy.front(b, phases[0], marks)
+                engine.runner.round(b, False, marks, plan=phases[1])
         _sync()
     restore()
 

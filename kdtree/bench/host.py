@@ -1,9 +1,9 @@
 """Where an engine's host time goes: wall-clock timers around the engine's host methods over whole runs
 of the trained pair (`python -m kdtree.bench.host --batch 8 32 --plans B=16 B=64 auto`). A diagnostic,
 not a record: per landed round, the seconds each method took (nested methods count in their callers
-too; `event_sync` is `_land`'s wait for its round, the rest of `_land` is bookkeeping), beside the run's
+too; `event_sync` is `land`'s wait for its round, the rest of `land` is bookkeeping), beside the run's
 tok/s, round wall time and GPU span (`bench.e2e._cell`: a warm-up run, then `repeats` runs, the median's).
-Under overlap a round is host-bound when its host work (`_launch` and `_land` less `event_sync`) exceeds
+Under overlap a round is host-bound when its host work (`launch` and `land` less `event_sync`) exceeds
 its GPU span.
 """
 from __future__ import annotations
@@ -22,8 +22,22 @@ from ..engine import Engine
 from .e2e import BUDGETS, _cell, pair_engine, section_prompts
 from .engine import heldout_prompts, write_record
 
-METHODS = ("_launch", "_land", "_auto_round", "_estimates", "_expected", "_decide", "_lag", "_auto_take",
-           "_auto_flush", "_release", "_grow")
+
+def methods() -> dict:
+    """{key: (class, method)}: the engine's host methods the timers wrap."""
+    from ..budget.auto import AutoBudget
+    from ..budget.estimates import Estimates
+    from ..engine.runner import Runner
+    from ..engine.scheduler import Scheduler
+    return {"launch": (Runner, "launch"), "land": (Runner, "land"),
+            "auto.launch_round": (AutoBudget, "launch_round"), "auto.estimates": (Estimates, "estimates"),
+            "auto.expected": (Estimates, "expected"), "auto.decide": (AutoBudget, "decide"),
+            "auto.lag": (Estimates, "lag"), "auto.take": (AutoBudget, "take"),
+            "auto.flush": (AutoBudget, "flush"), "release": (Scheduler, "release"),
+            "grow": (Scheduler, "grow")}
+
+
+METHODS = methods()
 
 
 class HostTimers:
@@ -50,8 +64,8 @@ class HostTimers:
         setattr(owner, name, timed)
 
     def __enter__(self) -> "HostTimers":
-        for name in METHODS:
-            self._wrap(Engine, name, name)
+        for key, (owner, name) in METHODS.items():
+            self._wrap(owner, name, key)
         if torch.cuda.is_available():
             self._wrap(torch.cuda.Event, "synchronize", "event_sync")
         return self
@@ -63,7 +77,7 @@ class HostTimers:
 
     def per_round(self) -> dict:
         """{method: microseconds per landed round}, largest first."""
-        rounds = max(self.calls["_land"], 1)
+        rounds = max(self.calls["land"], 1)
         return {k: round(1e6 * v / rounds, 1) for k, v in sorted(self.secs.items(), key=lambda kv: -kv[1])}
 
 

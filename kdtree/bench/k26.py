@@ -67,7 +67,7 @@ def cell_engine(context: int, batch: int, new: int, rows: int) -> dict:
     """The Engine keywords every engine of a cell shares: one batch bucket, sampling outside the graphs, room
     for the context, the prompt, `new` tokens and a round of `rows` verified rows; grouped admission (a
     queue's freed slots wait for company while that costs less than the MoE prefill's fixed time:
-    `Engine._due`; a static batch is admitted at once either way)."""
+    `Scheduler.due`; a static batch is admitted at once either way)."""
     return dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
                 max_len=context + PROMPT + new + rows + 64, admission="grouped")
 
@@ -141,16 +141,16 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
             engine.add_request(p, 3 * engine.max_accept + 2, seed=i, **add)
         engine.step()
         engine.step()
-        b = engine._bucket(len(engine.active))
+        b = engine.bucket(len(engine.active))
         snapshot = [t.clone() for t in (engine.lens, engine.root)]
         seen.clear()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             for _ in range(rounds):  # the same round from the same state: no request advances
-                engine._round(b, False)
+                engine.runner.round(b, False)
                 engine.lens.copy_(snapshot[0])
                 engine.root.copy_(snapshot[1])
-            engine._sync()
+            engine.sync()
         got = list(seen)
     finally:
         for h in hooks:

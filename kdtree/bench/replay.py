@@ -79,9 +79,9 @@ def load_costs(engine: Engine, costs) -> None:
                 raise ValueError(f"costs[{part!r}][{key!r}]: batch bucket {full} is not one of the engine's "
                                  f"{engine.buckets}")
             if part == "front":
-                if not what.isdigit() or int(what) not in engine._tree_ops:
+                if not what.isdigit() or int(what) not in engine.policy.tree_ops:
                     raise ValueError(f"costs['front'][{key!r}]: a tree of {what} nodes, the engine builds "
-                                     f"{sorted(engine._tree_ops)}")
+                                     f"{sorted(engine.policy.tree_ops)}")
                 what = int(what)
             elif what not in names:
                 raise ValueError(f"costs['back'][{key!r}]: plan {what!r} is not one of the engine's {names}")
@@ -103,7 +103,7 @@ def load_costs(engine: Engine, costs) -> None:
 class Bill:
     """An auto engine's table frozen at a record's (`load_costs`) and each of its rounds billed from it, its
     entries as measured (`CostTable.cost(bound=False)`: the policy's bound is not a round's cost):
-    `seconds` and `rounds` so far. The online refresh stops (the engine's `_auto_flush` bills instead); the
+    `seconds` and `rounds` so far. The online refresh stops (the policy's `flush` bills instead); the
     table's refresh count and per-entry ages advance as the refresh would move them, so the policy's
     exploration (`Policy.explore`, which reads them) runs as it does on the GPU. shift: rows added to every
     context length the table reads (`CostTable.ctx`), so that requests holding a short context are decided
@@ -113,20 +113,20 @@ class Bill:
         checks.int_in("shift", shift, 0)
         load_costs(engine, costs)
         self.engine, self.seconds, self.rounds = engine, 0.0, 0
-        engine._auto_flush = self._bill
+        engine.policy.flush = self._bill
         t = engine.costs
         t.add_host = lambda seconds: None
         if shift:
             t.ctx = lambda length, ctx=t.ctx: ctx(length + shift)
 
     def _bill(self) -> None:
-        e, t = self.engine, self.engine.costs
-        for i, info, _ in e._timing:
-            self.seconds += t.cost(info["b"], i, info["build"], info["ctx"], info["n"], bound=False)
+        p, t = self.engine.policy, self.engine.costs
+        for r, _ in p.timing:
+            self.seconds += t.cost(r.b, r.plan, r.build, r.ctx, r.n, bound=False)
             self.rounds += 1
-            t.seen[(t.key(info["b"], info["n"]), i, info["ctx"])] = t.samples
+            t.seen[(t.key(r.b, r.n), r.plan, r.ctx)] = t.samples
             t.samples += 1
-        e._timing.clear()
+        p.timing.clear()
 
 
 def hold(engine: Engine, plan: str) -> None:
@@ -139,7 +139,7 @@ def hold(engine: Engine, plan: str) -> None:
     def decide(b, est, ahead=False):
         ctx = engine.costs.ctx(sum(r.length for r in engine.active) / len(engine.active))
         return j, ctx, False, False
-    engine._decide = decide
+    engine.policy.decide = decide
 
 
 def runs(make, costs, plan: str, prompts, max_new: int, repeats: int, reseed: bool = False,

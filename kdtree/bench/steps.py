@@ -96,19 +96,19 @@ def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **
             engine.add_request(p, 2, seed=77 + i, **add)
         p0 = engine.prefill_s
         if k < repeats:
-            engine._admit({})
+            engine.scheduler.admit({})
             secs.append(engine.prefill_s - p0)
         elif k < 2 * repeats:
             engine.prefill_phases = {}
             try:
-                engine._admit({})
+                engine.scheduler.admit({})
                 phases.append(engine.prefill_phases)
             finally:
                 engine.prefill_phases = None
         else:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
             with profile(activities=acts) as prof:
-                engine._admit({})
+                engine.scheduler.admit({})
                 _sync()
         if engine.waiting:   # all at once, or the timings are not one admission's
             raise ValueError(f"prefill_profile: {len(engine.waiting)} of {len(prompts)} prompts found no "

@@ -451,7 +451,7 @@ class Spread:
     def realized(self) -> np.ndarray:
         """[P] per plan, sum (L - 1) / sum (E - 1) over its requests' rounds, with REALIZED_PRIOR tokens of
         E - 1 at the pooled ratio of every plan's rounds (itself from REALIZED_PRIOR at 1): how far the
-        calibrated estimates held in this engine's rounds (`Engine._expected` scales the rates that `drain`
+        calibrated estimates held in this engine's rounds (`Estimates.expected` scales the rates that `drain`
         reads by it). The pooled prior keeps a plan not run level with those run: at a prior of 1 the plan
         served first, its ratio above 1 where the calibration runs low for every plan, would keep the rest
         out for good. A ratio departs from its prior (the pooled ratio from 1, a plan's from the pooled)
@@ -474,14 +474,14 @@ class Spread:
 
 class Persistence:
     """How far a request's estimate speaks of the rounds after its own. A draft round's estimate E [P]
-    differs from the request's long-run rate m [P] (`Engine._long_run`); the next round's accept length L
+    differs from the request's long-run rate m [P] (`Estimates.long_run`); the next round's accept length L
     under plan j is m_j + s (E_j - m_j) on average, s the slope measured here: sum x y / sum x^2 over pairs
     of a request's consecutive draft rounds (x = E_j - m_j of the first round, j the second's plan; y = the
     second's L - m_j), kept apart for x < 0 and x > 0 (a hard stretch of text passes within a round or two;
     an easy one, a passage the drafter knows, lasts), with PERSIST_PRIOR of x^2 at slope 1, clamped to
     [0, 1]. An estimate a rounds old reads m + s^a (E - m) (`age`): the policy decides a round a >= 1 after
     the draft that made its estimates (2 or 3 where rounds overlap; 1 under "sync"), and an AR hold ages
-    them further. The engine adds the pairs of both decide modes (`Engine._lag`)."""
+    them further. The engine adds the pairs of both decide modes (`Estimates.lag`)."""
 
     def __init__(self):
         self.xy, self.xx = np.zeros(2), np.zeros(2)   # [below, above]

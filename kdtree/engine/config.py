@@ -1,0 +1,211 @@
+"""The engine's configuration: `EngineConfig`, validated once against the model and drafter (`resolve`).
+
+    cfg = EngineConfig(mode="ddtree", budget=64, max_batch=8).resolve(model, drafter)
+    cfg.rows        # N: verify rows per request (AR 1, DFlash block_size, DDTree budget + 1)
+
+`Engine(model, drafter, config)` takes one; `Engine(model, drafter, mode=..., ...)` builds it from keywords.
+A resolved config holds only checked values: every default picked (backend, moe, max_len, max_tokens,
+buckets), the budget an int (budget="auto": the policy's `AutoConfig` in `auto`, the budget its largest tree).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import checks, golden
+from ..model import MOE_PATHS, Int4Experts, Transformer
+from .requests import check_drafter
+
+MODES = ("ar", "dflash", "ddtree")
+BACKENDS = ("golden", "kernel")
+ADMISSIONS = ("eager", "grouped")
+PAGE_SIZE = 64   # the latent cache's page rows (the attention kernel's)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's arguments (`Engine`'s docstring says what each does); `resolve` checks them."""
+    mode: str = "ar"
+    budget: int | str | None = None
+    max_batch: int = 8
+    max_len: int | None = None
+    max_tokens: int | None = None
+    page_size: int = PAGE_SIZE
+    graphs: bool = True
+    backend: str | None = None
+    prefill_chunk: int = 512
+    debug: bool = False
+    buckets: tuple | list | None = None
+    graph_sampling: bool = True
+    compile: bool = False
+    deterministic: bool = False
+    moe: str | None = None
+    simulate: object = None
+    overlap: bool = True
+    admission: str = "eager"
+    auto: object = None          # budget="auto": a kdtree.budget.AutoConfig (None: its defaults)
+    block_size: int = 0          # the drafter's L + 1 (set by resolve; 0 in mode ar)
+
+    # ------------------------------------------------------------- derived (a resolved config)
+    @property
+    def rows(self) -> int:
+        """N: verify rows per request."""
+        return 1 if self.mode == "ar" else self.block_size if self.mode == "dflash" else self.budget + 1
+
+    @property
+    def is_auto(self) -> bool:
+        return self.auto is not None
+
+    @property
+    def max_accept(self) -> int:
+        """Tokens a round may emit per request (accepted drafts + the bonus token)."""
+        return 1 if self.mode == "ar" else self.block_size
+
+    @property
+    def pages_per_req(self) -> int:
+        return -(-self.max_len // self.page_size)
+
+    @property
+    def kv_cap(self) -> int:
+        """A request's cache rows at most (its page table's span)."""
+        return self.pages_per_req * self.page_size
+
+    @property
+    def n_pages(self) -> int:
+        """The pool's pages, the scratch page 0 included."""
+        return -(-self.max_tokens // self.page_size) + 1
+
+    # ------------------------------------------------------------- validation
+    def resolve(self, model: Transformer, drafter=None) -> "EngineConfig":
+        """This config checked against model and drafter, every default picked (ValueError naming the
+        argument otherwise)."""
+        from ..budget.config import AutoConfig
+        if not isinstance(model, Transformer):
+            raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
+        mode, budget = self.mode, self.budget
+        checks.one_of("mode", mode, MODES)
+        checks.one_of("admission", self.admission, ADMISSIONS)
+        graphs, debug, graph_sampling, compile = (checks.flag(n, v) for n, v in (
+            ("graphs", self.graphs), ("debug", self.debug), ("graph_sampling", self.graph_sampling),
+            ("compile", self.compile)))
+        if self.admission == "grouped" and getattr(model, "tp", None) is not None:
+            raise ValueError("admission='grouped' under tensor parallelism: each rank times its own "
+                             "admissions, so their decisions could part; use 'eager'")
+        dev = model.device
+        backend = self.backend
+        if backend is None:
+            backend = "kernel" if dev.type == "cuda" else "golden"
+        checks.one_of("backend", backend, BACKENDS)
+        if backend == "kernel" and dev.type != "cuda":
+            raise ValueError("backend='kernel' needs the model on a CUDA device")
+        if mode == "ar":
+            if drafter is not None or budget is not None:
+                raise ValueError("mode='ar' takes no drafter and no budget")
+        else:
+            check_drafter(model, drafter)
+        if self.simulate is not None and mode != "ar" and not hasattr(drafter, "new_context"):
+            raise ValueError("simulate: needs mode 'ar', or 'dflash' / 'ddtree' with a batched drafter "
+                             "(DFlashDrafter)")
+        auto = mode == "ddtree" and isinstance(budget, str) and budget == "auto"
+        if mode == "ddtree" and isinstance(budget, str) and not auto:
+            raise ValueError(f"budget={budget!r}: expected 'auto' or an int in [1, {golden.MAX_BUDGET}] "
+                             "(draft nodes)")
+        ac = self.auto
+        if ac is not None and not isinstance(ac, AutoConfig):
+            raise ValueError(f"auto={ac!r}: expected a kdtree.budget.AutoConfig or None")
+        if ac is not None and not isinstance(ac.makespan, bool):
+            raise ValueError(f"makespan={ac.makespan!r}: expected True or False")
+        if not auto and ac is not None and not ac.is_default():
+            raise ValueError("max_budget, budgets, decide, calibration and makespan: only budget='auto' "
+                             "takes them")
+        if auto:
+            ac = (ac or AutoConfig()).resolve(backend)
+            budget = max(ac.budgets)
+        elif mode == "ddtree":
+            budget = golden._check_budget(budget)
+            if backend == "kernel" and budget > 1024:
+                raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
+        elif budget is not None:
+            raise ValueError(f"budget={budget!r}: only mode='ddtree' takes a budget")
+        max_batch = checks.positive_int("max_batch", self.max_batch)
+        prefill_chunk = checks.positive_int("prefill_chunk", self.prefill_chunk)
+        page_size = self.page_size
+        if page_size != PAGE_SIZE:
+            raise ValueError(f"page_size={page_size!r}: the latent cache's pages are {PAGE_SIZE} rows (the "
+                             "attention kernel's)")
+        mpe = model.args.max_position_embeddings
+        max_len = checks.int_in("max_len", mpe if self.max_len is None else self.max_len, 1, mpe,
+                                f" (max_position_embeddings={mpe})")
+        max_tokens = max_batch * max_len if self.max_tokens is None else self.max_tokens
+        max_tokens = checks.positive_int("max_tokens", max_tokens, note=" (the pool's rows)")
+        buckets = self.buckets
+        ok = buckets is None or (isinstance(buckets, (list, tuple)) and buckets and all(
+            checks.is_int(x) and 1 <= x <= max_batch for x in buckets) and max(buckets) == max_batch)
+        if not ok:
+            raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] "
+                             "including max_batch")
+        buckets = None if buckets is None else [int(x) for x in buckets]
+        rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1
+        cap = -(-max_len // page_size) * page_size
+        if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):
+            raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} "
+                             f"rows does not fit a request of max_len={max_len} in a pool of "
+                             f"max_tokens={max_tokens}")
+        deterministic = self.deterministic
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic={deterministic!r}: expected True or False")
+        if deterministic:
+            if buckets is not None and tuple(sorted(set(buckets))) != (max_batch,):
+                raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: "
+                                 f"buckets={buckets!r} contradicts it (leave buckets out)")
+            if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts)
+                   for layer in model.model.layers):
+                raise ValueError("deterministic=True: INT4 experts are not supported (their paths group "
+                                 "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
+            buckets = (max_batch,)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r}: expected True or False")
+        moe = moe_path(model, self.moe, deterministic)
+        buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
+        return dataclasses.replace(
+            self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
+            backend=backend, prefill_chunk=prefill_chunk, debug=debug, buckets=buckets,
+            graph_sampling=graph_sampling, compile=compile, moe=moe, auto=ac if auto else None,
+            block_size=0 if mode == "ar" else drafter.block_size)
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes rounds pad to: 1, 2, 4, ... below max_batch, and max_batch."""
+    b, out = 1, []
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_batch,)
+
+
+def moe_path(model: Transformer, moe, deterministic: bool) -> str:
+    """The MoE path of the engine's forward (model.MOE_PATHS), checked; None picks: "dense" (every expert in
+    two GEMMs: capturable, batch-invariant) when deterministic, on a GPU outside bf16, under TP or with at
+    most 4k routed experts for top-k; "grouped" (torch's grouped GEMM over the chosen experts) on a GPU in
+    bf16 beyond that; "loop" (host-driven grouping, fewest FLOPs) on the CPU."""
+    a, dev = model.args, model.device
+    sharded = getattr(model, "tp", None) is not None
+    grouped_ok = (hasattr(torch, "_grouped_mm") and not sharded
+                  and (dev.type != "cuda" or model.dtype == torch.bfloat16))
+    many = a.n_routed_experts > 4 * a.num_experts_per_tok
+    if moe is None:
+        if deterministic or (dev.type == "cuda" and not (grouped_ok and many)):
+            return "dense"
+        return "grouped" if dev.type == "cuda" else "loop"
+    if moe not in MOE_PATHS:
+        raise ValueError(f"moe={moe!r}: expected one of {MOE_PATHS} or None (the engine picks)")
+    if deterministic and moe != "dense":
+        raise ValueError(f"moe={moe!r} with deterministic=True: only 'dense' is batch-invariant")
+    if moe == "grouped" and not grouped_ok:
+        why = ("this torch has no _grouped_mm" if not hasattr(torch, "_grouped_mm") else
+               "a tensor-parallel rank holds only some experts" if sharded else
+               f"torch's grouped GEMM on a GPU takes bfloat16 (the model is {model.dtype})")
+        raise ValueError(f"moe='grouped': {why}")
+    return moe

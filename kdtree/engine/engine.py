@@ -1,0 +1,375 @@
+"""The engine: requests in, tokens out; `step` is schedule -> run -> postprocess.
+
+    engine = Engine(model, drafter, mode="ddtree", budget=64, max_batch=8)
+    rid = engine.add_request(prompt, max_new_tokens=128)
+    results = engine.run()                       # {request id: GenerationResult}
+
+Its parts: `Scheduler` (queues, slots, pages, admission), `Prefill` (prompts into the cache), `Runner` (one
+round: draft -> build -> verify -> walk -> commit, its launch and landing), `GraphCache` (the rounds' CUDA
+graphs), and the budget policy (`FixedBudget`, or `kdtree.budget.auto.AutoBudget` for budget="auto"). The
+engine holds the static device state they share: the latent page pool and, per slot, page table, length,
+root (the last committed token), temperature, seed, live flag, and the round's output row. Invariant: the
+target cache and the drafter's context hold every committed token but the last, which is the next round's
+root.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..model import Int4Experts, Transformer, check_memory
+from ..round_ops import GoldenOps, KernelOps
+from ..simulate import Simulation
+from .config import EngineConfig
+from .graphs import GraphCache, sync
+from .policy import FixedBudget
+from .prefill import Prefill
+from .requests import GenerationResult, check_seed
+from .runner import Runner
+from .scheduler import Scheduler
+
+AUTO_KEYS = ("max_budget", "budgets", "decide", "calibration", "makespan")
+
+
+class Engine:
+    """Continuous-batching decode engine over one shared paged latent cache (module docstring).
+
+    model: a Transformer; drafter: a DFlashDrafter (batched on the device) or any drafter with sessions
+    (`session(max_len)` -> start / propose / accept on the host, e.g. the test oracle). config: an
+    `EngineConfig`, or its fields as keywords (with budget="auto", `kdtree.budget.AutoConfig`'s too):
+
+    mode "ar" | "dflash" | "ddtree"; budget: DDTree's draft nodes per round (1..1024 on the kernel backend),
+    or "auto" (`kdtree.budget`: each round verifies AR, the chain or a tree truncated to one of `budgets`,
+    whichever maximizes its expected tokens per second, from the draft's calibrated prefix probabilities and
+    a cost table measured at start-up and refreshed every round; decide "previous" | "sync"; makespan: plan
+    for the batch's end while it is in view). max_batch: requests per round; max_len: the longest context
+    one request may reach (prompt + max_new_tokens + the block's rows; default max_position_embeddings);
+    max_tokens: the pool's rows (default max_batch * max_len); page_size 64 (the attention kernel's);
+    graphs: capture each batch bucket's round in a CUDA graph (the kernel backend on a GPU; elsewhere the
+    round runs eagerly and `graph_reason` says why); backend "golden" (numpy tree steps) | "kernel" (CUDA;
+    the default on a GPU); prefill_chunk: prompt rows per prefill forward; debug: `check_state` after every
+    round; buckets: the batch sizes rounds pad to (default 1, 2, 4, ... max_batch); graph_sampling: capture
+    sampling rounds too; compile: the round's regions through torch.compile (`Runner`); deterministic:
+    every round at max_batch rows (one bucket), so a request's tokens and logits are bitwise the same alone
+    or in a full batch (refused for INT4 experts); moe: the MLP experts' path ("dense" | "grouped" | "loop";
+    default `config.moe_path`); admission "eager" | "grouped" (a freed slot waits for company while the
+    idle slots' lost seconds stay below an admission's fixed cost: `Scheduler.due`); overlap: run() launches
+    each round before the previous round's bookkeeping (off under debug, a host drafter or tensor
+    parallelism; step() always lands its own round); simulate: a `kdtree.simulate.Profile` (simulated
+    acceptance at real shapes: every mode emits the profile's tokens; `simulated` names it).
+
+    Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the
+    row), drawn on the device as Gumbel noise, so its samples do not depend on its batch mates, the bucket or
+    graph replay."""
+
+    def __init__(self, model: Transformer, drafter=None, config: EngineConfig | None = None, **kw):
+        auto_kw = {k: kw.pop(k) for k in AUTO_KEYS if k in kw}
+        if config is None:
+            from ..budget.config import AutoConfig
+            config = EngineConfig(**kw, auto=AutoConfig(**auto_kw) if auto_kw else None)
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"config: expected a kdtree.engine.EngineConfig, got {type(config).__name__}")
+        elif kw or auto_kw:
+            raise ValueError(f"config and keywords {sorted(kw) + sorted(auto_kw)}: pass one or the other")
+        cfg = self.config = config.resolve(model, drafter)
+        self.model, self.drafter, self.device = model, drafter, model.device
+        self.mode, self.backend, self.moe = cfg.mode, cfg.backend, cfg.moe
+        self.budget = "auto" if cfg.is_auto else cfg.budget   # the tree's nodes (max_budget: the largest)
+        self.max_budget = cfg.budget
+        self.max_batch, self.page_size, self.buckets = cfg.max_batch, cfg.page_size, cfg.buckets
+        self.prefill_chunk, self.debug, self.deterministic = cfg.prefill_chunk, cfg.debug, cfg.deterministic
+        self.rows, self.max_accept = cfg.rows, cfg.max_accept   # N: verify rows per request
+        self.lookahead = 0 if cfg.mode == "ar" else cfg.rows
+        self.max_len, self.pages_per_req, self.kv_cap = cfg.max_len, cfg.pages_per_req, cfg.kv_cap
+        self.graph_sampling, self.compiled = cfg.graph_sampling, cfg.compile
+        self.batched_drafter = cfg.mode != "ar" and hasattr(drafter, "new_context")
+        self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if cfg.mode != "ar" else ()
+        self._check_memory()
+        self.scheduler = Scheduler(self, cfg.n_pages, cfg.admission)
+        model.prepare_paged(cfg.moe)   # fused projections, stacked experts: from the weights as they are now
+        self._state()
+        self.ops = (KernelOps if cfg.backend == "kernel" else GoldenOps)(cfg.mode, cfg.budget, cfg.page_size)
+        if cfg.compile:   # a compiled graph per shape and engine; past dynamo's default limit: eager
+            import torch._dynamo.config as dc
+            name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
+            setattr(dc, name, max(getattr(dc, name), 256))
+        # statistics
+        self.rounds = 0             # rounds landed
+        self.prefill_forwards = 0   # target forwards spent on prompts (same-length chunks share one)
+        self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
+        self.synthetic_s = 0.0      # wall seconds of synthetic rows' fill and simulated texts (not prefill_s)
+        self.prefill_replays = 0    # prefill forwards that replayed a graph
+        self.prefill_phases = None  # {phase: seconds} when set to a dict (`Prefill.mark`; benchmarks)
+        self.admissions = 0         # admissions (prefills of one or more requests)
+        self.last_admission = None  # the last admission's (requests, prompt rows, seconds, captured a graph)
+        self.last_round: dict = {}  # the last round's stage seconds, batch, bucket, whether a graph ran it
+        # the last round's verify logits [n, N, V], until the next (None when a graphed round landed behind
+        # another in flight: its static output is being rewritten)
+        self.last_logits: torch.Tensor | None = None
+        self.warmup_s = 0.0
+        self.simulated = None if cfg.simulate is None else cfg.simulate.name
+        self.cache = GraphCache(self.device)
+        self.graph_reason = self._graph_blocker() if cfg.graphs else "graphs=False"
+        self.overlap = (cfg.overlap and not cfg.debug and (cfg.mode == "ar" or self.batched_drafter)
+                        and getattr(model, "tp", None) is None)
+        self._flight = None   # the launched round whose bookkeeping waits (overlap)
+        self.runner, self.prefill = Runner(self, cfg.compile), Prefill(self)
+        self.policy = FixedBudget(self)
+        if cfg.is_auto:
+            from ..budget.auto import AutoBudget
+            self.policy = AutoBudget(self, cfg.auto)
+        if self.graph_reason is None:
+            self._capture()
+            self.prefill.buffers()
+        self.policy.start()
+
+    def _check_memory(self) -> None:
+        cfg, model, drafter = self.config, self.model, self.drafter
+        a = model.args
+        need = (a.num_hidden_layers * cfg.n_pages * cfg.page_size * (a.kv_lora_rank + a.qk_rope_head_dim)
+                * torch.empty(0, dtype=model.cache_dtype).element_size())
+        if self.batched_drafter:
+            da = drafter.args
+            need += (2 * len(drafter.layers) * cfg.max_batch * da.num_key_value_heads
+                     * (cfg.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
+        if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
+            need += cfg.max_batch * cfg.rows * cfg.kv_cap * 4
+        check_memory(f"max_batch={cfg.max_batch}, max_len={cfg.max_len}, max_tokens={cfg.max_tokens}, "
+                     f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's "
+                     "mask)",
+                     need, self.device)
+
+    def _state(self) -> None:
+        """The static device state (module docstring), every slot zeroed (padding)."""
+        cfg, dev, a, B = self.config, self.device, self.model.args, self.config.max_batch
+        self.pool = torch.zeros(a.num_hidden_layers, cfg.n_pages * cfg.page_size,
+                                a.kv_lora_rank + a.qk_rope_head_dim, dtype=self.model.cache_dtype, device=dev)
+        self.ctx = self.drafter.new_context(B, cfg.kv_cap) if self.batched_drafter else None
+        self.page_table = torch.zeros(B, cfg.pages_per_req, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.root = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.temp = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(B, dtype=torch.int64, device=dev)   # 1 in active slots: padding stays put
+        # one copy to the host per round: [acc_len, logits finite, emitted tokens x max_accept]
+        self.out = torch.zeros(B, 2 + cfg.max_accept, dtype=torch.int64, device=dev)
+        # two host buffers: a launched round copies into one while the previous round's is read
+        self.out_host = torch.zeros(2, *self.out.shape, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.sim = None if cfg.simulate is None else Simulation(
+            cfg.simulate, a.vocab_size, 0 if self.drafter is None else self.drafter.block_size - 1, B, dev,
+            length=cfg.kv_cap + cfg.max_accept + 1)
+
+    # ------------------------------------------------------------- public API
+    def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                    stop_tokens=(), synthetic_context: int = 0) -> int:
+        """Queue a request; returns its id. Every argument is checked here (nothing changes on a ValueError).
+        synthetic_context: for benchmarks at long contexts, that many random rows (latent cache rows
+        N(0, 0.5), the drafter's context keys/values N(0, 1)) are inserted before the root once the prompt is
+        prefilled, instead of prefilling them: the request's tokens then mean nothing. Their fill is a
+        benchmark device, not a cost of serving: it runs between two device synchronizations and its time
+        goes to `synthetic_s`, not to `prefill_s` or the request's prefill stage time."""
+        s = self.scheduler
+        return s.queue(s.request(prompt, max_new_tokens, temperature, seed, stop_tokens, synthetic_context))
+
+    def step(self, overlap: bool = False) -> dict[int, list[int]]:
+        """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}.
+        A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
+        then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on.
+        overlap=True (run()'s schedule; honoured when the engine's `overlap` is on): launch this round, then
+        land the round launched by the previous call while the GPU runs it, so the tokens returned are that
+        round's; a round in flight lands first when a request can join. A plain step() lands any round in
+        flight, then its own."""
+        emitted: dict[int, list[int]] = {}
+        s, overlap = self.scheduler, overlap and self.overlap
+        if self.in_flight and (not overlap or s.admissible() or not s.can_overlap()):
+            self._drain(emitted)
+        if s.due():
+            s.admit(emitted)                                             # schedule
+        if not self.active:
+            self._drain(emitted)
+        else:
+            prev, self._flight = self._flight, self.runner.launch()      # run
+            if prev is not None:
+                self.runner.land(prev, emitted)                          # postprocess
+            if not overlap:
+                self._drain(emitted)
+        s.raise_errors()
+        return emitted
+
+    def run(self, progress: bool = False) -> dict[int, GenerationResult]:
+        """Step until every request has finished (overlapped rounds when `overlap` is on); returns {request
+        id: result} of every request finished since the last run() (also those that finished in step() calls
+        before it), each handed out once."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(self.waiting) + len(self.active), desc=f"engine {self.mode}")
+        while self.waiting or self.active or self.in_flight:
+            n = len(self.finished)
+            self.step(overlap=True)
+            if bar is not None:
+                bar.update(len(self.finished) - n)
+        if bar is not None:
+            bar.close()
+        out, self.scheduler.finished = self.finished, {}
+        return out
+
+    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 stop_tokens=()) -> list[GenerationResult]:
+        """One request per prompt (request i seeded seed + i), run to the end; results in prompt order. Every
+        prompt and seed is checked before any request is queued (a ValueError queues nothing). Requests queued
+        earlier with add_request run alongside; their results stay for the next run()."""
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a list of prompts (each a sequence of token ids), got "
+                             f"{type(prompts).__name__}")
+        seed = check_seed(seed)
+        if prompts:
+            check_seed(seed + len(prompts) - 1)   # request i's seed is seed + i
+        s = self.scheduler
+        reqs = [s.request(p, max_new_tokens, temperature, seed + i, stop_tokens, 0, what=f"prompts[{i}]")
+                for i, p in enumerate(prompts)]
+        ids = [s.queue(r) for r in reqs]
+        res = self.run()
+        own = [res.pop(i) for i in ids]
+        s.finished.update(res)   # others' results: handed out by the next run()
+        return own
+
+    # the scheduler's queues and pool, the graph cache, the budget policy's tables
+    waiting = property(lambda self: self.scheduler.waiting)
+    active = property(lambda self: self.scheduler.active)
+    finished = property(lambda self: self.scheduler.finished)
+    pages = property(lambda self: self.scheduler.pages)
+    graphs = property(lambda self: self.cache.graphs)
+    capture_retries = property(lambda self: self.cache.retries)
+    auto = property(lambda self: self.policy.auto, doc="budget='auto': its kdtree.budget.Policy (else None)")
+    plans = property(lambda self: self.policy.plans)
+    costs = property(lambda self: self.policy.costs)
+    calibration = property(lambda self: self.policy.calibration)
+    whole_graphs = property(lambda self: getattr(self.policy, "whole_graphs", False))
+    whole_replays = property(lambda self: getattr(self.policy, "whole_replays", 0))
+
+    @property
+    def admission(self) -> str:
+        return self.scheduler.admission
+
+    def admit_cost(self) -> tuple[float, float] | None:
+        """Grouped admission: (fixed seconds, seconds per prompt row) of an admission
+        (`Scheduler.admit_cost`)."""
+        return self.scheduler.admit_cost()
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.pages.free)
+
+    @property
+    def in_flight(self) -> bool:
+        """A round launched by step(overlap=True) waits to land (the next step, or run(), lands it)."""
+        return self._flight is not None
+
+    def bucket(self, n: int) -> int:
+        """The batch bucket a round of n requests pads to."""
+        return next(b for b in self.buckets if b >= n)
+
+    def sync(self) -> None:
+        sync(self.device)
+
+    def _drain(self, emitted) -> None:
+        f, self._flight = self._flight, None
+        if f is not None:
+            self.runner.land(f, emitted)
+        self.runner.landed_at = None
+
+    # ------------------------------------------------------------- slots and graphs
+    def move_slot(self, src: int, dst: int) -> None:
+        """Slot src's state into slot dst (a leaving request's slot taken by the last one)."""
+        for t in (self.page_table, self.lens, self.root, self.temp, self.seed, self.live):
+            t[dst] = t[src]
+        if self.ctx is not None:
+            self.ctx.move(src, dst)
+        if self.sim is not None:
+            self.sim.move(src, dst)
+        self.policy.move_slot(src, dst)
+
+    def clear_slot(self, s: int) -> None:
+        """Slot s back to padding (page table, length, root, temperature and live flag zeroed; what else it
+        holds is never read): fill kernels, no host synchronization (as in `Scheduler.grow`)."""
+        for t in (self.page_table, self.lens, self.root, self.temp, self.live):
+            t[s].fill_(0)
+        self.policy.clear_slot(s)
+
+    def _graph_blocker(self) -> str | None:
+        if self.device.type != "cuda":
+            return "graphs need a CUDA device"
+        if not self.ops.capturable:
+            return "the golden backend's tree steps run on the host"
+        if self.mode != "ar" and not self.batched_drafter:
+            return "a host drafter (sessions) drafts on the host"
+        for layer in self.model.model.layers:
+            ex = getattr(layer.mlp, "experts", None)
+            if isinstance(ex, Int4Experts) and self.model.dtype != torch.bfloat16:
+                return "INT4 experts outside bf16 take the host-driven reference path"
+        if getattr(self.model, "tp", None) is not None:
+            return "tensor-parallel ranks run eagerly"
+        if self.moe == "loop" and any(isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
+                                      for layer in self.model.model.layers):
+            return "moe='loop' reads the routing on the host"
+        return None
+
+    def _capture(self) -> None:
+        """Warm up and capture the policy's graphs (the largest bucket first, one memory pool); the state is
+        reset afterwards (warm-up rounds run on padding slots only, before any request)."""
+        t0 = time.perf_counter()
+        with self.cache.on_side():
+            self.policy.capture(self.cache.capture)
+        for t in (self.lens, self.root, self.temp, self.seed, self.live, self.out):
+            t.zero_()
+        self.policy.reset()
+        torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+
+    def check_state(self) -> None:
+        """The device state against the host's bookkeeping (reads the device; debug=True runs it every round):
+        lengths, roots, page tables of the active slots, zeroed padding slots, page accounting."""
+        n = len(self.active)
+        lens, root, pt = self.lens.tolist(), self.root.tolist(), self.page_table.tolist()
+        for r in self.active:
+            s = r.slot
+            want = r.pages + [0] * (self.pages_per_req - len(r.pages))
+            if lens[s] != r.length or root[s] != r.committed[-1] or pt[s] != want:
+                raise RuntimeError(f"engine state: request {r.rid} in slot {s}: device length {lens[s]}, "
+                                   f"root {root[s]}, pages {pt[s][:len(r.pages) + 1]}; host {r.length}, "
+                                   f"{r.committed[-1]}, {r.pages}")
+        if any(lens[n:]) or any(any(row) for row in pt[n:]):
+            raise RuntimeError("engine state: a padding slot holds a length or pages")
+        held = sum(len(r.pages) for r in self.active)
+        if len(self.pages.free) + held != self.pages.capacity:
+            raise RuntimeError(f"engine state: {len(self.pages.free)} free + {held} held != "
+                               f"{self.pages.capacity}")
+
+
+# ----------------------------------------------------------------------------- engines behind generate_*
+_ENGINES: "OrderedDict[tuple, Engine]" = OrderedDict()
+MAX_CACHED_ENGINES = 4
+
+
+def engine_for(model: Transformer, drafter, mode: str, budget, need: int, backend: str | None = None,
+               graphs: bool = True) -> Engine:
+    """A batch-1 engine for the generate_* wrappers, kept per (model, drafter, mode, budget, backend, context
+    bucket) so that repeated calls replay the graphs captured once (at most MAX_CACHED_ENGINES kept)."""
+    mpe = model.args.max_position_embeddings
+    max_len = min(mpe, max(256, 1 << max(0, math.ceil(math.log2(max(need, 1))))))
+    key = (id(model), id(drafter), mode, budget, backend, max_len, graphs, model.attn_impl, model.dtype,
+           str(model.device))
+    e = _ENGINES.get(key)
+    if e is None or e.model is not model or e.drafter is not drafter:
+        e = Engine(model, drafter, mode=mode, budget=budget, max_batch=1, max_len=max_len, backend=backend,
+                   graphs=graphs)
+        _ENGINES[key] = e
+        while len(_ENGINES) > MAX_CACHED_ENGINES:
+            _ENGINES.popitem(last=False)
+    _ENGINES.move_to_end(key)
+    return e
