@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
-from .model import MLP, RMSNorm, _refresh, apply_rope
+from .layers import RMSNorm, _refresh, apply_rope
+from .moe import MLP
 from .ops.draft_attn import HEAD_DIM as DRAFT_HEAD_DIM
 from .ops.draft_attn import MAX_ROWS as DRAFT_MAX_ROWS
 from .ops.draft_attn import draft_attn as _draft_attn_op

@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .model import MLP, AttnMeta, Gate, Int4Experts, MoE, Transformer, _launch, apply_rope
+from .cache import AttnMeta
+from .layers import _launch, apply_rope
+from .moe import MLP, Gate, Int4Experts, MoE
 from .ops import decode as dec
 from .ops import gemv
 
@@ -33,7 +35,7 @@ ABSORB_ROWS = 32   # rows up to which q_absorb / uv_absorb replace the absorbed 
 GEMV_ROWS = 0      # rows up to which the projections take ops.gemv's kernel instead of cuBLAS (0: never)
 
 
-def unsupported(model: Transformer, meta: AttnMeta) -> str | None:
+def unsupported(model, meta: AttnMeta) -> str | None:
     """Why forward_paged cannot take the fused path for this model and metadata, or None."""
     a = model.args
     if model.device.type != "cuda":
@@ -52,7 +54,7 @@ def unsupported(model: Transformer, meta: AttnMeta) -> str | None:
 
 
 @torch.no_grad()
-def prepare(model: Transformer) -> None:
+def prepare(model) -> None:
     """Each dense MLP's and shared expert's gate_proj and up_proj weights become the two halves of one [2I, D]
     tensor (views: no second copy; one GEMM computes both). CUDA models only (a CPU model's views would share
     storage in a saved checkpoint). Idempotent."""
@@ -181,7 +183,7 @@ def _attention(attn, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool
     return _proj(attn.o_proj, o)
 
 
-def forward_layers(model: Transformer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def forward_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    pool: torch.Tensor, meta: AttnMeta, hidden_layers=()) -> tuple[torch.Tensor, dict]:
     """The decoder layers and the final norm: h bf16 [B, T, D] (the embeddings), cos / sin bf16 [B, T, P/2],
     pool [layers, rows, R + P]. Returns (normed bf16 [B, T, D], {layer id: its output [B, T, D]} for
