@@ -5,8 +5,8 @@ outputs/h200/) when a CUDA GPU is present; a GPU record folder is written only b
 compared resolved). Each notebook runs in a copy of the output folder beside it, and its files move in only
 when the whole notebook succeeded: a failed run leaves the folder as it was (the copy, with the failed
 notebook, is named in the error). Every notebook name and parameter value is checked (against the notebook's
-declaration in kdtree.lab_params) before torch or papermill is imported; notebook 03 trains into the shipped
-pair (data/trained/) only with --overwrite-trained.
+declaration in kdtree.lab_params) before torch or papermill is imported; notebook 03 writes the shipped
+pair (data/trained/) only with --overwrite-trained (else its pair goes beside its record: `training_folder`).
 """
 from __future__ import annotations
 
@@ -140,8 +140,7 @@ def check_parameters(nb: Path, params: dict) -> None:
 
 
 def check_run(nb: Path, params: dict, device: str) -> None:
-    """The declaration's rules over several parameters for a run on `device` (resolved): for notebook 03, no
-    training run into the shipped pair (data/trained/, however spelt) without overwrite_trained=True.
+    """The declaration's rules over several parameters (`lab_params.RULES`) for a run on `device` (resolved).
     ValueError naming the notebook."""
     if nb.stem in lab_params.NOTEBOOKS:
         try:

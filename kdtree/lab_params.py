@@ -6,9 +6,9 @@ with the same words.
 
 A declaration's names and defaults are those of the notebook's cell tagged `parameters` (a test keeps them
 equal). Paths are read relative to the notebook's folder (where papermill and Jupyter run it). Besides each
-value on its own, a few rules look at several: notebook 02's chain taus must lie below the block size, and
-notebook 03 trains into the shipped pair (`data/trained/`) only with `overwrite_trained=True`
-(`python -m kdtree lab 03 --overwrite-trained`).
+value on its own, a few rules look at several (notebook 02's chain taus must lie below the block size).
+Notebook 03 writes the shipped pair (`data/trained/`) only with `overwrite_trained=True` (`python -m kdtree
+lab 03 --overwrite-trained`); otherwise its pair goes beside its record (`training_folder`).
 
 This module imports neither torch nor numpy, so that the runner refuses a bad name or value at once.
 """
@@ -252,22 +252,17 @@ def shipped_pair(path, base: Path | None = None) -> bool:
     return p in (TRAINED.resolve(), (base / TRAINED_DEFAULT).resolve())
 
 
-def _gpu(device: str) -> bool:
-    if device == "auto":
-        import torch
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
-def _training_keeps_the_shipped_pair(v: dict, base: Path | None) -> str | None:
-    if v["stage"] not in ("all", "target", "drafter") or v["overwrite_trained"] is True:
-        return None
-    smoke = (not _gpu(v["device"])) if v["smoke"] == "auto" else v["smoke"]
-    if smoke or not shipped_pair(v["ckpt_dir"], base):   # a smoke run writes to a scratch folder
-        return None
-    return (f"ckpt_dir={v['ckpt_dir']!r} is the shipped trained pair (data/trained/): a training run (stage "
-            f"{v['stage']!r}) replaces it only with overwrite_trained=True (python -m kdtree lab 03 "
-            "--overwrite-trained); or set ckpt_dir to another folder")
+def training_folder(ckpt_dir, out, stage: str, smoke: bool, overwrite_trained: bool) -> str:
+    """Notebook 03's checkpoint folder: `ckpt_dir`, except where that is the shipped pair (`shipped_pair`,
+    however spelt) and overwrite_trained is not True: a smoke run's pair goes to out/smoke_ckpt, a full run's
+    to out/trained (beside its record; git ignores both), so data/trained/ is written only on request. A
+    "measure" stage reads out/trained when an earlier stage left a pair there, else the shipped pair."""
+    if overwrite_trained is True or not shipped_pair(ckpt_dir):
+        return str(ckpt_dir)
+    mine = Path(out) / ("smoke_ckpt" if smoke else "trained")
+    if stage == "measure" and not (mine / "drafter").is_dir():
+        return str(ckpt_dir)
+    return str(mine)
 
 
 def _chain_taus_below_the_block(v: dict, base: Path | None) -> str | None:
@@ -416,7 +411,6 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
 
 RULES: dict[str, tuple[Callable[[dict, Path | None], str | None], ...]] = {
     "02_end_to_end": (_chain_taus_below_the_block,),
-    "03_train_pair": (_training_keeps_the_shipped_pair,),
 }
 
 

@@ -2,6 +2,7 @@
 kernel starts, by `lab --help` and by each notebook's own check cell; the runner's quick refusals; the
 shipped trained pair written only on request."""
 import ast
+import os
 import json
 import subprocess
 import sys
@@ -218,42 +219,46 @@ def test_the_package_still_exports_its_names():
 
 
 # ------------------------------------------------------------------ the shipped trained pair
-def test_training_into_the_shipped_pair_needs_the_flag(tmp_path, capsys):
+def test_training_writes_the_shipped_pair_only_with_the_flag(tmp_path, capsys):
+    """A run on the shipped pair (however spelt) trains beside its record (out/trained; a smoke run
+    out/smoke_ckpt) unless overwrite_trained; another folder is used as given; "measure" reads the pair an
+    earlier stage left beside the record, else the shipped one. Nothing is refused: `make lab` runs on a
+    GPU."""
     nb = lab.find_notebooks(["03"])[0]
+    out = tmp_path / "out"
     for spelt in ("../data/trained", "../data/trained/", "../notebooks/../data/./trained",
                   str(ROOT / "data" / "trained")):
         for stage in ("all", "target", "drafter"):
-            with pytest.raises(ValueError, match="overwrite_trained=True .*--overwrite-trained"):
-                lab.check_run(nb, {"smoke": False, "stage": stage, "ckpt_dir": spelt}, "cpu")
-    with pytest.raises(ValueError, match="--overwrite-trained"):
-        lab.check_run(nb, {}, "cuda")  # a GPU run: smoke "auto" is a full run
-    lab.check_run(nb, {"smoke": False, "overwrite_trained": True}, "cpu")
-    lab.check_run(nb, {"smoke": False, "stage": "measure"}, "cpu")   # reads only
-    lab.check_run(nb, {"smoke": False, "ckpt_dir": str(tmp_path)}, "cpu")
-    lab.check_run(nb, {}, "cpu")   # a CPU smoke run: its checkpoints go to a scratch folder
-    out = tmp_path / "never"
-    assert lab.main_lab(["03", "--device", "cpu", "--out-dir", str(out), "-p", "smoke", "false"]) == 2
-    assert not out.exists()
-    assert "--overwrite-trained" in capsys.readouterr().err
+            lab.check_run(nb, {"smoke": False, "stage": stage, "ckpt_dir": spelt}, "cuda")
+    cwd = os.getcwd()
+    os.chdir(nb.parent)
+    try:
+        for spelt in ("../data/trained", "../data/trained/", str(ROOT / "data" / "trained")):
+            for stage in ("all", "target", "drafter"):
+                assert lab_params.training_folder(spelt, out, stage, False, False) == str(out / "trained")
+                assert lab_params.training_folder(spelt, out, stage, True, False) == str(out / "smoke_ckpt")
+                assert lab_params.training_folder(spelt, out, stage, False, True) == spelt   # on request
+            assert lab_params.training_folder(spelt, out, "measure", False, False) == spelt  # nothing beside
+        (out / "trained" / "drafter").mkdir(parents=True)
+        got = lab_params.training_folder("../data/trained", out, "measure", False, False)
+        assert got == str(out / "trained")
+        assert lab_params.training_folder(str(tmp_path), out, "all", False, False) == str(tmp_path)
+    finally:
+        os.chdir(cwd)
     # the flag goes to the notebooks that declare it; alone with others it is refused
-    assert lab.main_lab(["00", "--overwrite-trained", "--device", "cpu", "--out-dir", str(out)]) == 2
-    assert "--overwrite-trained" in capsys.readouterr().err and not out.exists()
+    never = tmp_path / "never"
+    assert lab.main_lab(["00", "--overwrite-trained", "--device", "cpu", "--out-dir", str(never)]) == 2
+    assert "--overwrite-trained" in capsys.readouterr().err and not never.exists()
 
 
-def test_notebook_03_itself_refuses_to_train_into_the_shipped_pair(monkeypatch):
+def test_notebook_03_picks_its_checkpoint_folder_through_training_folder(monkeypatch):
     nb = lab.find_notebooks(["03"])[0]
     monkeypatch.chdir(nb.parent)
     ns = {}
     exec(_parameters_cell(nb), ns)
-    assert ns["overwrite_trained"] is False
-    ns.update(device="cpu", smoke=False)
-    with pytest.raises(ValueError, match=r"ckpt_dir='\.\./data/trained' .*overwrite_trained=True"):
-        exec(_first_check_lines(nb), ns)
-    ns.update(overwrite_trained=True)
-    exec(_first_check_lines(nb), ns)
-    ns.update(overwrite_trained=False, smoke=True)   # the smoke run writes to a scratch folder
-    exec(_first_check_lines(nb), ns)
+    assert ns["overwrite_trained"] is False and lab_params.shipped_pair(ns["ckpt_dir"])
     src = "".join(next(c for c in _cells(nb) if "lab_params.check" in "".join(c["source"]))["source"])
-    assert "lab_params.shipped_pair(ckpt_dir)" in src   # however ckpt_dir is spelt
+    assert "lab_params.training_folder(ckpt_dir, out, stage, smoke, overwrite_trained)" in src
+    assert src.index("training_folder") < src.index("ckpt = Path(ckpt_dir)")   # before any write
     assert lab_params.shipped_pair("../data/trained/") and lab_params.shipped_pair(ROOT / "data" / "trained")
     assert not lab_params.shipped_pair("/tmp/elsewhere")
