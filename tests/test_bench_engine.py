@@ -46,7 +46,8 @@ def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     CUDA's): both phases' five stages, the plan asked for, the engine left as it was; a bad plan is refused
     before anything runs."""
     from kdtree import weights
-    from kdtree.bench.engine import STAGES, heldout_prompts, stage_kernels
+    from kdtree.bench.stages import STAGES, stage_kernels
+    from kdtree.data import heldout_prompts
     from kdtree.engine import Engine
     from kdtree.oracle import oracle_ar
     t = weights.load("data/trained/target").eval()
@@ -77,7 +78,8 @@ def test_stage_kernels_profiles_the_ar_plan_at_a_batch():
     do; the deferred-context counts, lengths and roots are as before, so the requests served after it match
     the oracle; a batch beyond max_batch is refused before anything runs."""
     from kdtree import weights
-    from kdtree.bench.engine import heldout_prompts, stage_kernels
+    from kdtree.bench.stages import stage_kernels
+    from kdtree.data import heldout_prompts
     from kdtree.engine import Engine
     from kdtree.oracle import oracle_ar
     t = weights.load("data/trained/target").eval()
@@ -106,7 +108,7 @@ def test_stage_by_markers_places_every_kernel_between_its_stage_markers():
     """Kernels in GPU order between two markers belong to the stage the first opens (two rounds here, given
     out of order); the gap between a round's end marker and the next round's first is no stage's; copies
     are left out; no marker: None; markers that are not whole rounds: refused."""
-    from kdtree.bench.engine import MARK_KERNEL, stage_by_markers
+    from kdtree.bench.stages import MARK_KERNEL, stage_by_markers
     order = ("a", "b")
     def m(t):
         return (t, 1.0, f"void {MARK_KERNEL}(long)")

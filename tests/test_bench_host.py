@@ -2,7 +2,7 @@ import pytest
 
 from kdtree import weights
 from kdtree.bench import host
-from kdtree.bench.engine import heldout_prompts
+from kdtree.data import heldout_prompts
 
 
 @pytest.fixture(scope="module")

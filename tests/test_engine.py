@@ -451,7 +451,7 @@ def test_simulated_texts_are_left_out_of_prefill(pair, monkeypatch):
     `synthetic_s`, not prefill_s; a slow write shows it (0.3 s an admission)."""
     import time
 
-    from kdtree.bench.engine import run_engine
+    from kdtree.bench.serve import run_engine
     from kdtree.simulate import Profile, Simulation
     t, _ = pair
     prompts = random_prompts(t.args, 3, seed=5, min_len=6, max_len=9)
@@ -499,7 +499,7 @@ def test_synthetic_fill_is_left_out_of_prefill_and_the_run_wall(pair, monkeypatc
     the request's prefill stage time, or run_engine's wall; a slow fill shows it (0.3 s a request)."""
     import time
 
-    from kdtree.bench.engine import run_engine
+    from kdtree.bench.serve import run_engine
     t, d = pair
     prompts = random_prompts(t.args, 2, seed=13, min_len=12, max_len=13)
     e = Engine(t, d, mode="ddtree", budget=8, max_batch=2, max_len=512)
@@ -551,7 +551,7 @@ def test_run_engine_full_batch_rounds_of_a_static_batch_and_of_a_queue(pair):
     the batch full while requests wait, then drains: its full rounds are fewer than its rounds; the whole
     run's tokens are every request's; a lone request's rounds are never full, with rounds overlapped or
     not (its admission step begins with it waiting, behind no active request)."""
-    from kdtree.bench.engine import run_engine
+    from kdtree.bench.serve import run_engine
     t, d = pair
     prompts = random_prompts(t.args, 4, seed=14, min_len=8, max_len=12)
     ar = run_engine(Engine(t, None, mode="ar", max_batch=2, max_len=256), prompts[:2], 6)
@@ -609,7 +609,7 @@ def test_grouped_admission_serves_every_request_as_the_oracle_in_fewer_admission
     accrues while requests wait and restarts at each admission. With a fixed cost of a nanosecond it admits
     mid-batch, once a round's idle slots have billed it. Unpatched, each clean admission is timed and fits a
     cost; an admission whose request failed is left out of the fit."""
-    from kdtree.bench.engine import run_engine
+    from kdtree.bench.serve import run_engine
     t, d = pair
     prompts = random_prompts(t.args, 10, seed=21, min_len=5, max_len=30)
     lens = [6 + (7 * i) % 19 for i in range(10)]

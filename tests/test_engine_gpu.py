@@ -52,7 +52,7 @@ def test_graphed_engine_equals_the_oracle_on_the_trained_pair(pair, mode, budget
 def test_same_length_prompts_share_the_prefill_forwards(pair, mode, budget):
     """Eight held-out prompts of one length admitted together: one prefill forward per chunk for all of them
     (kernel attention over eight page tables), every output equal to the oracle's."""
-    from kdtree.bench.engine import heldout_prompts
+    from kdtree.data import heldout_prompts
     t, d = pair
     prompts = heldout_prompts(8, 64, seed=3)
     ref = [oracle_ar(t, p, 24).tokens for p in prompts]
@@ -299,7 +299,7 @@ def test_simulated_rounds_on_a_kernel_only_int4_model():
     want = project.profile_taus(4.0, [16], 7)[16]
     assert all(len(out[i].tokens) == 96 for i in ids) and abs(sum(acc) / len(acc) - want) < 0.35, (acc, want)
     # the per-stage profile places the CuPy kernels (INT4 experts, tree attention) by the stream's markers
-    from kdtree.bench.engine import stage_kernels
+    from kdtree.bench.stages import stage_kernels
     st = stage_kernels(e, prompts[0], rounds=2, top_kernels=500)
     verify = [k["kernel"] for k in st["top_kernels"] if k["stage"] == "verify"]
     assert st["attributed"] == "markers" and any(k.startswith("moe_") for k in verify), st["top_kernels"]

@@ -7,7 +7,7 @@ import pytest
 
 from kdtree import weights
 from kdtree.bench import replay
-from kdtree.bench.engine import run_engine
+from kdtree.bench.serve import run_engine
 from kdtree.engine import Engine
 
 BUDGETS = (4, 16)

@@ -33,7 +33,9 @@ from .. import weights
 from ..budget.config import AutoConfig
 from ..engine import Engine
 from ..model import ModelArgs
-from .engine import heldout_prompts, run_engine, stage_kernels, write_record
+from ..data import heldout_prompts
+from .serve import run_engine, write_record
+from .stages import stage_kernels
 from .goals import target as _goal
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)

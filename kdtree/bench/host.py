@@ -20,7 +20,8 @@ import torch
 from .. import checks
 from ..engine import Engine
 from .e2e import BUDGETS, _cell, pair_engine, section_prompts
-from .engine import heldout_prompts, write_record
+from ..data import heldout_prompts
+from .serve import write_record
 
 
 def methods() -> dict:

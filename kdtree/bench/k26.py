@@ -39,7 +39,8 @@ from ..engine import Engine
 from ..simulate import Profile
 from .clocks import gpu_state
 from .e2e import _cell
-from .engine import run_engine, stage_kernels, write_record
+from .serve import run_engine, write_record
+from .stages import stage_kernels
 from .goals import target as _goal
 from .layer import count_experts, routed_kernel_s
 

@@ -37,7 +37,8 @@ from .. import budget as auto_budget
 from .. import checks
 from ..engine import Engine
 from .e2e import pair_engine, section_prompts
-from .engine import heldout_prompts, run_engine, write_record
+from ..data import heldout_prompts
+from .serve import run_engine, write_record
 
 LABEL = "VIRTUAL time: a CPU replay billed from a GPU record's cost table (kdtree.bench.replay)"
 

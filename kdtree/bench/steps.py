@@ -30,7 +30,7 @@ import torch
 from .. import checks, k26
 from ..engine import Engine
 from ..simulate import Profile
-from .engine import _sync, run_engine
+from .serve import _sync, run_engine
 from .k26 import PROMPT, _with_block, cell_engine, cell_prompts, max_new as k26_max_new
 
 
