@@ -108,7 +108,7 @@ def _start(module, cfg: TrainConfig, desc: str, progress: bool, **log_fields):
            "stopped_early": False, **log_fields}
     steps = range(cfg.steps)
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import tqdm
         steps = tqdm(steps, desc=desc)
     return opt, np.random.default_rng(cfg.seed), log, steps
 
@@ -227,7 +227,7 @@ def greedy_corpus(model: Transformer, prompts: torch.Tensor, new_tokens: int, ba
     out = []
     it = range(0, prompts.shape[0], batch)
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import tqdm
         it = tqdm(it, desc="greedy corpus")
     for a in it:
         p = prompts[a:a + batch].to(model.device)
@@ -363,7 +363,7 @@ def measure_pair(target: Transformer, drafter: DFlashDrafter, prompts, max_new_t
     rows = []
     it = [(T, m, B) for T in temperatures for m, B in cases]
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import tqdm
         it = tqdm(it, desc="measure")
     ar_out: dict = {}
     warm = set()

@@ -217,7 +217,7 @@ def losslessness(model: Transformer, n_prompts: int = 20, max_new_tokens: int = 
     report["ar"] = {"mismatches": 0, "prompts": 0, "forwards": 0, "tokens": 0, "accept_lengths": []}
     it = prompts
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import tqdm
         it = tqdm(prompts, desc=f"losslessness ({len(cases)} cases)")
     for i, prompt in enumerate(it):
         ar = oracle_ar(model, prompt, max_new_tokens)
@@ -259,7 +259,7 @@ def oracle_sweep(model: Transformer, prompts, max_new_tokens: int, block_size: i
     equal = True
     it = prompts
     if progress:
-        from tqdm.auto import tqdm
+        from .progress import tqdm
         it = tqdm(prompts, desc=f"oracle sweep ({len(budgets)} budgets)")
     for i, prompt in enumerate(it):
         ar = oracle_ar(model, prompt, max_new_tokens)

@@ -150,7 +150,7 @@ def run(
         raise RuntimeError("the bridge benchmark needs a CUDA GPU")
     it = list(cells)
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
 
         it = tqdm(it, desc="bridge cells")
     st = gpu_state()

@@ -487,7 +487,7 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.decode: needs a CUDA GPU (torch.cuda.is_available() is "
                          "False here); run it on the GPU machine")
-    from tqdm.auto import tqdm
+    from ..progress import tqdm
 
     from .ceilings import copy_bandwidth
     from .clocks import gpu_state

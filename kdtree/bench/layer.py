@@ -123,7 +123,7 @@ def bench_layer(
     rows = []
     it = [(c, b, n) for c in contexts for b in batches for n in nodes]
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
 
         it = tqdm(it, desc="layer verify")
     for C, B, N in it:

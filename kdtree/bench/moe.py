@@ -54,7 +54,7 @@ def bench_moe(
     rows = []
     it = tokens
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
 
         it = tqdm(tokens, desc="moe_int4")
     for T in it:

@@ -347,7 +347,7 @@ def k26_cell(record, run: str, batch: int, context: int, tau: float, plans=None,
 
 
 def _sweep(plans, one, progress: bool, what: str) -> list:
-    from tqdm.auto import tqdm
+    from ..progress import tqdm
     rows = []
     for p in tqdm(plans, desc=f"replay {what}", disable=not progress, file=sys.stderr):
         rows.append(one(p))

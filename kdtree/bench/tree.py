@@ -19,7 +19,7 @@ def bench_tree(V=163840, L=15, budgets=(16, 64, 256, 1024), batches=(1, 8, 32, 1
     rows = []
     it = [(b, B) for b in batches for B in budgets]
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
         it = tqdm(it, desc="tree round")
     for b, B in it:
         set_bytes = b * L * V * 2

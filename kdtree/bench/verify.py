@@ -44,7 +44,7 @@ def bench_attn(
     rows = []
     it = [(c, n, b) for c in contexts for n in nodes for b in batches]
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
 
         it = tqdm(it, desc="verify_attn")
     for ctx, N, b in it:
@@ -133,7 +133,7 @@ def bench_verify_ablation(
     rows = []
     it = [(name, defines, impl) for name, defines in VERIFY_ABLATIONS.items() for impl in impls]
     if progress:
-        from tqdm.auto import tqdm
+        from ..progress import tqdm
 
         it = tqdm(it, desc="verify ablation")
     for name, defines, impl in it:

@@ -206,7 +206,7 @@ class Engine:
         before it), each handed out once."""
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from ..progress import tqdm
             bar = tqdm(total=len(self.waiting) + len(self.active), desc=f"engine {self.mode}")
         while self.waiting or self.active or self.in_flight:
             n = len(self.finished)
