@@ -7,6 +7,7 @@ import torch
 from kdtree import weights
 from kdtree.drafter import OracleDrafter
 from kdtree.engine import Engine
+from kdtree.engine import graphs as gkeys
 from kdtree.oracle import oracle_ar
 from kdtree.validate import kernel_model, random_prompts
 
@@ -74,14 +75,14 @@ def test_auto_budget_graphed_equals_the_oracle(pair, decide):
     kw = dict(mode="ddtree", budget="auto", max_budget=64, max_batch=4, max_len=2048, decide=decide)
     g = Engine(t, d, **kw)
     assert g.graph_reason is None and (4, False, len(g.plans) - 1) in g.graphs
-    assert all(("front", 4, B) in g.graphs for B in g.policy.tree_ops)   # a front graph per tree size
+    assert all(gkeys.front(4, B) in g.graphs for B in g.policy.tree_ops)   # a front graph per tree size
     ctxs = g.costs.ctx_buckets
     assert ctxs == (0, 1024)
     assert len(g.costs.back) == len(g.buckets) * len(g.plans) * len(ctxs)
     assert all(0 < v < 1 for v in list(g.costs.back.values()) + list(g.costs.front.values()))
     drafting = [i for i in range(len(g.plans)) if g.auto.build(4, i) is not None]
     if decide == "previous":   # each drafting plan's round also as one graph, front and block together
-        assert g.whole_graphs is True and all(("whole", 4, False, i) in g.graphs for i in drafting)
+        assert g.whole_graphs is True and all(gkeys.whole(4, False, i) in g.graphs for i in drafting)
     else:
         assert g.whole_graphs == "decide=sync" and not any(k[0] == "whole" for k in g.graphs)
     assert _serve(g, prompts, lens) == ref

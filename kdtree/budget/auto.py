@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from .. import budget as auto_budget
-from ..engine.graphs import Stamps, blas_for
+from ..engine import graphs
+from ..engine.graphs import PlanRound, Stamps, blas_for
 from ..round_ops import GoldenOps, KernelOps, _chain, truncate, truncated_accepts
 from . import startup
 from .estimates import Estimates
@@ -108,13 +109,13 @@ class AutoBudget:
         e = self.e
         for b in reversed(e.buckets):
             for n in self.tree_ops:
-                capture(("front", b, n), lambda: self.front(b, n))
+                capture(graphs.front(b, n), lambda: self.front(b, n))
             if self.pend is not None:
-                capture(("catchup", b), lambda: self.catchup(b))
-            e.cache.replay(("front", b, self.max_budget))   # real blocks for the warm-up rounds
+                capture(graphs.catchup(b), lambda: self.catchup(b))
+            e.cache.replay(graphs.front(b, self.max_budget))   # real blocks for the warm-up rounds
             for sampling in (False, True) if e.graph_sampling else (False,):
                 for i, plan in enumerate(self.plans):
-                    capture((b, sampling, i), lambda: e.runner.round(b, sampling, plan=plan))
+                    capture(PlanRound(b, sampling, i), lambda: e.runner.round(b, sampling, plan=plan))
 
     @property
     def max_budget(self) -> int:
@@ -127,7 +128,7 @@ class AutoBudget:
 
     def launch(self, b: int, n: int, sampling: bool, clock):
         logits, t = self.launch_round(b, n, sampling, clock)
-        return logits, (b, sampling, t.plan) in self.e.cache, t
+        return logits, PlanRound(b, sampling, t.plan) in self.e.cache, t
 
     def copy_out(self, t: Ticket, buf: int, n: int) -> None:
         if t.drafted and self.policy.decide == "previous":
@@ -258,7 +259,7 @@ class AutoBudget:
     def phase(self, b: int, sampling: bool, i: int | None, build: int | None = None, clock=None):
         """budget="auto": the front phase building `build` nodes (i None) or plan i's round (returns the
         logits), replaying its graph when there is one."""
-        key = ("front", b, build) if i is None else (b, sampling, i)
+        key = graphs.front(b, build) if i is None else PlanRound(b, sampling, i)
         g = self.e.cache.graphs.get(key)
         if g is not None:
             g.replay()
@@ -308,11 +309,11 @@ class AutoBudget:
         if self.pending and (build is not None or self.pending >= auto_budget.MAX_HOLD):
             # the drafter's context before it drafts (or pend is full); outside both phases' marks, so its
             # time falls to the host share, a median that a rare catch-up round does not move
-            g = self.e.cache.graphs.get(("catchup", b))
+            g = self.e.cache.graphs.get(graphs.catchup(b))
             g.replay() if g is not None else self.catchup(b)
             self.pending = 0
         t = Ticket(i, b, n, ctx, build, build is not None, self.e.runner.launched)
-        whole = ("whole", b, sampling, i)
+        whole = graphs.whole(b, sampling, i)
         if build is not None and not ar_probe and whole in self.e.cache:   # front and block in one replay
             t.f0 = self.stamps(ev)
             self.e.cache.graphs[whole].replay()

@@ -11,6 +11,8 @@ import time
 import numpy as np
 import torch
 
+from ..engine import graphs
+
 WHOLE_GRAPH_BYTES = 1 << 30   # the most logits memory the whole-round graphs may hold
 COST_REPS = 5                 # graph replays per cost-table cell (their median)
 
@@ -38,7 +40,7 @@ def capture_whole(a) -> None:
             def fn(b=b, sampling=sampling, i=i):
                 a.front(b, a.policy.build(b, i))
                 return a.e.runner.round(b, sampling, plan=a.plans[i])
-            a.e.cache.capture(("whole", b, sampling, i), fn)
+            a.e.cache.capture(graphs.whole(b, sampling, i), fn)
     for t in (a.e.lens, a.e.root, a.e.out, a.est, a.pend_n):
         t.zero_()
     torch.cuda.synchronize(a.e.device)
@@ -108,7 +110,7 @@ def measure_whole(a) -> None:
         for c, ctx in enumerate(a.costs.ctx_buckets):
             a.e.lens[:b] = ctx
             for i in range(len(a.plans)):
-                g, build = a.e.cache.graphs.get(("whole", b, False, i)), a.policy.build(b, i)
+                g, build = a.e.cache.graphs.get(graphs.whole(b, False, i)), a.policy.build(b, i)
                 if g is not None:
                     front = a.costs._near(a.costs.front, (b, build), c) or 0.0
                     a.costs.back[(b, i, c)] = max(median_time(a, g.replay, COST_REPS, 0) - front,

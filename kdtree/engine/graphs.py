@@ -1,10 +1,12 @@
 """CUDA graphs of the engine's rounds, and the BLAS library its GEMMs prefer; stream time marks.
 
 `GraphCache` holds every captured graph under its key, with its static output, in one memory pool on one
-side stream: (b, sampling) a fixed budget's round at batch bucket b; (b, sampling, i) budget="auto"'s round
-verifying plan i; ("front", b, B) its draft + build of a B-node tree; ("catchup", b) its drafter catch-up;
-("whole", b, sampling, i) a drafting plan's front and round in one graph. Prefill graphs (`prefill.py`)
-keep a pool of their own.
+side stream. The keys are typed tuples: `Round(b, sampling)` a fixed budget's round at batch bucket b;
+`PlanRound(b, sampling, plan)` budget="auto"'s round verifying plan i; `front(b, B)` its draft + build of a
+B-node tree; `catchup(b)` its drafter catch-up; `whole(b, sampling, i)` a drafting plan's front and round in
+one graph. Prefill graphs (`prefill.py`, `PrefillKey(requests, rows)`) keep a pool of their own: their
+outputs are copied to static buffers, so their pool holds temporaries only and is never shared with the
+rounds' static outputs.
 
 A capture the GPU refuses is tried again in a fresh pool (seen now and then on the H200: cuBLASLt's batched
 GEMM fails inside a capture that succeeds on the next try); each retry is listed in `retries`.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +29,47 @@ CAPTURE_TRIES = 3
 SMALL_GEMM_ROWS = 16
 SMALL_GEMM_BLAS: str | None = "cublaslt"
 LARGE_GEMM_BLAS: str | None = "cublaslt"
+
+
+class Round(NamedTuple):
+    """A fixed budget's round at batch bucket b."""
+    b: int
+    sampling: bool
+
+
+class PlanRound(NamedTuple):
+    """budget="auto": the round verifying plan `plan` (its block from the front's static buffers)."""
+    b: int
+    sampling: bool
+    plan: int
+
+
+class Phase(NamedTuple):
+    """budget="auto": a phase outside the plans' rounds: kind "front" (draft + build of `nodes`),
+    "catchup" (the drafter's deferred context), "whole" (a drafting plan's front and round)."""
+    kind: str
+    b: int
+    sampling: bool = False
+    plan: int = -1
+    nodes: int = 0
+
+
+class PrefillKey(NamedTuple):
+    """A prefill chunk's shape: requests x rows each."""
+    requests: int
+    rows: int
+
+
+def front(b: int, nodes: int) -> Phase:
+    return Phase("front", b, nodes=nodes)
+
+
+def catchup(b: int) -> Phase:
+    return Phase("catchup", b)
+
+
+def whole(b: int, sampling: bool, plan: int) -> Phase:
+    return Phase("whole", b, sampling, plan)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@ The hooks, with what the fixed budget does:
 """
 from __future__ import annotations
 
+from .graphs import Round
+
 
 class FixedBudget:
     """Every round verifies the engine's own block (AR's root, DFlash's chain, DDTree's `budget` nodes)."""
@@ -37,13 +39,13 @@ class FixedBudget:
         e = self.e
         for b in reversed(e.buckets):
             for sampling in (False, True) if e.graph_sampling else (False,):
-                capture((b, sampling), lambda: e.runner.round(b, sampling))
+                capture(Round(b, sampling), lambda: e.runner.round(b, sampling))
 
     def start(self) -> None:
         pass
 
     def launch(self, b: int, n: int, sampling: bool, clock):
-        e, key = self.e, (b, sampling)
+        e, key = self.e, Round(b, sampling)
         if key in e.cache:
             return e.cache.replay(key), True, None
         return e.runner.round(b, sampling, clock), False, None

@@ -13,7 +13,7 @@ import torch
 
 from ..model import PagedMeta
 from ..round_ops import all_finite, choose
-from .graphs import blas_for, capturing, end_pool
+from .graphs import PrefillKey, blas_for, capturing, end_pool
 from .requests import Request, finish
 
 PREFILL_GRAPHS = 16
@@ -182,7 +182,7 @@ class Prefill:
         static buffers' views, rewritten by the next prefill forward)."""
         e = self.e
         n, T = tokens.shape
-        key = (n, T)
+        key = PrefillKey(n, T)
         g = self.graphs.get(key)
         if not g:
             out = self.eager(tokens, page_table, start)
