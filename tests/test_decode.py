@@ -101,6 +101,7 @@ class _TargetDrafter:
         return torch.stack([d1, torch.zeros_like(d1)])
 
 
+@pytest.mark.slow   # ~30-40 s on 2 idle cores, minutes beside other CPU load
 def test_sampled_ddtree_has_the_target_distribution():
     """T = 1: the joint law of two generated tokens equals the target's exact one (chi-square, p < 1e-4)."""
     model = _micro()

@@ -116,6 +116,7 @@ def test_build_drafter_at_small_dimensions_drafts():
     assert out.shape == (1, 7, SMALL.vocab_size) and torch.isfinite(out).all()
 
 
+@pytest.mark.slow   # ~30-40 s on 2 idle cores, minutes beside other CPU load
 def test_bench_k26_smoke_on_a_cpu():
     """The K2.6 sweep's code path at small dimensions: every mode of a cell ran, rows labelled simulated,
     targets formed per profile; the simulated tau rises with the budget."""
