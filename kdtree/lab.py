@@ -249,6 +249,7 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
     out = check_out_dir(Path(out_dir) if out_dir else output_dir(device), device)
     import papermill as pm
 
+    cpu_threads(device)
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for nb in nbs:
@@ -263,6 +264,21 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
         done.append(out / name)
     refresh_results(out)
     return done
+
+
+def cpu_threads(device: str, environ=None) -> str | None:
+    """On a CPU run, the torch threads of the notebooks' kernels (which inherit this process's environment):
+    KDTREE_TORCH_THREADS where set, else OMP_NUM_THREADS where set, else 1 (the tiny models' paths gain
+    nothing from more, and beside other CPU load several threads contend). Sets OMP_NUM_THREADS and returns
+    it; None (and no change) on a GPU run."""
+    env = os.environ if environ is None else environ
+    if device != "cpu":
+        return None
+    n = env.get("KDTREE_TORCH_THREADS") or env.get("OMP_NUM_THREADS") or "1"
+    if not (n.isdigit() and int(n) > 0):
+        raise ValueError(f"KDTREE_TORCH_THREADS / OMP_NUM_THREADS={n!r}: expected a positive int")
+    env["OMP_NUM_THREADS"] = n
+    return n
 
 
 def refresh_results(out: Path) -> Path | None:

@@ -271,3 +271,25 @@ def test_no_parameters_cell_comment_holds_an_equals_sign():
         cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
         for line in "".join(cell["source"]).splitlines():
             assert "=" not in line.partition("#")[2], (nb.name, line)
+
+
+def test_cpu_runs_take_one_torch_thread_unless_told():
+    from kdtree.lab import cpu_threads
+    env = {}
+    assert cpu_threads("cpu", env) == "1" and env == {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "4"}
+    assert cpu_threads("cpu", env) == "4" and env["OMP_NUM_THREADS"] == "4"
+    env = {"OMP_NUM_THREADS": "4", "KDTREE_TORCH_THREADS": "3"}
+    assert cpu_threads("cpu", env) == "3" and env["OMP_NUM_THREADS"] == "3"
+    env = {}
+    assert cpu_threads("cuda", env) is None and env == {}          # a GPU run keeps the environment
+    env = {"KDTREE_TORCH_THREADS": "two"}
+    with pytest.raises(ValueError, match="KDTREE_TORCH_THREADS"):
+        cpu_threads("cpu", env)
+    assert env == {"KDTREE_TORCH_THREADS": "two"}                  # refused before it sets anything
+
+
+def test_tests_run_tiny_models_on_one_thread():
+    import torch
+    want = int(os.environ.get("KDTREE_TORCH_THREADS", "1"))
+    assert torch.get_num_threads() == want
