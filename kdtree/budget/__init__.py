@@ -45,295 +45,53 @@ favour a drafting plan. Where drafting wins, a plan scored within EXPLORE_GAP of
 round has refreshed lately verifies a round now and then (`Policy.explore`: the online refresh corrects only
 the plans that run). The policy restarts (no hold, the next the shortest) when
 the engine falls idle.
+
+Modules: `candidates` (the plans and the trees their rounds build), `acceptance` (the expected tokens, on
+the device), `costs` (the cost table), `spread` (accept lengths about their estimates: `Spread`,
+`Persistence`); a batch's end (`drain`) and `Policy` are here, with every name of the others re-exported. A
+knob is read from the module that defines it, so patch it there: `drain`, `Policy` and `Estimates` read
+this module's (EXPLORE_AGE and EMA too, as bound here; `drain` its `ndtr`), `CostTable` those of `costs`,
+`Spread` and `Persistence` those of `spread`, `wider_builds` FRONT_SLACK of `candidates`.
 """
 from __future__ import annotations
 
 import functools
 import math
-import statistics
-from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from .acceptance import Acceptance, columns, expected
+from .costs import CTX_BUCKETS, EMA, EXPLORE_AGE, HOST_WINDOW, CostTable
+from .candidates import FRONT_SLACK, Plan, builds, default_budgets, larger_trees, plans, wider_builds
+from .spread import PERSIST_PRIOR, REALIZED_PRIOR, REALIZED_SE, SPREAD_PRIOR, Persistence, Spread
+
+__all__ = [
+    # candidates
+    "FRONT_SLACK", "Plan", "builds", "default_budgets", "larger_trees", "plans", "wider_builds",
+    # acceptance
+    "Acceptance", "columns", "expected",
+    # costs
+    "CTX_BUCKETS", "EMA", "EXPLORE_AGE", "HOST_WINDOW", "CostTable",
+    # spread
+    "PERSIST_PRIOR", "REALIZED_PRIOR", "REALIZED_SE", "SPREAD_PRIOR", "Persistence", "Spread",
+    # a batch's end and the policy (here)
+    "DRAIN_POINTS", "drain", "longest_accepts", "ndtr",
+    "AR_PROBE", "DECIDE", "EXPLORE_EVERY", "EXPLORE_GAP", "FIRST_SHARE", "LEAD", "LONG_HOLD", "MAX_HOLD",
+    "PROBE_SHARE", "SHRINK", "Policy",
+]
 
 DECIDE = ("previous", "sync")
-FRONT_SLACK = 0.03     # a round builds a larger tree than its plan's when its front costs at most this more
 MAX_HOLD = 32          # AR holds double up to this (and the drafter's deferred context holds this many rows)
 LONG_HOLD = 256        # ... or up to this where a probe is dear (PROBE_SHARE)
 PROBE_SHARE = 0.01     # a probe's excess over AR may cost at most this share of the hold before it
 FIRST_SHARE = 0.01     # ... and at most this share of the shortest hold (`hold_floor`, up to MAX_HOLD)
-DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 SHRINK = 4             # rounds of weight of the requests' mean estimate in a request's rate to its end
-REALIZED_PRIOR = 16.0  # `Spread.realized`: tokens of (estimate - 1) at the pooled ratio (the pooled: 1)
-REALIZED_SE = 1.0      # ... a ratio's departure from its prior counts beyond this many standard errors
-SPREAD_PRIOR = 16.0    # `Spread`: tokens of (estimate - 1) at the pooled ratio (the pooled: at 1)
-PERSIST_PRIOR = 4.0    # `Persistence`: a prior of this much x^2 (tokens^2) at slope 1
 EXPLORE_GAP = 0.2      # a drafting plan scored within this of the best ...
-EXPLORE_AGE = 64       # ... whose cost no round refreshed in this many rounds verifies one round (`explore`)
+# ... whose cost no round refreshed in EXPLORE_AGE rounds (`costs`) verifies one round (`explore`)
 EXPLORE_EVERY = 32     # ... at most one such round in this many
 LEAD = 0.25            # AR's lead over the best drafting plan that doubles the shortest hold (`hold_floor`)
 AR_PROBE = "AR+draft"  # the history's name of an AR probe's round (`Policy.ar_probe`)
-EMA = 0.25             # weight of a new sample in the cost table
-HOST_WINDOW = 32       # rounds whose host times' median is the table's `host` (robust to a stray slow round)
-CTX_BUCKETS = (0, 1024, 4096, 16384, 65536)  # context (mean cached rows of the round's requests) buckets
-
-
-@dataclass(frozen=True)
-class Plan:
-    kind: str    # "ar" | "chain" | "tree"
-    nodes: int   # draft nodes verified: 0 (AR), L (chain) or B (tree)
-
-    @property
-    def rows(self) -> int:
-        return self.nodes + 1
-
-    @property
-    def name(self) -> str:
-        return {"ar": "AR", "chain": "chain"}.get(self.kind, f"B={self.nodes}")
-
-
-def plans(depth: int, budgets) -> tuple[Plan, ...]:
-    """The candidates: AR, the chain of `depth` nodes, then a tree per budget (ascending)."""
-    return (Plan("ar", 0), Plan("chain", depth)) + tuple(Plan("tree", int(B)) for B in sorted(set(budgets)))
-
-
-def builds(plan_list) -> tuple:
-    """The tree each plan's round builds (None for AR): the plan's own, the smallest for the chain (its
-    estimates of the trees), before any cost is measured. Larger trees' estimates are extrapolated
-    (`expected`); a round builds more than it verifies only where the measured front says it costs little
-    (`wider_builds`: the trained pair's tree stage grows with its nodes, one size up measured slower)."""
-    sizes = [p.nodes for p in plan_list if p.kind == "tree"]
-    return tuple(None if p.kind == "ar" else sizes[0] if p.kind == "chain" else p.nodes for p in plan_list)
-
-
-def wider_builds(plan_list, costs: "CostTable", b: int, slack: float = None) -> tuple:
-    """The tree each plan's round builds at batch bucket b once the start-up costs are measured: the largest
-    tree size whose front phase (draft + build + estimates) costs at most (1 + slack) x that of the plan's
-    own build (`builds`) in every measured context bucket; `builds` itself where no larger one is that cheap
-    or a front cost is missing. A wider build gives measured estimates of the trees up to it where `builds`
-    extrapolates them, for a front cost within `slack` (default FRONT_SLACK)."""
-    slack = FRONT_SLACK if slack is None else slack
-    own = builds(plan_list)
-    sizes = sorted(p.nodes for p in plan_list if p.kind == "tree")
-    ctxs = sorted({c for (bb, _, c) in costs.front if bb == b})
-    if not ctxs:
-        return own
-
-    def front(B):
-        got = [costs.front.get((b, B, c)) for c in ctxs]
-        return None if any(x is None for x in got) else got
-    out = []
-    for B in own:
-        base = None if B is None else front(B)
-        if base is None:
-            out.append(B)
-            continue
-        ok = [S for S in sizes if S >= B and front(S) is not None
-              and all(f <= (1 + slack) * f0 for f, f0 in zip(front(S), base))]
-        out.append(max(ok))
-    return tuple(out)
-
-
-def larger_trees(plan_list) -> dict:
-    """{tree plan index: the indices of the larger tree plans} (`CostTable.larger`)."""
-    trees = [(p.nodes, i) for i, p in enumerate(plan_list) if p.kind == "tree"]
-    return {i: tuple(j for m, j in trees if m > n) for n, i in trees}
-
-
-def default_budgets(max_budget: int) -> tuple[int, ...]:
-    """Powers of two from 4 below max_budget, and max_budget itself."""
-    out, B = [], 4
-    while B < max_budget:
-        out.append(B)
-        B *= 2
-    return tuple(out) + (max_budget,)
-
-
-# ----------------------------------------------------------------------------- expected tokens, on the device
-class Acceptance:
-    """The calibrated acceptance of a node from its depth and prefix probability, as a device table:
-    `kdtree.calibration.Calibration.correct` (the prediction times its (depth, bin)'s realized / predicted,
-    at most 1; the prediction itself beyond the table's depths or with no calibration at all)."""
-
-    def __init__(self, calibration, depth: int, device):
-        if calibration is None:
-            edges, ratio = [0.0, 1.0], np.ones((1, 1))
-        else:
-            edges, ratio = calibration.edges, calibration.ratios()                      # [D + 1, bins]
-        self.depths, self.bins = ratio.shape[0] - 1, ratio.shape[1]
-        # the bins' inner edges: bucketize gives the bin 0 .. bins - 1 directly (outside: the end bins)
-        self.inner = torch.tensor(edges[1:-1], dtype=torch.float32, device=device)
-        # row 0 zeros (depth 0: not a node), row d the ratios of depth d (the last row beyond the table)
-        table = np.zeros((ratio.shape[0] + 1, self.bins), np.float32)
-        table[1:] = ratio
-        self.table = torch.from_numpy(table).to(device)                                # [D + 2, bins]
-        self.columns: dict = {}  # expected()'s plan columns, per (tree sizes, nodes)
-
-    def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """scores float [..., n] (log prefix probabilities), depths int [..., n] (0: not a node) -> float32
-        [..., n] acceptance, 0 where depth is 0 (the table's zero row). Torch ops only (capturable)."""
-        p = scores.float().exp()
-        j = torch.bucketize(p, self.inner, right=True)
-        q = p * self.table[depths.long().clamp(max=self.depths + 1), j]
-        return q.clamp_(max=1.0)
-
-
-def columns(acc: Acceptance, plan_list, n: int, L: int, device) -> tuple:
-    """The tree plans' columns for a block of n nodes and a chain of L, made once per (plans, n, L) and kept
-    on `acc` (outside any capture: the first call is a warm-up round): idx int32 [T] (min(m, n) - 1 per tree
-    plan of m nodes), k float32 [T] (log2(m / n) clamped at 0), extrapolate (any k > 0), the chain's depths
-    int32 [L] (1 .. L)."""
-    assert [p.kind for p in plan_list[:2]] == ["ar", "chain"] and all(p.kind == "tree" for p in plan_list[2:])
-    key = (tuple(p.nodes for p in plan_list[2:]), n, L)
-    if key not in acc.columns:
-        k = [max(0.0, math.log2(m / n)) for m in key[0]]
-        acc.columns[key] = (torch.tensor([min(m, n) - 1 for m in key[0]], dtype=torch.int32, device=device),
-                            torch.tensor(k, dtype=torch.float32, device=device), max(k) > 0,
-                            torch.arange(1, L + 1, dtype=torch.int32, device=device))
-    return acc.columns[key]
-
-
-def expected(acc: Acceptance, tree_scores, tree_depths, chain_lp, plan_list) -> torch.Tensor:
-    """Expected emitted tokens per request and plan, float32 [b, len(plan_list)]: tree_scores / tree_depths
-    [b, N] of a best-first verify block (row 0 the root), chain_lp [b, L] the chain's top-1 log-probabilities
-    per depth. plan_list as `plans` orders it (AR, the chain, then the trees).
-
-    A tree of m > n nodes (beyond the block's n): the block's gain over its first n/2 nodes, d, repeated for
-    each doubling past n with the ratio rho = d / (the gain of nodes n/4 .. n/2), clamped to [0, 1]:
-    E(m) = E(n) + d (rho + rho^2 + ... + rho^k), k = log2(m / n) (a best-first tree's later nodes are each
-    no likelier than the ones before, so its gains per doubling shrink). A block of n < 4 nodes has no two
-    doublings: its last gain (cum(n) - cum(n / 2), the single node's for n = 1) repeats, rho = 1, so a round
-    that built a tiny tree can still grow."""
-    b, L = chain_lp.shape
-    n = tree_scores.shape[1] - 1
-    idx, k, extrapolate, depth = columns(acc, plan_list, n, L, chain_lp.device)
-    q = acc(torch.cat([tree_scores[:, 1:], chain_lp.float().cumsum(1)], 1),
-            torch.cat([tree_depths[:, 1:], depth.expand(b, L).to(tree_depths.dtype)], 1))   # [b, n + L]
-    cum = q[:, :n].cumsum(1)                                                           # [b, n]
-    trees = cum.index_select(1, idx)                                                   # [b, T]
-    if extrapolate:
-        a = cum[:, n - 1]                                                              # [b]
-        d = a - cum[:, n // 2 - 1] if n >= 2 else a
-        # rho + ... + rho^k = rho (1 - rho^k) / (1 - rho), as expm1s of k log rho (no cancellation near
-        # rho = 1, where it tends to k); rho kept inside [1e-12, 1 - 1e-6] so that k = 0 gives 0
-        if n >= 4:
-            rho = d / (cum[:, n // 2 - 1] - cum[:, n // 4 - 1]).clamp_min(1e-30)
-        else:
-            rho = torch.ones_like(d)
-        rho = rho.clamp_(1e-12, 1.0 - 1e-6)[:, None]                                   # [b, 1]
-        lr = rho.log()
-        trees.add_(d[:, None] * rho * torch.expm1(k * lr) / torch.expm1(lr))
-    chain = q[:, n:].sum(1, keepdim=True)                                              # [b, 1]
-    return torch.cat([torch.zeros_like(chain), chain, trees], 1).add_(1.0)             # AR, chain, trees
-
-
-# ----------------------------------------------------------------------------- the cost table
-class CostTable:
-    """GPU seconds of a round's two phases: `front[(b, build, ctx)]` (draft + the tree build of `build` nodes
-    + estimates) and `back[(b, plan index, ctx)]` (verify + walk + compaction + commit of the plan's block),
-    per batch bucket b (or (b, n): n requests in bucket b, refreshed online) and context bucket ctx (an index
-    into `ctx_buckets`), plus `host`, the round's seconds outside its GPU span (the median of the last
-    HOST_WINDOW rounds, `add_host`). A cell never measured borrows the nearest measured context bucket of the
-    same key. larger: {tree plan index: the indices of the larger trees} (`larger_trees`): a tree's back
-    phase reads at most any larger tree's entry of the same batch field and context (`cost`), whose block
-    holds its rows and more. `update` folds a round into an entry by EMA; a tree plan's back entry of a full
-    bucket that no round refreshed in more than EXPLORE_AGE rounds takes the round whole."""
-
-    def __init__(self, ctx_buckets=(0,), larger: dict | None = None):
-        self.ctx_buckets = tuple(ctx_buckets)
-        self.larger = dict(larger or {})
-        self.front: dict = {}
-        self.back: dict = {}
-        self.host = 0.0
-        self._host: list[float] = []
-        self.samples = 0   # online refreshes so far
-        self.seen: dict = {}   # back entry key -> `samples` at its last online refresh (`update`)
-        self._nearest: dict = {}   # `_near`'s scans: (table, key) -> (the table's size, the key it found)
-
-    def ctx(self, length: float) -> int:
-        """The context bucket of a mean cached length: the last bucket at or below it."""
-        return max(i for i, c in enumerate(self.ctx_buckets) if c <= max(length, 0))
-
-    def _near_key(self, table: dict, key: tuple, ctx: int):
-        """The full key of key's entry at context ctx, else at the nearest measured context (None: none)."""
-        full = key + (ctx,)
-        if full in table:
-            return full
-        # the nearest measured context of key: a scan of the table, kept until an entry is added
-        memo = self._nearest.get((id(table), full))
-        if memo is None or memo[0] != len(table) or (memo[1] is not None and memo[1] not in table):
-            have = [c for (*k, c) in table if tuple(k) == key]
-            memo = len(table), key + (min(have, key=lambda c: (abs(c - ctx), -c)),) if have else None
-            self._nearest[(id(table), full)] = memo
-        return memo[1]
-
-    def _near(self, table: dict, key: tuple, ctx: int):
-        got = self._near_key(table, key, ctx)
-        return None if got is None else table[got]
-
-    @staticmethod
-    def key(b: int, n: int):
-        """The batch field of a round's entries: b for a full bucket, (b, n) for n requests in a bucket of b
-        (its padding slots' rows cost less than requests' rows)."""
-        return b if n >= b else (b, n)
-
-    def _found(self, table: dict, b, rest: tuple, ctx: int):
-        """The full key of `entry`'s entry (None: none)."""
-        got = self._near_key(table, (b,) + rest, ctx)
-        return self._near_key(table, (b[0],) + rest, ctx) if got is None and isinstance(b, tuple) else got
-
-    def entry(self, table: dict, b, rest: tuple, ctx: int):
-        """table's entry for batch field b (`key`) and the rest of the key, nearest context; a (b, n) field
-        never measured falls back to the full bucket b's entry."""
-        got = self._found(table, b, rest, ctx)
-        return None if got is None else table[got]
-
-    def cost(self, b: int, i: int, build: int | None, ctx: int, n: int | None = None,
-             bound: bool = True) -> float:
-        """A round's seconds verifying plan i after building a tree of `build` nodes (None: no draft), for n
-        requests in batch bucket b (None: a full bucket). bound: a tree's back entry at most a larger tree's
-        of the same batch field and context (`larger`; False: the entry as measured, as a replay bills)."""
-        k = b if n is None else self.key(b, n)
-        found = self._found(self.back, k, (i,), ctx)
-        if found is None:
-            return math.inf
-        back = self.back[found]
-        if bound:
-            # a one-off slow measurement of a smaller tree, which no round of its plan would then refresh,
-            # would keep the plan out for good
-            for j in self.larger.get(i, ()):
-                back = min(back, self.back.get((found[0], j, found[2]), back))
-        front = 0.0 if build is None else self.entry(self.front, k, (build,), ctx)
-        return back + (math.inf if front is None else front) + self.host
-
-    def add_host(self, seconds: float) -> None:
-        self._host = (self._host + [seconds])[-HOST_WINDOW:]
-        self.host = float(statistics.median(self._host))
-
-    def update(self, table: dict, key: tuple, seconds: float) -> None:
-        """A round's seconds into table's entry: EMA, or the round's own where the entry is new or a tree
-        plan's back entry of a full bucket that no round refreshed in more than EXPLORE_AGE rounds (a
-        start-up measurement, or a plan left that long: `Policy.explore`'s round re-measures it, and a slow
-        one-off round taken whole is re-measured likewise, its score bounded by the larger trees', `cost`).
-        A partial bucket's entries, refreshed at batch ends far apart, and AR's and the chain's keep EMA."""
-        old = table.get(key)
-        if table is self.back:
-            stale = self.samples - self.seen.get(key, -math.inf) > EXPLORE_AGE
-            if stale and not isinstance(key[0], tuple) and key[1] in self.larger:
-                old = None
-            self.seen[key] = self.samples
-        table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-
-    def as_dict(self, plan_list) -> dict:
-        """JSON-ready: {"front": {"b,ctx": s}, "back": {"b,plan,ctx": s}, "host": s}, ctx as rows."""
-        cb = self.ctx_buckets
-        name = (lambda b: f"{b[0]}/{b[1]}" if isinstance(b, tuple) else str(b))   # "8/3": 3 requests in 8
-        order = (lambda kv: (name(kv[0][0]),) + kv[0][1:])
-        return {"front": {f"{name(b)},{B},{cb[c]}": s
-                          for (b, B, c), s in sorted(self.front.items(), key=order)},
-                "back": {f"{name(b)},{plan_list[i].name},{cb[c]}": s
-                         for (b, i, c), s in sorted(self.back.items(), key=order)},
-                "host": self.host, "samples": self.samples}
+DRAIN_POINTS = 64      # `drain` sums a batch's end over at most this many points per plan
 
 
 # ----------------------------------------------------------------------------- a batch's end
@@ -427,81 +185,6 @@ def drain(est: np.ndarray, left: np.ndarray, longest: np.ndarray, spread=None) -
     M = lo + (c * (1.0 - ended.prod(0))).sum(1)                                        # [P]
     return left / M[None, :]
 
-
-class Spread:
-    """The drafted rounds' accept lengths L about their estimates E, per plan: ratios()[i] = sum (L - E)^2 /
-    sum (E - 1) over plan i's requests' rounds (`drain`'s variance: the ratio times the mean less one), with
-    SPREAD_PRIOR tokens of E - 1 at the pooled ratio of every plan's rounds (itself from SPREAD_PRIOR at 1).
-    The residual holds the estimates' own error too: the spread a batch's end sees. The engine adds the
-    rounds of decide="previous" (whose estimates it copies back with the round's output): a tree round adds
-    one round to the plan it verified and to every smaller tree plan, whose accept length on the truncated
-    tree the same walk gives (`round_ops.truncated_accepts`); a chain round, to the chain alone. `realized`:
-    the same rounds' accept lengths against their estimates, per plan."""
-
-    def __init__(self, n_plans: int):
-        self.res, self.base, self.got = np.zeros(n_plans), np.zeros(n_plans), np.zeros(n_plans)
-
-    def add(self, i: int, lengths: np.ndarray, expected: np.ndarray) -> None:
-        """One round of plan i: its requests' accept lengths and estimates [n]."""
-        L, e = np.asarray(lengths, np.float64), np.asarray(expected, np.float64)
-        self.res[i] += float(((L - e) ** 2).sum())
-        self.base[i] += float(np.maximum(e - 1.0, 0.0).sum())
-        self.got[i] += float((L - 1.0).sum())
-
-    def realized(self) -> np.ndarray:
-        """[P] per plan, sum (L - 1) / sum (E - 1) over its requests' rounds, with REALIZED_PRIOR tokens of
-        E - 1 at the pooled ratio of every plan's rounds (itself from REALIZED_PRIOR at 1): how far the
-        calibrated estimates held in this engine's rounds (`Estimates.expected` scales the rates that `drain`
-        reads by it). The pooled prior keeps a plan not run level with those run: at a prior of 1 the plan
-        served first, its ratio above 1 where the calibration runs low for every plan, would keep the rest
-        out for good. A ratio departs from its prior (the pooled ratio from 1, a plan's from the pooled)
-        only by what exceeds REALIZED_SE standard errors, sqrt(sum (L - E)^2) / sum (E - 1) (soft
-        thresholding): where the estimates hold (a simulated profile's are exact), the accept lengths' own
-        spread moves a ratio by some 5 % over a few hundred rounds, and a start that happens to run low
-        would hold AR to a static batch's end, as AR rounds (and an AR probe's) add no accept lengths."""
-        k = REALIZED_PRIOR
-
-        def shrink(ratio, prior, res, base):
-            cut = REALIZED_SE * np.sqrt(res + k) / (base + k)
-            return prior + np.sign(ratio - prior) * np.maximum(np.abs(ratio - prior) - cut, 0.0)
-        pooled = shrink((self.got.sum() + k) / (self.base.sum() + k), 1.0, self.res.sum(), self.base.sum())
-        return shrink((self.got + k * pooled) / (self.base + k), pooled, self.res, self.base)
-
-    def ratios(self) -> np.ndarray:
-        pooled = (self.res.sum() + SPREAD_PRIOR) / (self.base.sum() + SPREAD_PRIOR)
-        return (self.res + SPREAD_PRIOR * pooled) / (self.base + SPREAD_PRIOR)
-
-
-class Persistence:
-    """How far a request's estimate speaks of the rounds after its own. A draft round's estimate E [P]
-    differs from the request's long-run rate m [P] (`Estimates.long_run`); the next round's accept length L
-    under plan j is m_j + s (E_j - m_j) on average, s the slope measured here: sum x y / sum x^2 over pairs
-    of a request's consecutive draft rounds (x = E_j - m_j of the first round, j the second's plan; y = the
-    second's L - m_j), kept apart for x < 0 and x > 0 (a hard stretch of text passes within a round or two;
-    an easy one, a passage the drafter knows, lasts), with PERSIST_PRIOR of x^2 at slope 1, clamped to
-    [0, 1]. An estimate a rounds old reads m + s^a (E - m) (`age`): the policy decides a round a >= 1 after
-    the draft that made its estimates (2 or 3 where rounds overlap; 1 under "sync"), and an AR hold ages
-    them further. The engine adds the pairs of both decide modes (`Estimates.lag`)."""
-
-    def __init__(self):
-        self.xy, self.xx = np.zeros(2), np.zeros(2)   # [below, above]
-
-    def add(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Pairs x [n] (E - m of a round, at the next round's plan), y [n] (the next round's L - m)."""
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        for side, sel in enumerate((x < 0, x > 0)):
-            self.xy[side] += float((x[sel] * y[sel]).sum())
-            self.xx[side] += float((x[sel] ** 2).sum())
-
-    def slopes(self) -> np.ndarray:
-        """[2] the slopes below and above the long-run rate."""
-        return np.clip((self.xy + PERSIST_PRIOR) / (self.xx + PERSIST_PRIOR), 0.0, 1.0)
-
-    def age(self, est: np.ndarray, m: np.ndarray, a: int) -> np.ndarray:
-        """est [..., P] estimates a >= 0 rounds old about long-run rates m [..., P] -> m + s^a (est - m)."""
-        s = self.slopes() ** max(int(a), 0)
-        d = np.asarray(est, np.float64) - m
-        return m + np.where(d < 0, s[0], s[1]) * d
 
 
 # ----------------------------------------------------------------------------- the policy
