@@ -20,12 +20,14 @@ requests of `max_new(batch)` tokens after their prefill of a short prompt; the l
 waiting queue (`measure_queue`: a warm-up run, then the median of `repeats`), whose full-batch rounds are a
 serving queue's steady state (a static batch ends on its slowest request). A top-level `targets` list (the
 static batch's and the queue's).
+
+This module runs the sweep (`run`, `measure_routing`, `measure_queue`) and is its command (`main`); the
+cells' defaults, engine keywords, memory fit and argument checks are `kdtree.bench.k26_cells`', a sweep's
+rows into a record (`merge`, `cell_targets`, `draft_times`) `kdtree.bench.k26_record`'s, both re-exported.
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import gc
 import json
 import time
@@ -34,94 +36,18 @@ from pathlib import Path
 
 import torch
 
-from .. import checks, k26
+from .. import k26
 from ..engine import Engine
 from ..simulate import Profile
 from .clocks import gpu_state
 from .e2e import _cell
+from .k26_cells import (BUDGETS, CELLS, DECODE_PATHS, MAX_NEW, MIN_LAYERS, PROFILES, PROMPT,  # noqa: F401
+                        _first_layers, _with_block, cell_bytes, cell_engine, cell_prompts, check_sweep,
+                        fit_layers, max_new)
+from .k26_record import _queued, _targets, cell_targets, draft_times, merge  # noqa: F401
+from .layer import count_experts, routed_kernel_s
 from .serve import run_engine, write_record
 from .stages import stage_kernels
-from .goals import target as _goal
-from .layer import count_experts, routed_kernel_s
-
-PROFILES = ((3.0, 8), (5.0, 8), (8.0, 16))   # (chain tau, drafter block)
-BUDGETS = (4, 8, 16, 32, 64, 128)
-CELLS = ((4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32))
-PROMPT, MAX_NEW = 16, 256
-DECODE_PATHS = ("default", "fused", "torch")   # the target's layers: as built, kdtree.fused's, Block.forward
-
-
-def max_new(batch: int) -> int:
-    """New tokens per request: enough rounds per cell for a stable tau (about 2,000 tokens a run from batch 8
-    on, 256 per request at batch 1)."""
-    return MAX_NEW if batch == 1 else 128 if batch <= 8 else 64
-MIN_LAYERS = 12   # asked for at batch 1 and 8, context 4K
-
-
-def cell_prompts(n: int, batch: int) -> list[list[int]]:
-    """n prompts of PROMPT tokens for a cell of `batch`: request i's prompt is request i % batch's (a queue
-    of n > batch requests serves the batch's prompts again)."""
-    return [[(7 * (i % batch) + j) % 1000 + 10 for j in range(PROMPT)] for i in range(n)]
-
-
-def cell_engine(context: int, batch: int, new: int, rows: int) -> dict:
-    """The Engine keywords every engine of a cell shares: one batch bucket, sampling outside the graphs, room
-    for the context, the prompt, `new` tokens and a round of `rows` verified rows; grouped admission (a
-    queue's freed slots wait for company while that costs less than the MoE prefill's fixed time:
-    `Scheduler.due`; a static batch is admitted at once either way)."""
-    return dict(max_batch=batch, buckets=(batch,), graph_sampling=False,
-                max_len=context + PROMPT + new + rows + 64, admission="grouped")
-
-
-def cell_bytes(args, dargs, batch: int, context: int, rows: int, n_moe: int) -> int:
-    """Memory of one engine beyond the weights: the page pool, the drafter's context, the verify logits of
-    its graphs (24 bytes an element: the float32 logits, their bf16 source, copies and scratch), and a
-    margin for activations. Each GPU row records its engine's measured peak beside this (`peak_bytes`,
-    `estimate_bytes`)."""
-    max_len = context + PROMPT + MAX_NEW + rows + 64
-    pool = (1 + n_moe) * batch * max_len * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
-    ctx = (2 * dargs.num_hidden_layers * batch * dargs.num_key_value_heads * (max_len + 16) * dargs.head_dim
-           * 2)
-    logits = batch * (rows + 16) * args.vocab_size * 24
-    return pool + ctx + logits + (8 << 30)
-
-
-def fit_layers(free: int, batch: int, context: int, rows: int, n_max: int) -> int:
-    """The most MoE layers (<= n_max) whose weights and one engine of the cell fit in `free` bytes."""
-    a = k26.target_args(1)
-    E, D, I = a.n_routed_experts, a.hidden_size, a.moe_intermediate_size
-    expert = E * 3 * D * I // 2 + E * 3 * D * I // 32 * 2                       # INT4 words + bf16 scales
-    H = a.num_attention_heads
-    attn = 2 * (D * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim)
-                + a.q_lora_rank * H * (a.qk_nope_head_dim + a.qk_rope_head_dim)
-                + a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + H * a.v_head_dim * D)
-    layer = expert + attn + 2 * 3 * D * I                                          # + the shared expert
-    base = 2 * 2 * a.vocab_size * D + 2 * 3 * D * a.intermediate_size + attn       # embed, head, layer 0
-    dargs = k26.drafter_args(a)
-    qkv = D * (dargs.num_attention_heads + 2 * dargs.num_key_value_heads) * dargs.head_dim
-    o = dargs.num_attention_heads * dargs.head_dim * D
-    drafter = 2 * (dargs.num_hidden_layers * (qkv + o + 3 * D * dargs.intermediate_size)
-                   + len(dargs.target_layer_ids) * D * D)                          # + fc
-    for n in range(n_max, 0, -1):
-        if base + drafter + n * layer + cell_bytes(a, dargs, batch, context, rows, n) <= free:
-            return n
-    return 0
-
-
-def _first_layers(target, drafter, n_moe: int):
-    """The model on its first 1 + n_moe layers (the same modules) and a drafter reading layers mapped onto
-    them (the same weights)."""
-    def shallow(m):  # a new module object whose submodule table is its own (the submodules are shared)
-        c = copy.copy(m)
-        c._modules = dict(m._modules)
-        return c
-    t = shallow(target)
-    t.model = shallow(target.model)
-    t.model.layers = target.model.layers[:1 + n_moe]
-    t.args = dataclasses.replace(target.args, num_hidden_layers=1 + n_moe)
-    d = shallow(drafter)
-    d.args = dataclasses.replace(drafter.args, target_layer_ids=k26.drafter_layer_ids(1 + n_moe))
-    return t, d.attach(t)
 
 
 def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
@@ -160,44 +86,6 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     kern = routed_kernel_s(prof)
     return {"experts_touched": float(sum(got) / len(got)) if got else None,
             "moe_kernel_s": kern / (rounds * len(moe)) if kern > 0 else None}
-
-
-def _with_block(drafter, block: int):
-    d = copy.copy(drafter)   # the same weights drafting `block` positions (block_size is the args')
-    d.args = dataclasses.replace(drafter.args, block_size=block)
-    return d
-
-
-def check_sweep(cells, profiles, budgets, repeats: int, queue: int) -> list:
-    """The sweep's arguments checked before anything is built (ValueError naming the argument); returns the
-    profiles as `Profile`s (a (tau, block) pair: the chain profile of that tau over block - 1 positions)."""
-    cells, budgets = list(cells), list(budgets)
-    if not cells:
-        raise ValueError("cells: expected at least one (context, batch)")
-    for c in cells:
-        if not (isinstance(c, (tuple, list)) and len(c) == 2):
-            raise ValueError(f"cells: {c!r}: expected a (context, batch) pair")
-        checks.int_in("a cell's context", c[0], PROMPT, note=" (the prompt's rows are part of it)")
-        checks.positive_int("a cell's batch", c[1])
-    if not budgets:
-        raise ValueError("budgets: expected at least one fixed budget")
-    for B in budgets:
-        checks.int_in("budgets", B, 1, 1024, note=" (the kernel backend's ceiling)")
-    checks.positive_int("repeats", repeats)
-    checks.int_in("queue", queue, 0)
-    if not list(profiles):
-        raise ValueError("profiles: expected at least one")
-    out = []
-    for spec in profiles:
-        if isinstance(spec, Profile):
-            out.append(spec)
-            continue
-        if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
-            raise ValueError(f"profiles: {spec!r}: expected a Profile or a (tau, block) pair")
-        checks.int_in("a profile's block", spec[1], 2, 64)
-        out.append(Profile(spec[0], depth=spec[1] - 1, K=max(budgets) * 2))
-    return out
-
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
@@ -319,23 +207,6 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     return rec
 
 
-def draft_times(cells: list) -> list:
-    """cells, each speculative row's missing `draft_s` / `commit_s` (the drafter's draft and its context
-    update) given from its DFlash row's measured stages (the row of the same run, context, batch and chain
-    tau that carries `stages`), in place: the projection's drafter is the measured one, also in a sweep cut
-    off after its DFlash row."""
-    for c in cells:
-        if c["mode"] == "ar" or (c.get("draft_s") is not None and c.get("commit_s") is not None):
-            continue
-        src = next((x for x in cells if x["mode"] == "dflash" and x.get("stages")
-                    and all(x.get(k) == c.get(k) for k in ("run", "context", "batch", "tau_chain"))), None)
-        if src is not None:
-            for key, stage in (("draft_s", "draft"), ("commit_s", "commit")):
-                if c.get(key) is None:
-                    c[key] = src["stages"][stage]["gpu_s"]
-    return cells
-
-
 def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dict:
     """Engine e serving queue x batch requests through its waiting queue (`run_engine`): a warm-up run of
     max(max_new(batch) // 4, 2) tokens a request (requests that end apart are admitted apart, so most prefill
@@ -376,99 +247,6 @@ def _runs(seq) -> list:
         else:
             out.append([name, n, 1])
     return out
-
-
-def _targets(cells, context: int, batch: int, n: int) -> list:
-    out = []
-    ok = [c for c in cells if not c.get("error")]
-    for tau in sorted({c["tau_chain"] for c in ok if c["tau_chain"] is not None}):
-        mine = [c for c in ok if c["tau_chain"] == tau]
-        ar = next((c for c in mine if c["mode"] == "ar"), None) or next(   # a record from before AR read
-            (c for c in ok if c["mode"] == "ar" and c["tau_chain"] is None        # the profile's text
-             and c.get("run") == mine[0].get("run")), None)
-        fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
-        auto = next((c for c in mine if c["budget"] == "auto"), None)
-        dfl = next((c for c in mine if c["mode"] == "dflash"), None)
-        where = {"tau": f"{tau:g}", "layers": n, "batch": batch, "context": context}
-        if auto and fixed:
-            best = max(fixed, key=lambda c: c["tok_per_s"])
-            out.append(_goal("k26_auto_over_best_fixed", auto["tok_per_s"] / best["tok_per_s"],
-                             budget=best["budget"], **where))
-        if auto and ar and dfl:
-            out.append(_goal("k26_auto_over_ar_dflash",
-                             auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), **where))
-        if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
-            out.append(_goal("k26_auto_over_ar", auto["tok_per_s"] / ar["tok_per_s"], **where))
-        q = _queued
-        qfixed = [c for c in fixed if q(c)]
-        if auto and q(auto) and qfixed:
-            best = max(qfixed, key=q)
-            out.append(_goal("k26_queued_auto_over_best_fixed", q(auto) / q(best), budget=best["budget"],
-                             requests=auto["queued"]["requests"], **where))
-        if auto and q(auto) and ar and q(ar) and dfl and q(dfl):
-            out.append(_goal("k26_queued_auto_over_ar_dflash", q(auto) / max(q(ar), q(dfl)),
-                             requests=auto["queued"]["requests"], **where))
-    if len(ok) < len(cells):
-        out.append(_goal("k26_cells_ran", len(ok) / len(cells), batch=batch, context=context))
-    return out
-
-
-def _queued(c: dict):
-    """Row c's full-batch tok/s in its serving queue (None without one)."""
-    return (c.get("queued") or {}).get("full_tok_per_s")
-
-
-def _fitted(c: dict) -> bool:
-    """Whether row c is of a fitted profile (`--trained`): so marked, or (older rows) a chain tau that no
-    listed profile has."""
-    return bool(c.get("fitted")) or (c.get("tau_chain") is not None
-                                     and c["tau_chain"] not in {p[0] for p in PROFILES})
-
-
-def merge(old: dict | None, new: dict, targets: bool = True) -> dict:
-    """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
-    (context, batch) cell replace that profile's earlier rows there (its AR row too), an AR row of no
-    profile (records from before AR read the profile's text) is kept while rows of its run remain, a cell's
-    fitted profile (`_fitted`) keeps only its newest run's rows, and every cell's targets are formed again
-    from its rows (each ratio within one run; targets=False: left to the caller, for a fold whose later
-    records replace a cell's rows of another layer count). ValueError for another routing, or (targets) for a
-    cell whose layer count would mix."""
-    if not old:
-        return new if targets else {**new, "targets": []}
-    if old.get("routing", "model") != new.get("routing", "model"):
-        raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
-                         f"{old.get('routing', 'model')!r} record (each routing has its own record)")
-    key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c.get("tau_chain") is not None else
-           (c["context"], c["batch"], None, c.get("run")))
-    fresh = {key(c) for c in new["cells"]}
-    cells = [c for c in old.get("cells", []) if key(c) not in fresh] + new["cells"]
-    newest = {}   # a cell's fitted profile (its tau moves with each fit): only the newest run's rows stay
-    for c in cells:
-        if _fitted(c):
-            k = (c["context"], c["batch"])
-            newest[k] = max(newest.get(k, ""), c.get("run") or "")
-    cells = [c for c in cells if not _fitted(c) or (c.get("run") or "") == newest[(c["context"], c["batch"])]]
-    runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
-    cells = [c for c in cells
-             if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
-    layers = {**old.get("layers", {}), **new["layers"]}
-    return {**old, **new, "cells": cells, "targets": cell_targets(cells) if targets else [], "layers": layers}
-
-
-def cell_targets(cells) -> list:
-    """The targets of rows `cells`, formed per (context, batch) cell; ValueError for a cell whose rows mix
-    layer counts."""
-    by_cell: dict = {}
-    for c in cells:
-        by_cell.setdefault((c["context"], c["batch"]), []).append(c)
-    targets = []
-    for (C, b), rows in sorted(by_cell.items()):
-        if len({c["layers"] for c in rows}) > 1:
-            raise ValueError(f"merge: cell {C}:{b} would mix {sorted({c['layers'] for c in rows})} MoE "
-                             "layers (run the whole cell again, or combine runs that measure every "
-                             "profile of it at one count: python -m kdtree.bench.k26_record)")
-        targets += _targets(rows, C, b, rows[0]["layers"])
-    return targets
 
 
 def trained_curve(path) -> dict:

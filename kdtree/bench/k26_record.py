@@ -1,10 +1,13 @@
 """The K2.6 section of notebook 02's record from its measured rows.
 
+- `merge(old, new)`: a sweep's rows over an earlier record's (a cell's profile keeps its newest rows), its
+  targets formed again per cell (`cell_targets`); `draft_times(cells)`: speculative rows' drafter times
+  from their run's DFlash row. `python -m kdtree.bench.k26` writes its record through them.
 - `finish(k26, microbench)`: the projection check (notebook 01's layers against the measured rounds), the
   61-layer projection from the same parts (PROJECTED) and the projection target, into the section.
 - `plot(k26, check, path)`: the section's figure (tok/s against budget per cell; round cost against rows).
 - `combine(sections)`: several sweeps' sections (each device command writes its own e2e.json) as one: every
-  (context, batch, profile) keeps the rows of its newest run (`bench.k26.merge`, folded in run order).
+  (context, batch, profile) keeps the rows of its newest run (`merge`, folded in run order).
 
 `python -m kdtree.bench.k26_record --into outputs/h200/e2e.json DIR/e2e.json ...` combines the `k26`
 sections of the records named (and of `--into`'s own) into `--into`, finishes the section, draws its
@@ -18,8 +21,8 @@ import json
 from pathlib import Path
 
 from .. import project
-from . import k26 as bench_k26
 from .goals import target as _goal
+from .k26_cells import PROFILES
 
 PARTS = ("pair", "auto", "k26", "k26_uniform", "engine")   # notebook 02's sections that carry targets
 
@@ -29,17 +32,129 @@ def record_targets(record: dict) -> list[dict]:
     return [t for part in PARTS for t in record.get(part, {}).get("targets", [])]
 
 
+# ----------------------------------------------------------------------------- a sweep's rows as a record
+def draft_times(cells: list) -> list:
+    """cells, each speculative row's missing `draft_s` / `commit_s` (the drafter's draft and its context
+    update) given from its DFlash row's measured stages (the row of the same run, context, batch and chain
+    tau that carries `stages`), in place: the projection's drafter is the measured one, also in a sweep cut
+    off after its DFlash row."""
+    for c in cells:
+        if c["mode"] == "ar" or (c.get("draft_s") is not None and c.get("commit_s") is not None):
+            continue
+        src = next((x for x in cells if x["mode"] == "dflash" and x.get("stages")
+                    and all(x.get(k) == c.get(k) for k in ("run", "context", "batch", "tau_chain"))), None)
+        if src is not None:
+            for key, stage in (("draft_s", "draft"), ("commit_s", "commit")):
+                if c.get(key) is None:
+                    c[key] = src["stages"][stage]["gpu_s"]
+    return cells
+
+
+def _targets(cells, context: int, batch: int, n: int) -> list:
+    out = []
+    ok = [c for c in cells if not c.get("error")]
+    for tau in sorted({c["tau_chain"] for c in ok if c["tau_chain"] is not None}):
+        mine = [c for c in ok if c["tau_chain"] == tau]
+        ar = next((c for c in mine if c["mode"] == "ar"), None) or next(   # a record from before AR read
+            (c for c in ok if c["mode"] == "ar" and c["tau_chain"] is None        # the profile's text
+             and c.get("run") == mine[0].get("run")), None)
+        fixed = [c for c in mine if c["mode"] == "ddtree" and c["budget"] != "auto"]
+        auto = next((c for c in mine if c["budget"] == "auto"), None)
+        dfl = next((c for c in mine if c["mode"] == "dflash"), None)
+        where = {"tau": f"{tau:g}", "layers": n, "batch": batch, "context": context}
+        if auto and fixed:
+            best = max(fixed, key=lambda c: c["tok_per_s"])
+            out.append(_goal("k26_auto_over_best_fixed", auto["tok_per_s"] / best["tok_per_s"],
+                             budget=best["budget"], **where))
+        if auto and ar and dfl:
+            out.append(_goal("k26_auto_over_ar_dflash",
+                             auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), **where))
+        if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
+            out.append(_goal("k26_auto_over_ar", auto["tok_per_s"] / ar["tok_per_s"], **where))
+        q = _queued
+        qfixed = [c for c in fixed if q(c)]
+        if auto and q(auto) and qfixed:
+            best = max(qfixed, key=q)
+            out.append(_goal("k26_queued_auto_over_best_fixed", q(auto) / q(best), budget=best["budget"],
+                             requests=auto["queued"]["requests"], **where))
+        if auto and q(auto) and ar and q(ar) and dfl and q(dfl):
+            out.append(_goal("k26_queued_auto_over_ar_dflash", q(auto) / max(q(ar), q(dfl)),
+                             requests=auto["queued"]["requests"], **where))
+    if len(ok) < len(cells):
+        out.append(_goal("k26_cells_ran", len(ok) / len(cells), batch=batch, context=context))
+    return out
+
+
+def _queued(c: dict):
+    """Row c's full-batch tok/s in its serving queue (None without one)."""
+    return (c.get("queued") or {}).get("full_tok_per_s")
+
+
+def _fitted(c: dict) -> bool:
+    """Whether row c is of a fitted profile (`--trained`): so marked, or (older rows) a chain tau that no
+    listed profile has."""
+    return bool(c.get("fitted")) or (c.get("tau_chain") is not None
+                                     and c["tau_chain"] not in {p[0] for p in PROFILES})
+
+
+def merge(old: dict | None, new: dict, targets: bool = True) -> dict:
+    """A sweep's record `new` over an earlier one (staged sweeps build one record): a profile's rows of a
+    (context, batch) cell replace that profile's earlier rows there (its AR row too), an AR row of no
+    profile (records from before AR read the profile's text) is kept while rows of its run remain, a cell's
+    fitted profile (`_fitted`) keeps only its newest run's rows, and every cell's targets are formed again
+    from its rows (each ratio within one run; targets=False: left to the caller, for a fold whose later
+    records replace a cell's rows of another layer count). ValueError for another routing, or (targets) for a
+    cell whose layer count would mix."""
+    if not old:
+        return new if targets else {**new, "targets": []}
+    if old.get("routing", "model") != new.get("routing", "model"):
+        raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
+                         f"{old.get('routing', 'model')!r} record (each routing has its own record)")
+    key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c.get("tau_chain") is not None else
+           (c["context"], c["batch"], None, c.get("run")))
+    fresh = {key(c) for c in new["cells"]}
+    cells = [c for c in old.get("cells", []) if key(c) not in fresh] + new["cells"]
+    newest = {}   # a cell's fitted profile (its tau moves with each fit): only the newest run's rows stay
+    for c in cells:
+        if _fitted(c):
+            k = (c["context"], c["batch"])
+            newest[k] = max(newest.get(k, ""), c.get("run") or "")
+    cells = [c for c in cells if not _fitted(c) or (c.get("run") or "") == newest[(c["context"], c["batch"])]]
+    runs = {(c["context"], c["batch"], c.get("run")) for c in cells if c["mode"] != "ar"}
+    cells = [c for c in cells
+             if c.get("tau_chain") is not None or (c["context"], c["batch"], c.get("run")) in runs]
+    layers = {**old.get("layers", {}), **new["layers"]}
+    return {**old, **new, "cells": cells, "targets": cell_targets(cells) if targets else [], "layers": layers}
+
+
+def cell_targets(cells) -> list:
+    """The targets of rows `cells`, formed per (context, batch) cell; ValueError for a cell whose rows mix
+    layer counts."""
+    by_cell: dict = {}
+    for c in cells:
+        by_cell.setdefault((c["context"], c["batch"]), []).append(c)
+    targets = []
+    for (C, b), rows in sorted(by_cell.items()):
+        if len({c["layers"] for c in rows}) > 1:
+            raise ValueError(f"merge: cell {C}:{b} would mix {sorted({c['layers'] for c in rows})} MoE "
+                             "layers (run the whole cell again, or combine runs that measure every "
+                             "profile of it at one count: python -m kdtree.bench.k26_record)")
+        targets += _targets(rows, C, b, rows[0]["layers"])
+    return targets
+
+
+# ----------------------------------------------------------------------------- notebook 02's section
 def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers: int = 61,
            **kw) -> list[dict]:
     """Sets k26's projection_check, projection_full and the projection target from notebook 01's record
     `microbench` (none: the section keeps no projection), its rows' missing draft and commit times first
-    given from their runs' DFlash rows (`bench.k26.draft_times`); returns the check's rows. kw: more
+    given from their runs' DFlash rows (`draft_times`); returns the check's rows. kw: more
     `project.check_engine` keywords (vocab, hidden)."""
     if not microbench:   # no projection: none of another set of rows either
         k26.pop("projection_check", None)
         k26.pop("projection_full", None)
         return []
-    bench_k26.draft_times(k26["cells"])
+    draft_times(k26["cells"])
     chk = project.check_engine(microbench, k26["cells"], drafter_layers=drafter_layers, full_layers=n_layers,
                                **kw)
     k26["projection_check"] = chk
@@ -134,7 +249,7 @@ def _row_key(c: dict) -> tuple:
 def combine(sections: list[dict]) -> dict:
     """One section from several (their order does not matter): each distinct row once (of two copies, a
     finished sweep's over a partial one's, then the fuller), folded run by run (oldest first) with
-    `bench.k26.merge`, so every (context, batch, profile) keeps its newest run's rows (a cell's layer count
+    `merge`, so every (context, batch, profile) keeps its newest run's rows (a cell's layer count
     may change from run to run; only the combined rows must not mix them), and the targets formed again from
     the rows; the other fields from the finished section holding the newest run (a
     partial one where none is finished). A run's profile at a cell without its auto row (a sweep cut off
@@ -174,8 +289,8 @@ def combine(sections: list[dict]) -> dict:
     for run in sorted({c["run"] for c in rows.values()}):
         cells = [c for c in rows.values() if c["run"] == run]
         layers = {f"{c['context']}:{c['batch']}": c["layers"] for c in cells}
-        out = bench_k26.merge(out, {**top, "cells": cells, "layers": layers}, targets=False)
-    out = {**out, "targets": bench_k26.cell_targets(out["cells"]),   # layers keyed "context:batch"
+        out = merge(out, {**top, "cells": cells, "layers": layers}, targets=False)
+    out = {**out, "targets": cell_targets(out["cells"]),   # layers keyed "context:batch"
            "layers": dict(sorted(out["layers"].items(), key=lambda kv: tuple(map(int, kv[0].split(":"))))),
            "runs": sorted({c["run"] for c in out["cells"]})}
     out.pop("partial", None)
