@@ -63,9 +63,13 @@ def device_slug(device: str) -> str | None:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
+CPU_DIR = "cpu"   # outputs/cpu/: a CPU run's folder (git-ignored: the checkout stays clean)
+
+
 def output_dir(device: str) -> Path:
-    slug = device_slug(device)
-    return OUTPUTS / slug if slug else OUTPUTS
+    """Where a run on `device` writes by default: outputs/<gpu>/ (the GPU's record), outputs/cpu/ on the CPU
+    (ignored by git; the committed CPU records at outputs/ are written only by --out-dir outputs)."""
+    return OUTPUTS / (device_slug(device) or CPU_DIR)
 
 
 def parse_value(text: str):
@@ -165,7 +169,7 @@ def check_out_dir(out: Path, device: str) -> Path:
         if p.exists() and not p.is_dir():
             raise ValueError(f"--out-dir {out}: {p} is a file, not a folder")
     r = out.resolve()
-    if r.parent == OUTPUTS.resolve() and device_slug(device) != r.name:
+    if r.parent == OUTPUTS.resolve() and r.name != CPU_DIR and device_slug(device) != r.name:
         raise ValueError(f"--out-dir {out}: outputs/{r.name}/ holds the {r.name} GPU's records; a run on "
                          f"{device} writes to {output_dir(device)} (or to a folder outside outputs/)")
     return out
@@ -287,7 +291,7 @@ def refresh_results(out: Path) -> Path | None:
     elsewhere, an installed package without docs/)."""
     from . import report
     out = Path(out).resolve()
-    if out.parent != OUTPUTS.resolve() or not report.PAGE.parent.is_dir():
+    if out.parent != OUTPUTS.resolve() or out.name == CPU_DIR or not report.PAGE.parent.is_dir():
         return None
     report.PAGE.write_text(report.report(OUTPUTS))
     print(f"[kdtree lab] {report.PAGE} rewritten from the records", flush=True)

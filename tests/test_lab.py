@@ -133,8 +133,21 @@ def test_bad_lab_arguments(tmp_path):
 
 
 def test_cpu_records_never_land_in_a_gpu_folder():
-    assert lab.output_dir("cpu") == lab.OUTPUTS
+    assert lab.output_dir("cpu") == lab.OUTPUTS / "cpu"
     assert lab.device_slug("cpu") is None
+
+
+def test_a_cpu_run_leaves_the_checkout_clean():
+    """A CPU run's default folder is ignored by git (nothing it writes shows as a change), is not taken for a
+    GPU's record folder, and is not a record docs/results.md is rebuilt from."""
+    cpu = lab.output_dir("cpu")
+    probe = cpu / "00_golden_validation.ipynb"
+    r = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=lab.ROOT)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert r.returncode == 0, f"{probe} is not ignored by git"
+    assert lab.check_out_dir(cpu, "cpu") == cpu
+    assert lab.refresh_results(cpu) is None
 
 
 def test_package_data_is_importable():
