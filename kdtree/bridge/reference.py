@@ -1,9 +1,7 @@
-"""Bridges to other DDTree code: drop-ins for the public reference's tree functions, batch variants that stay
-on the device, and SGLang's EAGLE tree format. Each runs the CUDA kernels on CUDA tensors and the golden
-twins (golden.py) on CPU tensors.
+"""Reference-typed bridges: drop-ins for the public DDTree release's tree functions (its ddtree.py; same
+signatures and return types, so an integration switches by changing one import). CUDA tensors run the kernels,
+CPU tensors the golden twins (golden.py).
 
-Reference-typed (the public DDTree release's ddtree.py; same signatures and return types, so an integration
-switches by changing one import):
     build_ddtree_tree(draft_logits [L, V], budget)
         -> (node_token_ids long [n], node_depths long [n], parents list[int] (n + 1, parents[0] = -1),
             child_maps list[dict[token, row]] (n + 1, row 0 the root), visibility bool [n + 1, n + 1],
@@ -14,6 +12,7 @@ switches by changing one import):
             past_length, n + 1)
     follow_verified_tree(child_maps, posterior [1, n + 1]) -> (accepted rows list[int] from 0, next token)
     compact_dynamic_cache(past_key_values, past_length, keep_current_indices) -> None
+  compact_dynamic_cache also takes a 1-D long tensor of rows on the cache's device (no host copy of them).
   Where the reference and this module differ (golden.py's module docstring states the order):
     - equal scores: the reference breaks ties by the rank path, kdtree by (depth, parent row, rank), so under
       exact ties at the budget's edge the two may keep different (equally likely) nodes; scores are float32
@@ -23,121 +22,20 @@ switches by changing one import):
     - the budget is at most kernels.MAX_BUDGET (1024) and L at most kernels.MAX_DEPTH on the GPU;
     - subtimes has the reference's keys: tree_build_copy (kernels and the one copy to the host),
       tree_build_heap (the child maps), tree_build_visibility (unpacking the mask bits).
-
-Tensor-native (a batch; no host copy, no dicts; on the GPU capturable in a CUDA graph):
-    build_trees(draft_logits [b, L, V], budget, root_tokens [b], start_pos [b]) -> kernels.TreeBatch
-    follow_trees(tree, posterior [b, N], max_accept) -> (accepted int32 [b, A], acc_len int32 [b], bonus [b])
-    tree_attention_mask(tree, past_length, dtype) -> additive mask [b, 1, N, past_length + N]
-  compact_dynamic_cache also takes a 1-D long tensor of rows on the cache's device (no host copy of them).
-
-SGLang (sgl-kernel's build_tree_kernel_efficient outputs and verify_tree_greedy; golden.SglangTree states
-the layouts):
-    to_sglang(tree, mode, tree_mask=None) -> SglangTensors (the whole batch in one launch)
-    sglang_verify_greedy(sg, target_predict [b, N], num_spec_steps)
-        -> (predicts, accept_index, accept_token_num)
-  sgl-kernel cannot be installed here, so these follow its source (golden.py names the commit read), not a run
-  of it: an integration should compare one batch of its own build_tree_kernel_efficient outputs with
-  to_sglang's before switching (docs/bridges.md lists what to check).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import checks, golden, kernels
-from .kernels import TreeBatch
+from .. import checks, kernels
+from .native import _INT_DTYPES, _LOGIT_DTYPES, build_trees
 
 REFERENCE_SUBTIMES = ("tree_build_copy", "tree_build_heap", "tree_build_visibility")
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
-# ----------------------------------------------------------------------------- tensor-native
-def _golden_batch(logits: torch.Tensor, budget: int, root: torch.Tensor, start: torch.Tensor) -> TreeBatch:
-    """kernels.tree_build's outputs from the golden twins, request by request (CPU tensors)."""
-    b, L, V = logits.shape
-    N = budget + 1
-    W = (N + 31) // 32
-    x = logits.float().numpy()
-    roots, starts = root.tolist(), start.tolist()
-    toks = np.tile(np.array(roots, np.int32)[:, None], (1, N))
-    pos = np.tile(np.array(starts, np.int32)[:, None], (1, N))
-    par = np.full((b, N), -1, np.int32)
-    dep, sc = np.zeros((b, N), np.int32), np.zeros((b, N), np.float32)
-    mask = np.zeros((b, N, W), np.uint32)
-    n = np.zeros(b, np.int32)
-    for i in range(b):
-        t = golden.ddtree(x[i], budget)
-        vb = golden.compile_tree(t, roots[i], starts[i])
-        k = vb.n
-        toks[i, :k], pos[i, :k], par[i, :k] = vb.tokens, vb.positions, vb.parents
-        dep[i, 1:k], sc[i, 1:k], n[i] = t.depths, t.scores, t.n
-        full = np.eye(N, dtype=bool)
-        full[:k, :k] = vb.mask
-        mask[i] = golden.pack_mask_bits(full)
-    t = torch.from_numpy
-    return TreeBatch(t(toks), t(pos), t(par), t(dep), t(sc), t(mask.view(np.int32)), t(n))
-
-
-def build_trees(draft_logits: torch.Tensor, budget: int, root_tokens: torch.Tensor, start_pos: torch.Tensor,
-                check_values: bool = True) -> TreeBatch:
-    """Draft logits [b, L, V] -> each request's best-first tree of `budget` nodes as a verify block of
-    N = budget + 1 rows (kernels.TreeBatch; root_tokens, start_pos [b] give row 0). check_values=False skips
-    the NaN / +inf scan, which reads the device (for graph capture)."""
-    checks.tensor("draft_logits", draft_logits, _LOGIT_DTYPES, ndim=3)
-    budget = checks.int_in("budget", budget, 1, kernels.MAX_BUDGET)
-    b = draft_logits.shape[0]
-    checks.tensor("root_tokens", root_tokens, _INT_DTYPES, shape=(b,))
-    checks.tensor("start_pos", start_pos, _INT_DTYPES, shape=(b,))
-    if draft_logits.is_cuda:
-        x = draft_logits if draft_logits.dtype != torch.float16 else draft_logits.float()
-        return kernels.tree_build(x.contiguous(), budget, root_tokens, start_pos, check_values=check_values)
-    if 0 in draft_logits.shape:
-        raise ValueError(f"draft_logits: expected a non-empty [b, L, V], got {tuple(draft_logits.shape)}")
-    return _golden_batch(draft_logits, budget, root_tokens, start_pos)
-
-
-def follow_trees(tree: TreeBatch, posterior: torch.Tensor, max_accept: int | None = None):
-    """The walk for a batch: posterior [b, N] is the target's token at every row (argmax or a sample).
-    Returns accepted int32 [b, A] (rows, root first, -1 padded; A = max_accept, default the tree's
-    deepest possible path), acc_len int32 [b], bonus int32 [b] (the target's token after the path)."""
-    b, N = tree.tokens.shape
-    checks.tensor("posterior", posterior, _INT_DTYPES, shape=(b, N))
-    if max_accept is None:
-        A = min(N, kernels.MAX_DEPTH + 1)
-    else:
-        A = checks.int_in("max_accept", max_accept, 1, 1024)
-    if tree.tokens.is_cuda:
-        return kernels.tree_walk(tree.tokens, tree.parents, posterior, max_accept=A)
-    t, p, c = tree.tokens.numpy(), tree.parents.numpy(), posterior.numpy()
-    acc = np.full((b, A), -1, np.int32)
-    n, bonus = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    for i in range(b):
-        path, _ = golden.walk(t[i], p[i], c[i])
-        n[i] = min(len(path), A)
-        acc[i, :n[i]] = path[:n[i]]
-        bonus[i] = c[i][path[n[i] - 1]]
-    return torch.from_numpy(acc), torch.from_numpy(n), torch.from_numpy(bonus)
-
-
-def tree_attention_mask(tree: TreeBatch, past_length: int,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The additive mask an eager attention takes: [b, 1, N, past_length + N], 0 where a row may attend (every
-    past column, its tree ancestors and itself), dtype's most negative value elsewhere."""
-    past_length = checks.int_in("past_length", past_length, 0)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    vis = tree.dense_mask()  # [b, N, N]
-    b, N, _ = vis.shape
-    out = torch.zeros(b, 1, N, past_length + N, dtype=dtype, device=vis.device)
-    out[:, 0, :, past_length:].masked_fill_(~vis, torch.finfo(dtype).min)
-    return out
-
-
-# ----------------------------------------------------------------------------- reference-typed
 def _empty_tree(subtimes: dict):
     vis = torch.ones(1, 1, dtype=torch.bool)
     return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), [-1], [dict()], vis, subtimes
@@ -371,120 +269,3 @@ def compact_dynamic_cache(past_key_values, past_length: int, keep_current_indice
     if window - k:  # a negative crop removes that many rows under transformers 4.x and 5.x alike
         past_key_values.crop(-(window - k))
 
-
-# ----------------------------------------------------------------------------- SGLang
-@dataclass
-class SglangTensors:
-    """golden.SglangTree's arrays as torch tensors on the tree's device (same names, dtypes and layouts)."""
-    draft_tokens: torch.Tensor          # int64 [b, N]
-    positions: torch.Tensor             # int64 [b * N]
-    tree_mask: torch.Tensor             # bool (full, qlen_only); uint8 [b * N, nbytes] (bit-packed)
-    retrive_index: torch.Tensor         # int64 [b, N]
-    retrive_next_token: torch.Tensor    # int64 [b, N]
-    retrive_next_sibling: torch.Tensor  # int64 [b, N]
-    mode: str
-
-
-_MODE_ID = {m: i for i, m in enumerate(golden.SGLANG_MODES)}
-SGLANG_MAX_N = 2047  # cuda/sglang_tree.cu sorts (parent + 1) << 11 | row
-
-
-def _mask_size(tree: TreeBatch, mode: str) -> int:
-    b, N = tree.tokens.shape
-    if mode == "full":
-        return int(tree.positions[:, 0].long().sum()) * N + b * N * N  # a host read (pass tree_mask)
-    return b * N * N if mode == "qlen_only" else b * N * golden.sglang_mask_bytes(N)
-
-
-def to_sglang(tree: TreeBatch, mode: str = "qlen_only",
-              tree_mask: torch.Tensor | None = None) -> SglangTensors:
-    """Our verify blocks (kernels.TreeBatch: root row 0 at position seq_len) -> SGLang's tree arrays, the
-    whole batch in one launch on the GPU. tree_mask: the caller's buffer (SGLang allocates it; in "full" mode
-    only the tree columns are written, the prefix columns are the caller's, true in SGLang); without one,
-    a buffer is made ("full" then reads the lengths on the host, and fills the prefix with true)."""
-    mode = checks.one_of("mode", mode, golden.SGLANG_MODES)
-    checks.tensor("tree.tokens", tree.tokens, (torch.int32,), ndim=2)
-    b, N = tree.tokens.shape
-    if not 1 <= N <= SGLANG_MAX_N:
-        raise ValueError(f"tree: {N} rows a request; to_sglang takes 1 to {SGLANG_MAX_N}")
-    for name in ("parents", "positions"):
-        checks.tensor(f"tree.{name}", getattr(tree, name), (torch.int32,), shape=(b, N))
-    W = (N + 31) // 32
-    checks.tensor("tree.mask", tree.mask, (torch.int32,), shape=(b, N, W))
-    nbytes = golden.sglang_mask_bytes(N) if mode == "qlen_only_bitpacking" else 1
-    dt = torch.uint8 if mode == "qlen_only_bitpacking" else torch.bool
-    dev = tree.tokens.device
-    if tree_mask is not None:
-        want = (b * N, nbytes) if mode == "qlen_only_bitpacking" else None
-        checks.tensor("tree_mask", tree_mask, (dt,), ndim=2 if want else 1, shape=want, contiguous=True,
-                      device=dev)
-        if want is None and tree_mask.numel() < b * N * N:  # full: the lengths' part is the caller's to size
-            raise ValueError(f"tree_mask: holds {tree_mask.numel()}, expected at least {b * N * N}")
-    if not tree.tokens.is_cuda:
-        g = golden.sglang_tree(tree.tokens.numpy(), tree.parents.numpy(), tree.positions[:, 0].numpy(), mode)
-        out = SglangTensors(*(torch.from_numpy(a) for a in (g.draft_tokens, g.positions, g.tree_mask,
-                                                               g.retrive_index, g.retrive_next_token,
-                                                               g.retrive_next_sibling)), mode)
-        if tree_mask is not None:
-            _copy_mask(tree_mask, out.tree_mask, tree, mode)
-            out.tree_mask = tree_mask
-        return out
-    kernels._on_one_gpu(tokens=tree.tokens, parents=tree.parents, positions=tree.positions, mask=tree.mask)
-    if tree_mask is None:
-        size = _mask_size(tree, mode)
-        if mode == "full":
-            tree_mask = torch.ones(size, dtype=dt, device=dev)
-        elif mode == "qlen_only":
-            tree_mask = kernels._empty(size, dtype=dt, device=dev)
-        else:
-            tree_mask = kernels._empty(b * N, nbytes, dtype=dt, device=dev)
-    out = SglangTensors(kernels._empty(b, N, dtype=torch.int64, device=dev),
-                        kernels._empty(b * N, dtype=torch.int64, device=dev), tree_mask,
-                        *(kernels._empty(b, N, dtype=torch.int64, device=dev) for _ in range(3)), mode)
-    p = kernels._p
-    kernels._launch("sglang_tree", "sglang_tree", (b,), (1024,),
-                    (p(tree.tokens), p(tree.parents), p(tree.mask), p(tree.positions), kernels._i(N),
-                     kernels._i(_MODE_ID[mode]), kernels._i(nbytes), p(out.draft_tokens), p(out.positions),
-                     p(out.retrive_index), p(out.retrive_next_token), p(out.retrive_next_sibling),
-                     p(tree_mask)))
-    return out
-
-
-def _copy_mask(dst: torch.Tensor, src: torch.Tensor, tree: TreeBatch, mode: str) -> None:
-    """The CPU path into a caller's buffer, writing what the kernel writes (full: the tree columns only)."""
-    if mode != "full":
-        dst[:src.numel() if src.dim() == 1 else None].copy_(src)
-        return
-    b, N = tree.tokens.shape
-    at = 0
-    for i in range(b):
-        s = int(tree.positions[i, 0])
-        blk = src[at:at + N * (s + N)].view(N, s + N)
-        dst[at:at + N * (s + N)].view(N, s + N)[:, s:].copy_(blk[:, s:])
-        at += N * (s + N)
-
-
-def sglang_verify_greedy(sg: SglangTensors, target_predict: torch.Tensor, num_spec_steps: int):
-    """verify_tree_greedy over to_sglang's arrays: target_predict int64 [b, N] (the target's token at every
-    row). Returns predicts int32 [b * N] (the target's token at each accepted row, -1 elsewhere),
-    accept_index int32 [b, num_spec_steps] (flat rows, root first, -1 padded), accept_token_num int32 [b]."""
-    b, N = sg.draft_tokens.shape
-    checks.tensor("target_predict", target_predict, (torch.int64,), shape=(b, N))
-    S = checks.int_in("num_spec_steps", num_spec_steps, 1, 1024)
-    if not sg.draft_tokens.is_cuda:
-        arrays = (sg.draft_tokens, sg.positions, sg.tree_mask, sg.retrive_index, sg.retrive_next_token,
-                  sg.retrive_next_sibling)
-        g = golden.SglangTree(*(t.numpy() for t in arrays), sg.mode)
-        return tuple(torch.from_numpy(a) for a in golden.sglang_verify_greedy(g, target_predict.numpy(), S))
-    dev = sg.draft_tokens.device
-    tp = target_predict.contiguous()
-    kernels._on_one_gpu(draft_tokens=sg.draft_tokens, target_predict=tp)
-    predicts = torch.full((b * N,), -1, dtype=torch.int32, device=dev)
-    accept = kernels._empty(b, S, dtype=torch.int32, device=dev)
-    n_acc = kernels._empty(b, dtype=torch.int32, device=dev)
-    p = kernels._p
-    kernels._launch("sglang_tree", "sglang_verify_greedy", (b,), (1,),
-                    (p(sg.draft_tokens), p(sg.retrive_index), p(sg.retrive_next_token),
-                     p(sg.retrive_next_sibling), p(tp), kernels._i(N), kernels._i(S), p(predicts), p(accept),
-                     p(n_acc)))
-    return predicts, accept, n_acc
