@@ -4,7 +4,8 @@
 // Golden twin: kdtree/ops/decode_golden.py (numpy, same names). Wrappers: kdtree/ops/decode.py.
 // bf16 tensors travel as uint16 bits; "rb(v)" below is v rounded to bf16 (round to nearest even) and back.
 //
-// add_rmsnorm     grid (M), block 256. x, delta, shared_, y, x_out bf16 [M, D]; routed fp32 [M, D]; w bf16 [D];
+// add_rmsnorm     grid (M), block a multiple of 32 up to 1024 (ops.decode: enough for one 8-wide chunk a thread
+//                 where D allows). x, delta, shared_, y, x_out bf16 [M, D]; routed fp32 [M, D]; w bf16 [D];
 //                 D a multiple of 8. The residual step then RMSNorm of a decoder layer:
 //                   s     = routed ? (shared_ ? rb(rb(routed) + shared_) : rb(routed)) : delta (may be null)
 //                   x_out = s ? rb(x + s) : x
@@ -21,9 +22,10 @@
 //                   qk[m, h, R:] = rope(qb[m, h, Dn:], cos[m], sin[m])
 // uv_absorb       grid (Dv / 32, H, ceil(M / UV_ROWS)), block 256. o_lat bf16 [M, H, R]; out bf16 [M, H * Dv]:
 //                   out[m, h * Dv + d] = rb(sum_r o_lat[m, h, r] wkvb[h, Dn + d, r])
-// router_scores   grid (ceil(E / 4), ceil(M / RS_ROWS)), block 128. x bf16 [M, D], w bf16 [E, D] -> scores fp32
-//                 [M, E] = sigmoid(x . w_e) with fp32 products and sums (Gate.scores).
-// router_select   grid (ceil(M / 4)), block 128 (a warp a row). scores fp32 [M, E] (E <= 1024), bias [E] fp32
+// router_scores   grid (E, ceil(M / RS_ROWS)), block 128. x bf16 [M, D], w bf16 [E, D] -> scores fp32 [M, E]
+//                 = sigmoid(x . w_e) with fp32 products and sums (Gate.scores).
+// router_select_jJ grid (ceil(M / 4)), block 128 (a warp a row), J in SEL_JS (E <= 32 J: ops.decode takes the
+//                 smallest). scores fp32 [M, E] (E <= 1024), bias [E] fp32
 //                 (bias_bf16 = 0) or bf16 bits (bias_bf16 = 1)
 //                 -> weights fp32 [M, k], ids int32 [M, k] (k <= 32): Gate.forward's noaux_tc selection:
 //                 c = scores + bias; with n_group > 1 only the topk_group groups of largest top-2 sum stay;
@@ -42,6 +44,7 @@
 #define RS_ROWS 8     // router_scores: rows a block (ops.decode.RS_ROWS)
 #define SEL_MAX_E 1024
 #define SEL_MAX_K 32
+#define AN_CHUNKS 4   // add_rmsnorm: 8-wide chunks a thread keeps in registers (more are read back)
 
 __device__ __forceinline__ float rb(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ uint16_t f2b(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
@@ -100,14 +103,17 @@ __device__ __forceinline__ void rope_row(const uint16_t* x, const uint16_t* cs, 
     }
 }
 
-extern "C" __global__ void add_rmsnorm(const uint16_t* __restrict__ x, const float* __restrict__ routed,
-                                       const uint16_t* __restrict__ shared_, const uint16_t* __restrict__ delta,
-                                       const uint16_t* __restrict__ w, int D, float eps,
-                                       uint16_t* __restrict__ x_out, uint16_t* __restrict__ y) {
+extern "C" __global__ void __launch_bounds__(1024) add_rmsnorm(
+    const uint16_t* __restrict__ x, const float* __restrict__ routed, const uint16_t* __restrict__ shared_,
+    const uint16_t* __restrict__ delta, const uint16_t* __restrict__ w, int D, float eps,
+    uint16_t* __restrict__ x_out, uint16_t* __restrict__ y) {
     const size_t row = (size_t)blockIdx.x * D;
     const bool add = routed != nullptr || delta != nullptr;
+    const int step = blockDim.x * 8;
+    float keep[AN_CHUNKS][8];  // the x_out values of this thread's first AN_CHUNKS chunks
     float ss = 0.f, unused = 0.f;
-    for (int i = threadIdx.x * 8; i < D; i += blockDim.x * 8) {
+    int k = 0;
+    for (int i = threadIdx.x * 8; i < D; i += step, k++) {
         float v[8];
         unpack8(*reinterpret_cast<const uint4*>(x + row + i), v);
         if (add) {
@@ -132,12 +138,26 @@ extern "C" __global__ void add_rmsnorm(const uint16_t* __restrict__ x, const flo
 #pragma unroll
         for (int j = 0; j < 8; j++) ss += v[j] * v[j];
         *reinterpret_cast<uint4*>(x_out + row + i) = pack8(v);
+#pragma unroll
+        for (int c = 0; c < AN_CHUNKS; c++)
+            if (c == k)
+#pragma unroll
+                for (int j = 0; j < 8; j++) keep[c][j] = v[j];
     }
     block_sum2(ss, unused);
     const float inv = rsqrtf(ss / (float)D + eps);
-    for (int i = threadIdx.x * 8; i < D; i += blockDim.x * 8) {  // this thread's own elements of x_out
+    k = 0;
+    for (int i = threadIdx.x * 8; i < D; i += step, k++) {  // this thread's own elements of x_out
         float v[8], g[8];
-        unpack8(*reinterpret_cast<const uint4*>(x_out + row + i), v);
+        if (k < AN_CHUNKS) {
+#pragma unroll
+            for (int c = 0; c < AN_CHUNKS; c++)
+                if (c == k)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) v[j] = keep[c][j];
+        } else {
+            unpack8(*reinterpret_cast<const uint4*>(x_out + row + i), v);
+        }
         unpack8(*reinterpret_cast<const uint4*>(w + i), g);
 #pragma unroll
         for (int j = 0; j < 8; j++) v[j] = g[j] * rb(v[j] * inv);
@@ -237,6 +257,7 @@ extern "C" __global__ void uv_absorb(const uint16_t* __restrict__ o_lat, const u
     for (int a = 0; a < 4; a++)
 #pragma unroll
         for (int j = 0; j < UV_ROWS; j++) acc[a][j] = 0.f;
+#pragma unroll 2
     for (int r = lane * 8; r < R; r += 256) {
 #pragma unroll
         for (int a = 0; a < 4; a++) {
@@ -248,31 +269,36 @@ extern "C" __global__ void uv_absorb(const uint16_t* __restrict__ o_lat, const u
                 for (int c = 0; c < 8; c++) acc[a][j] += ol[j * R + r + c] * wv[c];
         }
     }
+    const int rows = min(UV_ROWS, M - m0);  // the same on every lane: warp_sum only for real rows
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
         for (int j = 0; j < UV_ROWS; j++) {
+            if (j >= rows) break;
             const float s = warp_sum(acc[a][j]);
-            if (lane == 0 && m0 + j < M) out[(size_t)(m0 + j) * H * Dv + (size_t)h * Dv + d0 + a] = f2b(s);
+            if (lane == 0) out[(size_t)(m0 + j) * H * Dv + (size_t)h * Dv + d0 + a] = f2b(s);
         }
 }
 
-// Block: 4 experts, a warp each; a lane reads 8 of the D weights per step (16 bytes) and the same 8 of each of
-// RS_ROWS input rows.
+// Block: one expert, 128 threads; thread t reads the 8 weights at t * 8 + 1024 k (16 bytes each, all of a
+// thread's loads independent) and the same 8 of each of RS_ROWS input rows; warp sums, then the 4 warps' in
+// shared memory.
 extern "C" __global__ void router_scores(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int M,
                                          int D, int E, float* __restrict__ scores) {
-    const int lane = threadIdx.x & 31, e = blockIdx.x * 4 + (threadIdx.x >> 5), m0 = blockIdx.y * RS_ROWS;
-    if (e >= E) return;
+    __shared__ float red[4][RS_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x, m0 = blockIdx.y * RS_ROWS;
+    const int rows = min(RS_ROWS, M - m0);
     float acc[RS_ROWS];
 #pragma unroll
     for (int j = 0; j < RS_ROWS; j++) acc[j] = 0.f;
     const uint16_t* we = w + (size_t)e * D;
-    for (int i = lane * 8; i < D; i += 256) {
+#pragma unroll 4
+    for (int i = threadIdx.x * 8; i < D; i += 1024) {
         float wv[8];
         unpack8(__ldg(reinterpret_cast<const uint4*>(we + i)), wv);
 #pragma unroll
         for (int j = 0; j < RS_ROWS; j++) {
-            if (m0 + j >= M) break;
+            if (j >= rows) break;
             float xv[8];
             unpack8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)(m0 + j) * D + i)), xv);
 #pragma unroll
@@ -282,7 +308,13 @@ extern "C" __global__ void router_scores(const uint16_t* __restrict__ x, const u
 #pragma unroll
     for (int j = 0; j < RS_ROWS; j++) {
         const float s = warp_sum(acc[j]);
-        if (lane == 0 && m0 + j < M) scores[(size_t)(m0 + j) * E + e] = 1.f / (1.f + expf(-s));
+        if (lane == 0) red[warp][j] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        const int j = threadIdx.x;
+        const float s = (red[0][j] + red[1][j]) + (red[2][j] + red[3][j]);
+        scores[(size_t)(m0 + j) * E + e] = 1.f / (1.f + expf(-s));
     }
 }
 
@@ -297,15 +329,17 @@ __device__ __forceinline__ void warp_argmax(float& v, int& id) {
     }
 }
 
-extern "C" __global__ void router_select(const float* __restrict__ scores, const void* __restrict__ bias,
-                                         int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-                                         float* __restrict__ w_out, int* __restrict__ ids) {
+// One row a warp, lane l holding experts l + 32 j for j < J (E <= 32 J).
+template <int J>
+__device__ __forceinline__ void router_select_body(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
     const int lane = threadIdx.x & 31, m = blockIdx.x * 4 + (threadIdx.x >> 5);
     if (m >= M) return;
     const float* sc = scores + (size_t)m * E;
-    float c[SEL_MAX_E / 32];
+    float c[J];
 #pragma unroll
-    for (int j = 0; j < SEL_MAX_E / 32; j++) {
+    for (int j = 0; j < J; j++) {
         const int e = lane + 32 * j;
         const float b = e >= E ? 0.f : bias_bf16 ? b2f(static_cast<const uint16_t*>(bias)[e])
                                                   : static_cast<const float*>(bias)[e];
@@ -321,7 +355,7 @@ extern "C" __global__ void router_select(const float* __restrict__ scores, const
                 float v = NEG_INF;
                 int id = 0x7fffffff;
 #pragma unroll
-                for (int j = 0; j < SEL_MAX_E / 32; j++) {
+                for (int j = 0; j < J; j++) {
                     const int e = lane + 32 * j;
                     if (e < E && e / gs == g && e != taken && (c[j] > v || (c[j] == v && e < id))) {
                         v = c[j];
@@ -342,7 +376,7 @@ extern "C" __global__ void router_select(const float* __restrict__ scores, const
             if (id < n_group) keep |= 1u << id;
         }
 #pragma unroll
-        for (int j = 0; j < SEL_MAX_E / 32; j++) {
+        for (int j = 0; j < J; j++) {
             const int e = lane + 32 * j;
             if (e < E && !((keep >> (e / gs)) & 1u)) c[j] = NEG_INF;
         }
@@ -353,14 +387,14 @@ extern "C" __global__ void router_select(const float* __restrict__ scores, const
         float v = NEG_INF;
         int id = 0x7fffffff;
 #pragma unroll
-        for (int j = 0; j < SEL_MAX_E / 32; j++) {
+        for (int j = 0; j < J; j++) {
             const int e = lane + 32 * j;
             if (e < E && (c[j] > v || (c[j] == v && e < id))) { v = c[j]; id = e; }
         }
         warp_argmax(v, id);
         if (id >= E) id = 0;  // fewer than k selectable experts (non-finite scores): expert 0, as topk's order
 #pragma unroll
-        for (int j = 0; j < SEL_MAX_E / 32; j++)
+        for (int j = 0; j < J; j++)
             if (lane + 32 * j == id) c[j] = NEG_INF;
         const float s = sc[id];
         sum += s;  // the same order on every lane: the sum of the first r + 1 choices
@@ -372,6 +406,32 @@ extern "C" __global__ void router_select(const float* __restrict__ scores, const
         w_out[(size_t)m * k + lane] = v * scale;
         ids[(size_t)m * k + lane] = mine;
     }
+}
+
+extern "C" __global__ void router_select_j4(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
+    router_select_body<4>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
+}
+extern "C" __global__ void router_select_j8(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
+    router_select_body<8>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
+}
+extern "C" __global__ void router_select_j12(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
+    router_select_body<12>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
+}
+extern "C" __global__ void router_select_j16(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
+    router_select_body<16>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
+}
+extern "C" __global__ void router_select_j32(const float* __restrict__ scores, const void* __restrict__ bias,
+        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
+        float* __restrict__ w_out, int* __restrict__ ids) {
+    router_select_body<32>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
 }
 
 extern "C" __global__ void silu_mul(const uint16_t* __restrict__ g, const uint16_t* __restrict__ u, int M, int I,

@@ -155,7 +155,7 @@ def dec_gpu(poison_outputs):
 
 
 @gpu
-@pytest.mark.parametrize("M,D", [(1, 7168), (5, 256), (33, 2048)])
+@pytest.mark.parametrize("M,D", [(1, 7168), (5, 256), (33, 2048), (2, 24), (3, 40960)])   # 40960: read back
 @pytest.mark.parametrize("kind", ["none", "delta", "routed", "routed_shared"])
 def test_add_rmsnorm_kernel_matches_twin(dec_gpu, M, D, kind):
     rng = np.random.default_rng(M * D + len(kind))
@@ -222,7 +222,9 @@ def test_absorb_kernels_match_twins(dec_gpu, M, H):
 
 @gpu
 @pytest.mark.parametrize("M,E,D,k,groups", [(1, 384, 7168, 8, (1, 1)), (9, 384, 7168, 8, (1, 1)),
-                                            (130, 256, 512, 8, (8, 4)), (3, 16, 64, 4, (4, 2))])
+                                            (130, 256, 512, 8, (8, 4)), (3, 16, 64, 4, (4, 2)),
+                                            (2, 100, 256, 6, (4, 2)), (4, 200, 128, 8, (8, 3)),
+                                            (5, 500, 512, 8, (1, 1)), (1, 1024, 256, 32, (8, 4))])
 def test_router_kernels_match_twins(dec_gpu, M, E, D, k, groups):
     rng = np.random.default_rng(M + E)
     x, xn = _bf(rng, M, D)

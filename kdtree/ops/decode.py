@@ -24,8 +24,17 @@ from .loader import _aligned, _empty, _i, _launch, _need, _on_one_gpu, _p
 
 QA_ROWS, UV_ROWS, RS_ROWS = 4, 4, 8   # rows a block of q_absorb, uv_absorb, router_scores (decode_fused.cu)
 SEL_MAX_E, SEL_MAX_K = 1024, 32      # router_select's limits
+SEL_JS = (4, 8, 12, 16, 32)          # router_select_jJ builds: experts a lane holds (E <= 32 J)
+NORM_CHUNKS = 4                      # add_rmsnorm: 8-wide chunks a thread keeps in registers (AN_CHUNKS)
+
 _BF16 = (torch.bfloat16,)
 _NULL = np.uint64(0)
+
+
+def _norm_block(D: int) -> int:
+    """add_rmsnorm's block: one 8-wide chunk a thread where D allows (a multiple of 32 threads, at most
+    1024)."""
+    return min(1024, -(-(D // 8) // 32) * 32)
 
 
 def _f(v: float) -> np.float32:
@@ -71,7 +80,7 @@ def add_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, routed: torch.Tens
     y = _empty(M, D, dtype=torch.bfloat16, device=x.device)
     _aligned(x=x, w=w, **extra)
     null = _NULL
-    _launch("decode_fused", "add_rmsnorm", (M,), (256,),
+    _launch("decode_fused", "add_rmsnorm", (M,), (_norm_block(D),),
             (_p(x), _p(routed) if routed is not None else null, _p(shared) if shared is not None else null,
              _p(delta) if delta is not None else null, _p(w), _i(D), _f(eps), _p(x_out), _p(y)))
     return x_out, y
@@ -109,7 +118,7 @@ def mla_latent(qkv: torch.Tensor, wq: torch.Tensor | None, wkv: torch.Tensor, co
             raise ValueError(f"slots: expected pool rows in [0, {pool.shape[0]}), got [{lo}, {hi}]")
     eps = _eps(eps)
     q = _empty(M, QL, dtype=torch.bfloat16, device=qkv.device)
-    _launch("decode_fused", "mla_latent", (M,), (256,),
+    _launch("decode_fused", "mla_latent", (M,), (512,),
             (_p(qkv), _i(QL), _i(R), _i(P), _p(wq) if wq is not None else _p(wkv), _p(wkv), _p(cos), _p(sin),
              _p(slots), _f(eps), _i(int(bool(interleave))), _p(q), _p(pool)))
     return q
@@ -176,7 +185,7 @@ def router_scores(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _on_one_gpu(x=x, w=w)
     _aligned(x=x, w=w)
     scores = _empty(M, E, dtype=torch.float32, device=x.device)
-    _launch("decode_fused", "router_scores", (-(-E // 4), -(-M // RS_ROWS)), (128,),
+    _launch("decode_fused", "router_scores", (E, -(-M // RS_ROWS)), (128,),
             (_p(x), _p(w), _i(M), _i(D), _i(E), _p(scores)))
     return scores
 
@@ -203,7 +212,8 @@ def router_select(scores: torch.Tensor, bias: torch.Tensor, n_group: int, topk_g
     _on_one_gpu(scores=scores, bias=bias)
     w = _empty(M, k, dtype=torch.float32, device=scores.device)
     ids = _empty(M, k, dtype=torch.int32, device=scores.device)
-    _launch("decode_fused", "router_select", (-(-M // 4),), (128,),
+    J = next(j for j in SEL_JS if E <= 32 * j)
+    _launch("decode_fused", f"router_select_j{J}", (-(-M // 4),), (128,),
             (_p(scores), _p(bias), _i(int(bias.dtype == torch.bfloat16)), _i(M), _i(E), _i(n_group),
              _i(topk_group), _i(k), _i(int(bool(norm))), _f(scale), _p(w), _p(ids)))
     return w, ids
