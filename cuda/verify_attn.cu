@@ -256,35 +256,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) verify_attn_partial(
 extern "C" __global__ void __launch_bounds__(128) verify_attn_combine(
     const float* __restrict__ ws_o, const float2* __restrict__ ws_ml, int n_splits, int NH,
     __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-    __shared__ float wts[MAX_SPLITS];  // 2^(m_s - M), 0 for a split that saw no key
+    // the splits with a nonzero weight 2^(m_s - M), ascending (an empty split's O is not written; a split whose
+    // terms underflow adds nothing): their ids and weights
+    __shared__ int ids[MAX_SPLITS];
+    __shared__ float wts[MAX_SPLITS];
     __shared__ float s_inv;
+    __shared__ int s_cnt;
     const int qr = blockIdx.x, b = blockIdx.y, B = gridDim.y, lane = threadIdx.x & 31;
     if (threadIdx.x < 32) {
         float M = NEG_INF;
         for (int s = lane; s < n_splits; s += 32) M = fmaxf(M, ws_ml[((size_t)s * B + b) * NH + qr].x);
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
         float L = 0.f;
-        for (int s = lane; s < n_splits; s += 32) {
-            const float2 ml = ws_ml[((size_t)s * B + b) * NH + qr];
-            const float w = (ml.x == NEG_INF) ? 0.f : exp2f(ml.x - M);
-            wts[s] = w;
-            L += ml.y * w;
+        int cnt = 0;
+        for (int s0 = 0; s0 < n_splits; s0 += 32) {  // the whole warp in every pass (the ballot)
+            const int s = s0 + lane;
+            float w = 0.f;
+            if (s < n_splits) {
+                const float2 ml = ws_ml[((size_t)s * B + b) * NH + qr];
+                w = (ml.x == NEG_INF) ? 0.f : exp2f(ml.x - M);
+                L += ml.y * w;
+            }
+            const unsigned live = __ballot_sync(0xffffffffu, w != 0.f);
+            if (w != 0.f) {
+                const int at = cnt + __popc(live & ((1u << lane) - 1u));
+                ids[at] = s;
+                wts[at] = w;
+            }
+            cnt += __popc(live);
         }
         for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
         if (lane == 0) {
             s_inv = 1.f / L;
+            s_cnt = cnt;
             lse[(size_t)b * NH + qr] = (M + log2f(L)) * 0.6931471805599453f;
         }
     }
     __syncthreads();
     const float inv = s_inv;
+    const int cnt = s_cnt;
+    const size_t col0 = ((size_t)b * NH + qr) * D_V, stride = (size_t)B * NH * D_V;  // split s: + s stride
     for (int c = threadIdx.x * 4; c < D_V; c += blockDim.x * 4) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = 0; s < n_splits; ++s) {
-            const float w = wts[s];
-            if (w == 0.f) continue;  // an empty split (its O is not written) or one whose terms underflow
-            const float4 v = *(const float4*)(ws_o + (((size_t)s * B + b) * NH + qr) * D_V + c);
+        int j = 0;
+        for (; j + 4 <= cnt; j += 4) {  // four loads in flight, then the sums in split order
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = *(const float4*)(ws_o + ids[j + u] * stride + col0 + c);
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const float w = wts[j + u];
+                acc.x += v[u].x * w; acc.y += v[u].y * w; acc.z += v[u].z * w; acc.w += v[u].w * w;
+            }
+        }
+        for (; j < cnt; j++) {
+            const float w = wts[j];
+            const float4 v = *(const float4*)(ws_o + ids[j] * stride + col0 + c);
             acc.x += v.x * w; acc.y += v.y * w; acc.z += v.z * w; acc.w += v.w * w;
         }
         __nv_bfloat16* dst = out + ((size_t)b * NH + qr) * D_V + c;

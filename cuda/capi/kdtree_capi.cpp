@@ -286,8 +286,7 @@ size_t tree_smem(int B, int L, int K) {
 
 int splits(int b, int NH, int max_keys, int sms, int tile) {
     const long long blocks = (long long)b * cdiv(NH, 64), tiles = cdiv(max_keys, tile);
-    long long top = tiles / 4 < KDTREE_MAX_SPLITS ? tiles / 4 : KDTREE_MAX_SPLITS;
-    if (top < 1) top = 1;
+    const long long top = tiles < KDTREE_MAX_SPLITS ? tiles : KDTREE_MAX_SPLITS;
     double best = -1;
     int out = 1;
     for (long long s = 1; s <= top; ++s) {

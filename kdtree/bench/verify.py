@@ -185,3 +185,85 @@ def verify_smem_model() -> dict:
         "macs": macs,
         "tensor_clocks_at_2048_mac": macs / 2048,
     }
+
+
+SPLIT_SHAPES = ((1024, 1, 1), (4096, 1, 1), (8192, 1, 1), (4096, 8, 1), (4096, 16, 1), (4096, 1, 8),
+                (32768, 1, 1))   # (context, nodes, batch): decode and short verify blocks
+SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def bench_splits(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, impls=None, H=64, repeats=30,
+                 progress=True) -> list[dict]:
+    """verify_attn (partial kernel + combine, as the decode path launches it) timed as CUDA-graph replays over
+    n_splits, per impl and (context, nodes, batch): one row per (shape, impl, n_splits) with kernel_s, and
+    `default_splits`'s choice for the live context and for a 32K capacity (the engine sizes the splits for
+    its cache capacity; the kernel spreads the live keys over them)."""
+    impls = tuple(impls or kernels.available_verify_impls())
+    rows = []
+    it = [(sh, impl) for sh in shapes for impl in impls]
+    if progress:
+        from ..progress import tqdm
+
+        it = tqdm(it, desc="verify_attn splits")
+    last = None
+    for (ctx, N, b), impl in it:
+        if last != (ctx, N, b):
+            inputs = _attn_inputs(ctx, N, b, H)
+            last = (ctx, N, b)
+        caches, pt, q, seq, _, words = inputs
+        S = ctx + N
+        tile = kernels._VERIFY_KERNELS[impl][2]
+        sms = kernels._sm_count(q.device)
+        for s in counts:
+            calls = [lambda c=c, s=s: kernels.verify_attn(q, c, pt, seq, words, 0.1447, n_splits=s,
+                                                          check_values=False, impl=impl) for c in caches]
+            t = measure(calls, repeats, "graph").median
+            rows.append({"context": ctx, "nodes": N, "batch": b, "heads": H, "impl": impl, "n_splits": s,
+                         "kernel_s": t, "bytes": b * S * 576 * 2,
+                         "default_live": kernels.default_splits(b, N * H, S, sms, tile),
+                         "default_32k": kernels.default_splits(b, N * H, max(S, 32768), sms, tile)})
+    inputs = None
+    torch.cuda.empty_cache()
+    return rows
+
+
+def format_splits(rows: list[dict]) -> str:
+    """One line per (shape, impl): the best n_splits and its time, the defaults' times, microseconds."""
+    head = f"{'ctx':>6}{'N':>4}{'b':>3} {'impl':<6}{'best':>5}{'us':>8}"
+    out = [head + f"{'live':>6}{'us':>8}{'32K':>5}{'us':>8}"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["context"], r["nodes"], r["batch"], r["impl"]), []).append(r)
+    for (ctx, N, b, impl), rs in groups.items():
+        by = {r["n_splits"]: r["kernel_s"] * 1e6 for r in rs}
+        best = min(by, key=by.get)
+        dl, d32 = rs[0]["default_live"], rs[0]["default_32k"]
+        f = lambda s: f"{by[s]:8.1f}" if s in by else f"{'-':>8}"  # noqa: E731
+        out.append(f"{ctx:>6}{N:>4}{b:>3} {impl:<6}{best:>5}{by[best]:8.1f}{dl:>6}{f(dl)}{d32:>5}{f(d32)}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list[dict]:
+    """python -m kdtree.bench.verify --splits [--out F.json]: the n_splits sweep (bench_splits)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.verify", description=main.__doc__)
+    ap.add_argument("--splits", action="store_true", required=True, help="sweep verify_attn's n_splits")
+    ap.add_argument("--repeats", type=int, default=30, help="graph replays a cell (median)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: expected a positive int")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    rows = bench_splits(repeats=a.repeats)
+    print(format_splits(rows))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

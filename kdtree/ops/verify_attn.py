@@ -58,12 +58,14 @@ def default_splits(b: int, NH: int, max_keys: int, sms: int = 132, tile: int = 3
     """Context splits per (request, 64-row block) minimising the time in units of one tile's load (~72 KB a
     block): rounds of blocks (one per SM at a time; a partial last round costs a whole one) x (tiles per split
     + 1 for the Q load and start), plus the combine's reading of the splits' fp32 partials (2 KB per split and
-    query row, spread over the SMs); at least 4 tiles a split; fewer splits on a tie. E.g. 64 row blocks on
-    132 SMs: 2 splits (128 blocks, one round), not 3 (192 blocks, two rounds)."""
+    query row, spread over the SMs); at least one tile a split; fewer splits on a tie. E.g. 64 row blocks on
+    132 SMs: 2 splits (128 blocks, one round), not 3 (192 blocks, two rounds); one row block (a decode step
+    of 64 heads) over 64 tiles: 64 splits of one tile. The kernels spread the live keys over the splits, so
+    splits sized for a cache's capacity serve a shorter context with one tile or more each."""
     blocks = b * math.ceil(NH / 64)
     tiles = math.ceil(max_keys / tile)
     best = None
-    for s in range(1, max(1, min(MAX_SPLITS, tiles // 4)) + 1):
+    for s in range(1, min(MAX_SPLITS, tiles) + 1):
         cost = math.ceil(blocks * s / sms) * (math.ceil(tiles / s) + 1)
         if s > 1:
             cost += s * b * NH * 2048 / (sms * 73728)
