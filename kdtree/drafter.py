@@ -242,7 +242,7 @@ def _draft_attn_kernel(q, kbuf, vbuf, ctx_len, C: int, scale: float) -> torch.Te
 
 
 _HAVE_CUPY = importlib.util.find_spec("cupy") is not None  # the kernels' launcher is installed
-KERNEL_AUTO = False   # impl "auto" takes "kernel" (where it fits) only when set; by name it always runs
+KERNEL_AUTO = True    # impl "auto" takes "kernel" (where it fits) only when set; by name it always runs
 
 
 def draft_attn_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,

@@ -205,7 +205,7 @@ class Transformer(nn.Module):
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # forward_paged's layers through kdtree.fused's kernels where they apply (True), else Block.forward
-        self.fused = False
+        self.fused = True
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
