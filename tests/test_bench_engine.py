@@ -40,6 +40,12 @@ def test_the_benchmark_says_it_needs_a_gpu(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_mid_model_names_a_bad_decode_path_before_building():
+    from kdtree.bench import engine as bench_engine
+    with pytest.raises(ValueError, match="decode_path='kernels'"):
+        bench_engine.mid_model(decode_path="kernels")
+
+
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_stage_kernels_profiles_an_auto_round_as_its_two_phases():
     """bench.engine.stage_kernels on a budget='auto' engine (CPU: the stage ranges and the plan, kernels are

@@ -81,12 +81,17 @@ def decode_weight_bytes(args, itemsize: int = 2, experts_touched: int | None = N
 
 
 def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: int = 64, max_new: int = 64,
-              hf: bool = True, compile: bool = True, paths=("grouped", "dense"), log=print) -> dict:
+              hf: bool = True, compile: bool = True, paths=("grouped", "dense"), log=print,
+              decode_path: str = "default") -> dict:
     """AR at batch 1 on the mid-size config (random bf16 weights, seed 0; the kernel attention path) through
     the engine per MoE path (the first also compiled), against its weight-bytes floor (decode_weight_bytes
     over the copy bandwidth measured here) and transformers' generate on the very same weights (a checkpoint
-    written to a temporary folder)."""
+    written to a temporary folder). decode_path: the layers as the model does by default (Transformer.fused),
+    through kdtree.fused's kernels ("fused", where they apply) or the torch path ("torch")."""
     import tempfile
+
+    if decode_path not in ("default", "fused", "torch"):
+        raise ValueError(f"decode_path={decode_path!r}: expected 'default', 'fused' or 'torch'")
 
     from ..config import load_config
     from ..model import build_model
@@ -95,8 +100,11 @@ def mid_model(config="data/configs/mid.json", n_prompts: int = 4, prompt_len: in
     t0 = time.perf_counter()
     model = build_model(args, seed=0, dtype=torch.bfloat16, device="cuda")
     model.attn_impl = "kernel"
+    if decode_path != "default":
+        model.fused = decode_path == "fused"
     rec = {"config": str(config), "params": sum(p.numel() for p in model.parameters()), "dtype": "bfloat16",
-           "attn_impl": "kernel", "prompts": n_prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
+           "attn_impl": "kernel", "decode_path": "fused" if model.fused else "torch", "prompts": n_prompts,
+           "prompt_len": prompt_len, "max_new_tokens": max_new,
            "build_s": time.perf_counter() - t0, "compile": compile}
     bw = copy_bandwidth()
     wb = decode_weight_bytes(args, 2)
@@ -396,6 +404,10 @@ def main(argv=None) -> None:
     ap.add_argument("--batched-eager", action="store_true", help="batched engines without torch.compile")
     ap.add_argument("--no-mid", action="store_true", help="leave out the mid-size model's section")
     ap.add_argument("--mid-only", action="store_true", help="only the mid-size model (DIR/engine_mid.json)")
+    ap.add_argument("--decode-path", choices=("default", "fused", "torch"), default="default",
+                    help="--mid-only: the layers as built (Transformer.fused), through kdtree.fused or the "
+                    "torch path")
+    ap.add_argument("--no-compile", action="store_true", help="--mid-only: leave out the torch.compile row")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.engine needs a CUDA GPU: none is visible on this machine")
@@ -408,7 +420,8 @@ def main(argv=None) -> None:
                   f"(min {r['min_s'] * 1e6:.1f})")
         return
     if a.mid_only:
-        m = mid_model(hf=not a.no_hf, n_prompts=2 if a.quick else 4, max_new=32 if a.quick else 64)
+        m = mid_model(hf=not a.no_hf, n_prompts=2 if a.quick else 4, max_new=32 if a.quick else 64,
+                      compile=not a.no_compile, decode_path=a.decode_path)
         m["targets"] = mid_targets(m)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "engine_mid.json").write_text(json.dumps(m, indent=1))
