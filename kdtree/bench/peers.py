@@ -1,0 +1,361 @@
+"""Our MLA attention beside the field's, same inputs, one run: python -m kdtree.bench.peers [--out DIR].
+
+Peers are found where a user installed them (the `peers` extra; on the device, wheels as for papermill) and
+never installed here; one that is absent or fails to load is skipped with its reason in the record:
+  flashinfer  flashinfer-python's BatchMLAPagedAttentionWrapper (backends fa3, fa2) and merge_state
+  sglang      SGLang's Triton kernels, loaded by path from the installed wheel's
+              sglang/kernels/ops/attention/ (verify_mla: chain verify; extend_attention: a custom mask)
+              under stub modules for its runtime utilities (sglang/__init__ and the server never load)
+
+Cells (`CELLS`: heads, context, nodes N, batch, mask): decode N = 1 at batch 1 / 8 / 32, chains N = 8 / 16
+(causal), DDTree trees N = 16 / 64 / 128, at 64 heads (one GPU) and 8 (a TP-8 rank), contexts 4K and 32K.
+Every side reads the same random latent cache, each in its own layout (ours: pages of 64 rows of 576;
+FlashInfer: split ckv / kpe pages; SGLang: token slots), rotated past L2; times are CUDA-event medians of
+queued eager calls. A peer's time counts only where its output agrees with ours (max |diff| / max |ours| <=
+AGREE) and ours with the float64 golden twin on request 0 (contexts up to GOLDEN_MAX_KEYS). Trees also get
+"cascade": FlashInfer non-causal over the prefix, ours over the block's pages only, merged by merge_state.
+
+Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
+{side: agreement}) and `targets` (ours against the best peer; a tree's fused kernel against the cascade).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import goals
+from .timer import input_sets, measure
+
+AGREE = 1e-2               # a peer's output agrees with ours within this (bf16 outputs)
+GOLDEN_MAX_KEYS = 8448     # ours is checked against the float64 twin on request 0 up to this many keys
+QUEUE_CYCLES = 2_000_000   # GPU spin before each timed call (longer than any side's host work)
+SCALE = 0.1352             # softmax scale of the random inputs (1 / sqrt(192) x YaRN's mscale, K2.6-like)
+CELLS = tuple((H, ctx, N, b, kind) for H in (64, 8) for ctx in (4096, 32768) for N, b, kind in (
+    (1, 1, "decode"), (1, 8, "decode"), (1, 32, "decode"), (8, 1, "chain"), (16, 1, "chain"),
+    (16, 1, "tree"), (64, 1, "tree"), (128, 1, "tree")))
+QUICK_CELLS = ((64, 4096, 1, 1, "decode"), (64, 4096, 1, 8, "decode"), (64, 4096, 16, 1, "chain"),
+               (64, 4096, 64, 1, "tree"))
+SGLANG_FILES = "kernels/ops/attention"
+
+
+# ----------------------------------------------------------------------------- finding the peers
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _sglang_stubs() -> None:
+    """Bare package modules for sglang's folders (their __init__ files never run) and stubs for the runtime
+    utilities its attention kernels import (device predicates, environment flags)."""
+    spec = importlib.util.find_spec("sglang")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    for name, sub in (("sglang", ""), ("sglang.kernels", "kernels"), ("sglang.kernels.ops", "kernels/ops"),
+                      ("sglang.kernels.ops.attention", SGLANG_FILES)):
+        if name not in sys.modules:
+            m = types.ModuleType(name)
+            m.__path__ = [str(root / sub)]
+            sys.modules[name] = m
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_cuda = lambda: torch.cuda.is_available() and torch.version.hip is None
+    utils.is_hip = lambda: False
+    utils.is_gfx95_supported = utils.is_gfx1250_supported = lambda: False
+    utils.get_device_core_count = lambda i=0: torch.cuda.get_device_properties(i).multi_processor_count
+
+    class _Flag:
+        def __init__(self, name):
+            self.name = name
+
+        def get(self):
+            v = os.environ.get(self.name)
+            return False if v is None else v.lower() in ("1", "true", "yes")
+
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = type("Envs", (), {"__getattr__": lambda self, name: _Flag(name)})()
+    srt = types.ModuleType("sglang.srt")
+    srt.__path__ = []
+    for m in (srt, utils, environ):
+        sys.modules.setdefault(m.__name__, m)
+
+
+def find_peers() -> dict:
+    """{name: {"available", "version", "reason"?, "api"?}}: each peer loaded (its entry points in "api", not
+    serialized) or the reason it is not."""
+    out = {}
+    fi = {"version": _version("flashinfer-python")}
+    try:
+        import flashinfer
+        fi.update(available=True, api={"mla": flashinfer.mla.BatchMLAPagedAttentionWrapper,
+                                       "merge_state": flashinfer.merge_state})
+    except Exception as e:  # absent, or present without what it needs (a dependency, a compiler)
+        fi.update(available=False, reason=f"{type(e).__name__}: {e}"[:300])
+    out["flashinfer"] = fi
+    sg = {"version": _version("sglang")}
+    try:
+        if importlib.util.find_spec("sglang") is None:
+            raise ImportError("sglang is not installed (pip install sglang==0.5.23 --no-deps)")
+        import triton  # noqa: F401  (the kernels are Triton's)
+        _sglang_stubs()
+        base = "sglang.kernels.ops.attention."
+        vm = importlib.import_module(base + "verify_mla")
+        ea = importlib.import_module(base + "extend_attention")
+        sg.update(available=True, api={"verify": vm.verify_shared_kv_fwd, "extend": ea.extend_attention_fwd})
+    except Exception as e:
+        sg.update(available=False, reason=f"{type(e).__name__}: {e}"[:300])
+    out["sglang"] = sg
+    return out
+
+
+# ----------------------------------------------------------------------------- one cell's inputs
+def cell_inputs(H: int, ctx: int, N: int, b: int, kind: str, seed: int = 0) -> dict:
+    """Our verify_attn inputs for a context ctx (a whole number of 64-row pages) plus N appended rows per
+    request: cache sets rotated past L2, an identity page table, q [b, N, H, 576], seq_len, the bool mask
+    [b, N, N] (decode: [[True]]; chain: causal; tree: a DDTree's ancestor mask) and its packed words."""
+    from .. import golden
+    from ..ops.verify_attn import pack_mask
+    if ctx % 64:
+        raise ValueError(f"ctx={ctx}: expected a multiple of the page size 64")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    S = ctx + N
+    pages = math.ceil(S / 64)
+    n_sets = input_sets(b * pages * 64 * 576 * 2, hi=8)
+    caches = [(torch.randn(b * pages * 64, 576, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+              for _ in range(n_sets)]
+    q = (torch.randn(b, N, H, 576, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    if kind == "tree":
+        rng = np.random.default_rng(N)
+        m = golden.compile_tree(golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1),
+                                0, 0).mask
+    else:
+        m = np.tril(np.ones((N, N), bool))
+    mask = torch.from_numpy(m).cuda()[None].expand(b, N, N).contiguous()
+    return {"caches": caches, "q": q, "mask": mask, "words": pack_mask(mask), "pages": pages,
+            "page_table": torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages),
+            "seq_len": torch.full((b,), S, device="cuda", dtype=torch.int32)}
+
+
+def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- the sides
+def _ours(x, scale):
+    from ..ops.verify_attn import verify_attn
+    q, pt, seq, words = x["q"], x["page_table"], x["seq_len"], x["words"]
+    return [lambda c=c: verify_attn(q, c, pt, seq, words, scale, check_values=False)[0] for c in x["caches"]]
+
+
+def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False):
+    """FlashInfer's MLA over each cache set (split into its ckv / kpe page layout): the whole context with a
+    causal block (prefix_only False), or the prefix alone with every query row seeing all of it (True);
+    callables returning (out [b N, H, 512], lse base 2 [b N, H])."""
+    pages = ctx // 64 if prefix_only else x["pages"]
+    kv_len = ctx if prefix_only else ctx + N
+    dev = x["q"].device
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    w = api["mla"](ws, backend=backend)
+    per = x["pages"]
+    idx = (torch.arange(b, device=dev, dtype=torch.int32)[:, None] * per
+           + torch.arange(pages, device=dev, dtype=torch.int32)[None]).reshape(-1)
+    w.plan(torch.arange(0, b * N + 1, N, device=dev, dtype=torch.int32),
+           torch.arange(0, b * pages + 1, pages, device=dev, dtype=torch.int32), idx,
+           torch.full((b,), kv_len, device=dev, dtype=torch.int32), H, 512, 64, 64,
+           not prefix_only and N > 1, scale, torch.bfloat16, torch.bfloat16)
+    q = x["q"].reshape(b * N, H, 576)
+    qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
+    sets = [(c.view(-1, 64, 576)[..., :512].contiguous(), c.view(-1, 64, 576)[..., 512:].contiguous())
+            for c in x["caches"]]
+    return [lambda s=s: w.run(qn, qp, s[0], s[1], return_lse=True) for s in sets]
+
+
+def _sglang(api, x, H, ctx, N, b, scale, tree):
+    """SGLang's verify_mla (chains, N = 1 included) or extend_attention with the tree's custom mask over each
+    cache set viewed as token slots ([rows, 1, 576], the value the first 512 columns)."""
+    dev = x["q"].device
+    rows = x["pages"] * 64
+    q = x["q"].reshape(b * N, H, 576).contiguous()
+    qo = torch.arange(0, b * N + 1, N, device=dev, dtype=torch.int32)
+    kvp = torch.arange(0, b * ctx + 1, ctx, device=dev, dtype=torch.int32)
+    r0 = torch.arange(b, device=dev, dtype=torch.int64)[:, None] * rows
+    kv_idx = (r0 + torch.arange(ctx, device=dev)[None]).reshape(-1)
+    blk = (r0 + ctx + torch.arange(N, device=dev)[None]).reshape(-1)
+    mask = mask_ptr = None
+    if tree:
+        full = torch.ones(b, N, ctx + N, dtype=torch.bool, device=dev)
+        full[:, :, ctx:] = x["mask"]
+        mask = full.reshape(-1)
+        mask_ptr = torch.arange(0, b * N * (ctx + N) + 1, N * (ctx + N), device=dev, dtype=torch.int64)
+    out = torch.empty(b * N, H, 512, dtype=torch.bfloat16, device=dev)
+
+    def call(c):
+        kb = c.view(-1, 1, 576)
+        k_ext = kb[blk].contiguous()
+        args = (q, k_ext, k_ext[..., :512], out, kb, kb[..., :512], qo, kvp, kv_idx, mask, not tree,
+                mask_ptr, N, 1.0, 1.0)
+        if tree:
+            api["extend"](*args, sm_scale=scale)
+        elif not api["verify"](*args, sm_scale=scale):
+            raise RuntimeError("sglang verify_mla declined the shape (can_handle False)")
+        return out
+    return [lambda c=c: call(c) for c in x["caches"]]
+
+
+def _cascade(api, x, H, ctx, N, b, scale):
+    """FlashInfer non-causal over the prefix, ours over the block's own pages (its mask), merge_state."""
+    from ..ops.verify_attn import verify_attn
+    pre = _flashinfer(api, x, H, ctx, N, b, "auto", scale, prefix_only=True)
+    first, nb = ctx // 64, math.ceil(N / 64)
+    pt = x["page_table"][:, first:first + nb].contiguous()
+    seq = torch.full((b,), N, device=x["q"].device, dtype=torch.int32)
+
+    def call(i, c):
+        o_p, s_p = pre[i]()
+        o_b, lse_b = verify_attn(x["q"], c, pt, seq, x["words"], scale, check_values=False)
+        o, _ = api["merge_state"](o_p, s_p, o_b.reshape(b * N, H, 512),
+                                  (lse_b / math.log(2)).reshape(b * N, H).contiguous())
+        return o
+    return [lambda i=i, c=c: call(i, c) for i, c in enumerate(x["caches"])]
+
+
+# ----------------------------------------------------------------------------- a cell, the run
+def _golden_ok(x, out, ctx, N, scale) -> float:
+    from ..ops.verify_attn_golden import mla_tree_attention
+    c = x["caches"][0][: ctx + N].double().cpu().numpy()
+    q = x["q"][0].double().cpu().numpy()
+    ref, _ = mla_tree_attention(q[..., :512], q[..., 512:], c[:, :512], c[:, 512:],
+                                x["mask"][0].cpu().numpy(), scale)
+    return rel_diff(out[0].float(), torch.from_numpy(ref).to(out.device))
+
+
+def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: int = 30) -> dict:
+    """One cell: {heads, context, nodes, batch, kind, time_s {side: s}, agree {side: rel diff}, skipped
+    {side: reason}, golden (ours vs the twin, request 0), best_peer, ours_over_best_peer}."""
+    x = cell_inputs(H, ctx, N, b, kind)
+    row = {"heads": H, "context": ctx, "nodes": N, "batch": b, "kind": kind, "time_s": {}, "agree": {},
+           "skipped": {}}
+    ours = _ours(x, SCALE)
+    ref = ours[0]().reshape(b * N, H, 512)
+    small = ctx + N <= GOLDEN_MAX_KEYS
+    row["golden"] = _golden_ok(x, ref.view(b, N, H, 512), ctx, N, SCALE) if small else None
+    row["time_s"]["ours"] = measure(ours, repeats, queued=True, queue_cycles=QUEUE_CYCLES).median
+    sides = {}
+    if peers["flashinfer"]["available"]:
+        api = peers["flashinfer"]["api"]
+        if kind != "tree":
+            for backend in ("fa3", "fa2"):
+                sides[f"flashinfer_{backend}"] = lambda be=backend: [
+                    (lambda f=f: f()[0]) for f in _flashinfer(api, x, H, ctx, N, b, be, SCALE)]
+        else:
+            sides["cascade"] = lambda: _cascade(api, x, H, ctx, N, b, SCALE)
+    if peers["sglang"]["available"]:
+        sides["sglang"] = lambda: _sglang(peers["sglang"]["api"], x, H, ctx, N, b, SCALE, kind == "tree")
+    for name, make in sides.items():
+        try:
+            calls = make()
+            d = rel_diff(calls[0]().reshape(b * N, H, 512), ref)
+            row["agree"][name] = d
+            if not d <= AGREE:
+                row["skipped"][name] = f"output differs from ours by {d:.3g} (> {AGREE})"
+                continue
+            row["time_s"][name] = measure(calls, repeats, queued=True, queue_cycles=QUEUE_CYCLES).median
+        except Exception as e:  # a peer that cannot take the shape: the cell says why
+            row["skipped"][name] = f"{type(e).__name__}: {e}"[:300]
+    peer_t = {k: v for k, v in row["time_s"].items() if k not in ("ours", "cascade")}
+    if peer_t:
+        best = min(peer_t, key=peer_t.get)
+        row["best_peer"], row["ours_over_best_peer"] = best, peer_t[best] / row["time_s"]["ours"]
+    if "cascade" in row["time_s"]:
+        row["ours_over_cascade"] = row["time_s"]["cascade"] / row["time_s"]["ours"]
+    x = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def build_targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        where = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
+                 "kind": r["kind"]}
+        if "ours_over_best_peer" in r:
+            out.append(goals.target("peers_attention_vs_best", r["ours_over_best_peer"],
+                                    peer=r["best_peer"], **where))
+        if "ours_over_cascade" in r:
+            out.append(goals.target("peers_tree_vs_cascade", r["ours_over_cascade"], **where))
+    return out
+
+
+def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress: bool = True) -> dict:
+    """Every cell into out/peers.json (written after each cell); returns the record. On a machine without a
+    CUDA GPU the record holds only the peers found and says why nothing ran."""
+    out = Path(out)
+    peers = find_peers()
+    rec = {"bench": "peers", "torch": torch.__version__, "quick": quick, "agree_tolerance": AGREE,
+           "peers": {k: {kk: vv for kk, vv in v.items() if kk != "api"} for k, v in peers.items()},
+           "attention": [], "targets": []}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "peers.json"
+    if not torch.cuda.is_available():
+        rec["skipped"] = "no CUDA GPU on this machine: no cell ran"
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+        return rec
+    rec["device"] = torch.cuda.get_device_name()
+    todo = list(cells or (QUICK_CELLS if quick else CELLS))
+    if progress:
+        from ..progress import tqdm
+        todo = tqdm(todo, desc="peers")
+    for cell in todo:
+        rec["attention"].append(run_cell(peers, *cell, repeats=repeats))
+        rec["targets"] = build_targets(rec["attention"])
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+    return rec
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'H':>3}{'ctx':>7}{'N':>5}{'b':>4} {'kind':<7}{'ours us':>9}  peers (us), skipped"]
+    for r in rows:
+        t = r["time_s"]
+        others = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in t.items() if k != "ours")
+        skips = "; ".join(f"{k}: {v[:60]}" for k, v in r["skipped"].items())
+        lines.append(f"{r['heads']:>3}{r['context']:>7}{r['nodes']:>5}{r['batch']:>4} {r['kind']:<7}"
+                     f"{t['ours'] * 1e6:9.1f}  {others}" + (f"  [{skips}]" if skips else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.peers",
+                                 description="our MLA attention beside FlashInfer's, SGLang's (peers.json)")
+    ap.add_argument("--out", default=None, help="record folder (default: outputs/<gpu>/, outputs/cpu/)")
+    ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_CELLS)} cells instead of {len(CELLS)}")
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls a side (median)")
+    a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: expected a positive int")
+    from ..lab import output_dir
+    out = Path(a.out) if a.out else output_dir("cuda" if torch.cuda.is_available() else "cpu")
+    rec = run(out, quick=a.quick, repeats=a.repeats)
+    for name, p in rec["peers"].items():
+        print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))
+    if rec.get("skipped"):
+        print(rec["skipped"])
+    else:
+        print(format_rows(rec["attention"]))
+        for t in rec["targets"]:
+            print(goals.line(t))
+    print(out / "peers.json")
+    return rec
+
+
+if __name__ == "__main__":
+    main()
