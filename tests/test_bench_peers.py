@@ -86,3 +86,9 @@ def test_bad_repeats_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         peers.main(["--repeats", "0"])
     assert "--repeats 0" in capsys.readouterr().err
+
+
+def test_the_ar_target_is_the_engine_over_transformers_compiled():
+    t = peers.build_targets([], {"engine_over_hf_compiled": 3.4})
+    assert [(x["key"], x["measured"], x["met"]) for x in t] == [("peers_ar_vs_hf_compiled", 3.4, True)]
+    assert peers.build_targets([], {"skipped": "transformers is not installed"}) == []

@@ -90,11 +90,29 @@ def moe_bf16_baseline(x, ids, w, experts, dequantized=None) -> torch.Tensor:
     return out
 
 
-def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
+def hf_generate(ckpt: Path, dtype, prompts, max_new: int, compiled: bool = False) -> dict:
     """transformers' DeepseekV3ForCausalLM.generate (greedy, exactly max_new tokens) on the same checkpoint,
-    one prompt at a time after a warm-up call on the first: {"tok_per_s", "tokens", "wall_s", "outputs"}."""
+    one prompt at a time after a warm-up call on the first: {"tok_per_s", "tokens", "wall_s", "outputs"}.
+    compiled: transformers' own fast path, a static cache and torch.compile(forward, mode="reduce-overhead",
+    fullgraph=True) (the warm-up call compiles; "fullgraph": False where the full graph does not capture,
+    the first error in "fullgraph_error")."""
     from transformers import AutoModelForCausalLM  # a baseline only
     m = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).cuda().eval()
+    extra = {}
+    if compiled:
+        m.generation_config.cache_implementation = "static"
+        eager_forward = m.forward
+        m.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+        try:
+            with torch.no_grad():
+                x = torch.tensor([prompts[0]], device="cuda")
+                m.generate(x, max_new_tokens=2, do_sample=False, attention_mask=torch.ones_like(x),
+                           pad_token_id=0)
+            extra["fullgraph"] = True
+        except Exception as e:  # a graph break somewhere in the model: compile what captures
+            extra.update(fullgraph=False, fullgraph_error=f"{type(e).__name__}: {e}"[:300])
+            torch._dynamo.reset()
+            m.forward = torch.compile(eager_forward, mode="reduce-overhead")
     outs = []
     xs = [torch.tensor([p], device="cuda") for p in [prompts[0], *prompts]]   # outside the clock
 
@@ -109,4 +127,5 @@ def hf_generate(ckpt: Path, dtype, prompts, max_new: int) -> dict:
     toks = sum(len(o) for o in outs)
     m = None  # free the baseline's weights before the next section
     torch.cuda.empty_cache()
-    return {"tok_per_s": toks / sum(t.times), "tokens": toks, "wall_s": sum(t.times), "outputs": outs}
+    return {"tok_per_s": toks / sum(t.times), "tokens": toks, "wall_s": sum(t.times), "outputs": outs,
+            **extra}

@@ -15,8 +15,12 @@ queued eager calls. A peer's time counts only where its output agrees with ours 
 AGREE) and ours with the float64 golden twin on request 0 (contexts up to GOLDEN_MAX_KEYS). Trees also get
 "cascade": FlashInfer non-causal over the prefix, ours over the block's pages only, merged by merge_state.
 
+Then the engine's AR at batch 1 on the trained target against transformers' compiled static-cache generate
+(same checkpoint, bf16, tokens compared; `ar_section`).
+
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
-{side: agreement}) and `targets` (ours against the best peer; a tree's fused kernel against the cascade).
+{side: agreement}), the AR section and `targets` (ours against the best peer; a tree's fused kernel against
+the cascade; the engine's AR against transformers' compiled generate).
 """
 from __future__ import annotations
 
@@ -283,8 +287,42 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
     return row
 
 
-def build_targets(rows: list[dict]) -> list[dict]:
+def ar_section(ckpt: str = "data/trained", n_prompts: int = 4, prompt_len: int = 64,
+               max_new: int = 64) -> dict:
+    """The engine's AR at batch 1 (graphed, bf16) on the trained target against transformers' compiled
+    static-cache generate on the same checkpoint and dtype: {engine, hf_compiled (tok/s, wall), tokens_equal,
+    engine_over_hf_compiled}; {"skipped": why} where transformers is absent."""
+    from .. import weights
+    from ..data import heldout_prompts
+    from ..engine import Engine
+    from .baselines import hf_generate
+    from .serve import run_engine
+    try:
+        import transformers
+    except ImportError as e:
+        return {"skipped": f"transformers is not installed ({e})"}
+    prompts = heldout_prompts(n_prompts, prompt_len)
+    target = weights.load(Path(ckpt) / "target", device="cuda", dtype=torch.bfloat16).eval()
+    max_len = 1 << math.ceil(math.log2(prompt_len + max_new + 2))
+    e = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False)
+    run_engine(e, prompts[:1], 8)
+    eng = run_engine(e, prompts, max_new)
+    del e, target
+    torch.cuda.empty_cache()
+    hf = hf_generate(Path(ckpt) / "target", torch.bfloat16, prompts, max_new, compiled=True)
+    rec = {"checkpoint": str(ckpt), "transformers": transformers.__version__, "prompts": n_prompts,
+           "prompt_len": prompt_len, "max_new_tokens": max_new,
+           "engine": {k: eng[k] for k in ("tok_per_s", "tokens", "round_wall_median_s")},
+           "hf_compiled": {k: v for k, v in hf.items() if k != "outputs"},
+           "tokens_equal": hf["outputs"] == eng["outputs"]}
+    rec["engine_over_hf_compiled"] = eng["tok_per_s"] / hf["tok_per_s"]
+    return rec
+
+
+def build_targets(rows: list[dict], ar: dict | None = None) -> list[dict]:
     out = []
+    if ar and "engine_over_hf_compiled" in ar:
+        out.append(goals.target("peers_ar_vs_hf_compiled", ar["engine_over_hf_compiled"]))
     for r in rows:
         where = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
                  "kind": r["kind"]}
@@ -296,9 +334,11 @@ def build_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress: bool = True) -> dict:
-    """Every cell into out/peers.json (written after each cell); returns the record. On a machine without a
-    CUDA GPU the record holds only the peers found and says why nothing ran."""
+def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress: bool = True,
+        ar: bool = True) -> dict:
+    """Every cell into out/peers.json (written after each cell), then the AR section (`ar_section`) where ar;
+    returns the record. On a machine without a CUDA GPU the record holds only the peers found and says why
+    nothing ran."""
     out = Path(out)
     peers = find_peers()
     rec = {"bench": "peers", "torch": torch.__version__, "quick": quick, "agree_tolerance": AGREE,
@@ -318,6 +358,10 @@ def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress:
     for cell in todo:
         rec["attention"].append(run_cell(peers, *cell, repeats=repeats))
         rec["targets"] = build_targets(rec["attention"])
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+    if ar:
+        rec["ar"] = ar_section(n_prompts=2 if quick else 4, max_new=32 if quick else 64)
+        rec["targets"] = build_targets(rec["attention"], rec["ar"])
         path.write_text(json.dumps(rec, indent=1) + "\n")
     return rec
 
@@ -339,18 +383,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="record folder (default: outputs/<gpu>/, outputs/cpu/)")
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_CELLS)} cells instead of {len(CELLS)}")
     ap.add_argument("--repeats", type=int, default=30, help="timed calls a side (median)")
+    ap.add_argument("--no-ar", action="store_true", help="leave out the AR section (engine vs transformers)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats {a.repeats}: expected a positive int")
     from ..lab import output_dir
     out = Path(a.out) if a.out else output_dir("cuda" if torch.cuda.is_available() else "cpu")
-    rec = run(out, quick=a.quick, repeats=a.repeats)
+    rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar)
     for name, p in rec["peers"].items():
         print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))
     if rec.get("skipped"):
         print(rec["skipped"])
     else:
         print(format_rows(rec["attention"]))
+        if "engine_over_hf_compiled" in rec.get("ar", {}):
+            a_ = rec["ar"]
+            print(f"AR b1: engine {a_['engine']['tok_per_s']:.1f} tok/s, transformers compiled "
+                  f"{a_['hf_compiled']['tok_per_s']:.1f} tok/s, tokens equal: {a_['tokens_equal']}")
         for t in rec["targets"]:
             print(goals.line(t))
     print(out / "peers.json")
