@@ -1,4 +1,14 @@
-"""Plots for the notebooks (matplotlib): draft trees, accept-length histograms, forward counts."""
+"""Plots for the notebooks (matplotlib): draft trees, accept-length histograms, forward counts, and notebook
+02's cost-aware-budget figure (`auto_figure`).
+
+The figures drawn from records follow one contract, which the K2.6 figure (`kdtree.bench.k26_record.plot`)
+shares through the helpers here: an axes is created only for data the record holds (no empty panel); legends
+sit outside every axes (`legend_below`, `legend_right`, a figure legend), so none covers a curve; the layout
+is matplotlib's constrained layout, so no label is cut at the figure's edge; a budget or node axis is base-2
+logarithmic with integer ticks (`log2_axis`), or, where 0 is a value (AR verifies no draft node),
+symmetric-log from 0 up (`node_axis`): never a negative tick. `layout_faults(fig)` names each break of
+this contract in a drawn figure (the tests draw small synthetic records through it).
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -89,3 +99,186 @@ def bar(values: dict, ax=None, ylabel="", title=""):
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     return ax
+
+
+# ------------------------------------------------------------------------------------------ shared helpers
+def pow2_ticks(lo: float, hi: float, most: int = 10) -> list[int]:
+    """Powers of two from lo up to hi (ints), every other one or sparser so at most `most` remain."""
+    k0, k1 = int(np.floor(np.log2(max(lo, 1)))), int(np.ceil(np.log2(max(hi, 1))))
+    step = max(1, int(np.ceil((k1 - k0 + 1) / most)))
+    return [2 ** k for k in range(k0, k1 + 1, step)]
+
+
+def log2_axis(ax, values, which: str = "x", extra: dict | None = None) -> None:
+    """A base-2 log axis with integer ticks at `values` (positive numbers; a power-of-two grid if there are
+    many), plus `extra` {position: label} (for example auto's slot right of the budgets); no minor ticks."""
+    vals = sorted({float(v) for v in values if v is not None and v > 0})
+    if not vals:
+        return
+    ticks = vals if len(vals) <= 10 else pow2_ticks(vals[0], vals[-1])
+    labels = [f"{int(round(t)):,}" for t in ticks]
+    for pos, lab in (extra or {}).items():
+        ticks, labels = [*ticks, pos], [*labels, lab]
+    getattr(ax, f"set_{which}scale")("log", base=2)
+    getattr(ax, f"set_{which}ticks")(ticks, labels)
+    getattr(ax, f"{which}axis").set_minor_locator(_plt()[0].ticker.NullLocator())
+
+
+def node_axis(ax, top: float, which: str = "y") -> None:
+    """A node-count axis that holds 0 (AR verifies none): symmetric-log base 2, linear below 1, from 0 up to
+    `top`, integer ticks 0, 1, 2, 4, ...; no negative tick."""
+    getattr(ax, f"set_{which}scale")("symlog", base=2, linthresh=1, linscale=0.5)
+    ticks = [0, *pow2_ticks(1, max(top, 1))]
+    getattr(ax, f"set_{which}ticks")(ticks, [f"{t:,}" for t in ticks])
+    getattr(ax, f"{which}axis").set_minor_locator(_plt()[0].ticker.NullLocator())
+    getattr(ax, f"set_{which}lim")(0, max(ticks[-1], top) * 1.3)
+
+
+def thousands(ax, which: str = "y") -> None:
+    """Tick labels as plain numbers with thousands separators (no 1e3 offset or exponent); on a log axis at
+    1, 2 and 5 of each decade."""
+    ticker = _plt()[0].ticker
+    axis = getattr(ax, f"{which}axis")
+    if getattr(ax, f"get_{which}scale")() == "log":
+        axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_minor_locator(ticker.NullLocator())
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if abs(v) >= 10 else f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def legend_below(ax, ncols: int = 2, **kw):
+    """The axes' legend under it, outside the plotting area (constrained layout makes room)."""
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=ncols, fontsize=7, frameon=False,
+                     **kw)
+
+
+def legend_right(ax, **kw):
+    """The axes' legend right of it, outside the plotting area."""
+    return ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=7, frameon=False, **kw)
+
+
+# ------------------------------------------------------------------------------------------ notebook 02
+def auto_figure(auto: dict, block_size: int, path=None):
+    """Notebook 02 section 5's figure from the record's `auto` section (kdtree.bench.e2e.trained_pair):
+    tok/s of all requests per fixed budget for each batch (AR, AR + torch.compile and the DFlash chain as
+    lines, auto's decide modes at the "auto" slot right of the budgets); the nodes auto verified round by
+    round at the first batch against the best fixed budget; the calibration's expected tokens per truncation
+    against the realized. A panel is drawn only where its data is recorded; legends sit under the axes.
+    Saved at `path` when given; returns the figure."""
+    from matplotlib.lines import Line2D
+    _, plt = _plt()
+    cells = [c for c in auto.get("cells", []) if not c.get("error") and c.get("tok_per_s")]
+    batches = sorted({c["batch"] for c in cells})
+    budgets = sorted({c["budget"] for c in cells if c["mode"] == "ddtree" and c["budget"] != "auto"})
+    first = next((c for c in cells if c["budget"] == "auto" and c.get("plans")
+                  and c.get("decide") in (None, "previous")), None) or \
+        next((c for c in cells if c["budget"] == "auto" and c.get("plans")), None)
+    cc = auto.get("calibration_check") or {}
+    panels = ["tok/s"] * bool(cells and budgets) + ["plan"] * bool(first) + ["calibration"] * bool(
+        cc.get("budgets"))
+    fig = plt.figure(layout="constrained", figsize=(5.4 * max(1, len(panels)), 4.8))
+    axes = dict(zip(panels, fig.subplots(1, len(panels), squeeze=False)[0])) if panels else {}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if "tok/s" in axes:
+        ax, slot = axes["tok/s"], 2.0 * max(budgets)
+        for i, b in enumerate(batches):
+            col = colors[i % len(colors)]
+            rs = [c for c in cells if c["batch"] == b]
+            fixed = [c for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"]
+            ax.plot([c["budget"] for c in fixed], [c["tok_per_s"] for c in fixed], "o-", color=col)
+            for want, ls in ((("ar", False), "-"), (("ar", True), "-."), (("dflash", False), "--")):
+                m = next((c for c in rs if (c["mode"], bool(c.get("compiled"))) == want), None)
+                if m:
+                    ax.axhline(m["tok_per_s"], color=col, ls=ls, lw=0.9)
+            for c in (c for c in rs if c["budget"] == "auto"):
+                ax.plot([slot], [c["tok_per_s"]], "*" if c.get("decide") in (None, "previous") else "s",
+                        ms=11 if c.get("decide") in (None, "previous") else 7, color=col, alpha=0.85)
+        log2_axis(ax, budgets, "x", extra={slot: "auto"})
+        ax.set_yscale("log")
+        thousands(ax)
+        ax.set(xlabel="budget B (fixed), then auto", ylabel="tok/s, all requests",
+               title="the trained pair through the engine")
+        key = [Line2D([], [], color=colors[i % len(colors)], lw=6) for i in range(len(batches))]
+        labels = [f"batch {b}" for b in batches]
+        key += [Line2D([], [], color="0.3", marker="o"), Line2D([], [], color="0.3"),
+                Line2D([], [], color="0.3", ls="-."), Line2D([], [], color="0.3", ls="--"),
+                Line2D([], [], color="0.3", marker="*", ms=10, ls=""),
+                Line2D([], [], color="0.3", marker="s", ms=6, ls="")]
+        labels += ["DDTree, fixed budget", "AR", "AR + torch.compile", "DFlash chain",
+                   "auto, decide previous", "auto, decide sync"]
+        legend_below(ax, ncols=3, handles=key, labels=labels)
+    if "plan" in axes:
+        ax = axes["plan"]
+        size = {"AR": 0, "chain": block_size - 1}
+        ys = [size.get(n, int(n[2:]) if str(n).startswith("B=") else 0) for n in first["plans"]]
+        ax.step(range(len(ys)), ys, where="post", label=f"auto ({first.get('decide') or 'previous'}): "
+                "draft nodes verified")
+        fixed = [c for c in cells if c["batch"] == first["batch"] and c["mode"] == "ddtree"
+                 and c["budget"] != "auto"]
+        top = max(ys, default=1)
+        if fixed:
+            best = max(fixed, key=lambda c: c["tok_per_s"])
+            ax.axhline(best["budget"], color="gray", ls="--",
+                       label=f"best fixed budget, B = {best['budget']}")
+            top = max(top, best["budget"])
+        node_axis(ax, top)
+        ax.set(xlabel="round", ylabel=f"draft nodes verified (AR 0, chain {block_size - 1})",
+               title=f"auto's plan per round, batch {first['batch']}")
+        legend_below(ax)
+    if "calibration" in axes:
+        ax = axes["calibration"]
+        for k, st in (("realized", "k-o"), ("calibrated", "o--"), ("raw", "o:")):
+            if cc.get(k):
+                ax.plot(cc["budgets"], cc[k], st, label=k)
+        log2_axis(ax, cc["budgets"], "x")
+        ax.set(xlabel="tree truncated to B nodes", ylabel="tokens per round",
+               title=f"expected vs realized, {cc.get('rounds', '?')} held-out rounds")
+        legend_below(ax, ncols=3)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def layout_faults(fig) -> list[str]:
+    """What breaks this module's figure contract in a drawn figure, one line each ([] for none): an axes
+    without a drawn point (an empty panel: a line of no points counts as none), a legend over an axes (a
+    figure legend or an axes' own), an axes' labels, ticks or legend or the figure's title and legends
+    reaching within 2 pixels (at 100 dpi) of the figure's edge or past it (cut)."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    page = fig.bbox
+    faults = []
+    boxes = [(ax, ax.get_window_extent(r)) for ax in fig.axes]
+
+    def name(ax):
+        return ax.get_title() or ax.get_ylabel() or f"axes {fig.axes.index(ax)}"
+
+    m = 2 * fig.dpi / 100
+
+    def cut(bb) -> bool:
+        return bb.x0 < page.x0 + m or bb.y0 < page.y0 + m or bb.x1 > page.x1 - m or bb.y1 > page.y1 - m
+
+    def drawn(ax) -> bool:
+        return (any(len(ln.get_xdata()) for ln in ax.lines) or bool(ax.patches) or bool(ax.images)
+                or any(len(c.get_offsets()) or c.get_paths() for c in ax.collections))
+
+    for ax in fig.axes:
+        if not drawn(ax):
+            faults.append(f"empty axes: {name(ax)}")
+        if cut(ax.get_tightbbox(r)):
+            faults.append(f"cut at the figure's edge: {name(ax)}")
+    legends = [(lg, None) for lg in fig.legends]
+    legends += [(ax.get_legend(), ax) for ax in fig.axes if ax.get_legend()]
+    for lg, owner in legends:
+        bb = lg.get_window_extent(r)
+        for ax, box in boxes:
+            w = min(bb.x1, box.x1) - max(bb.x0, box.x0)
+            h = min(bb.y1, box.y1) - max(bb.y0, box.y0)
+            if w > 1 and h > 1:
+                faults.append(f"legend over an axes: {name(ax)}"
+                              + (f" (the legend of {name(owner)})" if owner is not None else ""))
+        if cut(bb):
+            faults.append("legend cut at the figure's edge")
+    if fig._suptitle is not None and cut(fig._suptitle.get_window_extent(r)):
+        faults.append("title cut at the figure's edge")
+    return faults

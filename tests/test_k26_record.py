@@ -173,3 +173,48 @@ def test_cli_combines_into_the_record_and_leaves_it_alone_on_bad_input(tmp_path,
     assert sum("queue of 16" in n for n in names) == 2
     assert names[0] == "auto t" and sum("K2.6 sim" in n for n in names) == len(rec["k26"]["targets"])
     assert (tmp_path / "e2e_k26.png").stat().st_size > 0 and "runs r1, r2" in capsys.readouterr().out
+
+
+def test_plot_draws_only_the_cells_present_with_legends_outside(tmp_path):
+    """The figure from a small record: one tok/s panel per (context, batch) cell present (a missing cell
+    leaves no empty panel), a round-cost panel only for a context with measured rounds, every legend
+    outside the axes, nothing cut at the edge, base-2 budget ticks that are whole numbers (and auto). The
+    checker can fail: a panel without points and a legend inside an axes are reported."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kdtree import plots
+    def span(c):
+        return 0.01 * (1 + c["budget"]) if isinstance(c["budget"], int) else 0.01
+    timed = [dict(c, round_gpu_span_median_s=span(c),
+                  queued={"full_tok_per_s": 0.9 * c["tok_per_s"]} if c["batch"] == 8 else None)
+             for c in _rows(4096, 1, 5.0, "r1", 1.0) + _rows(4096, 8, 5.0, "r1", 8.0)
+             + _rows(4096, 8, 3.0, "r1", 6.0, fitted=True)]
+    untimed = _rows(32768, 1, 5.0, "r1", 0.9)   # no round times: no round-cost panel for its context
+    sec = _section(timed + untimed, device="Test GPU")
+    fig = KR.plot(sec, [], tmp_path / "k26.png")
+    assert (tmp_path / "k26.png").stat().st_size > 1000
+    titles = sorted(ax.get_title() for ax in fig.axes)
+    assert titles == ["batch 1, context 32,768, 12 MoE layers", "batch 1, context 4,096, 12 MoE layers",
+                      "batch 8, context 4,096, 12 MoE layers", "round cost, context 4,096"], titles
+    assert plots.layout_faults(fig) == []
+    assert fig.legends and all(ax.get_legend() is None for ax in fig.axes
+                               if not ax.get_title().startswith("round cost"))
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "chain tau 3 (simulated, fitted to the trained pair)" in texts
+    assert "queue, full-batch rounds" in texts
+    for ax in fig.axes:
+        assert ax.get_xscale() == "log"
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels and all(t.replace(",", "").isdigit() or t == "auto" for t in labels), labels
+    plt.close(fig)
+    # the checker can fail
+    bad, (a, b) = plt.subplots(1, 2)
+    a.plot([1, 2], [1, 2], label="x")
+    a.legend(loc="center")
+    b.plot([], [])
+    faults = plots.layout_faults(bad)
+    assert any(f.startswith("legend over an axes") for f in faults) and any(f.startswith("empty axes")
+                                                                               for f in faults), faults
+    plt.close(bad)

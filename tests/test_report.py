@@ -1,5 +1,6 @@
 """docs/results.md is what kdtree.report makes of the committed records; its checks can fail."""
 import json
+import re
 import shutil
 
 import pytest
@@ -84,3 +85,104 @@ def test_auto_phase_kernels_sit_beside_the_fixed_round(tmp_path):
     rec = json.loads((report.ROOT / "outputs/h200/e2e.json").read_text())
     profiled = any(c.get("budget") == "auto" and c.get("stage_kernels") for c in rec["auto"]["cells"])
     assert ("Auto's round beside" in report.report()) == profiled
+
+
+# ------------------------------------------------------------------------------------------ the answer first
+EXPONENT = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?[eE][-+]?\d+(?!\w|\.\d)")
+
+
+def exponent_numbers(text: str) -> list[str]:
+    """Every number of `text` written in exponent notation ("1e+03", "2.5E-4"), not words such as e2e or a
+    commit hash."""
+    return EXPONENT.findall(text)
+
+
+def test_the_exponent_checker_can_fail():
+    """The checker flags exponent notation wherever it stands, and the old table format (3 significant
+    digits through "g") wrote one for 999.6 tok/s; it passes names and hashes that hold an e between
+    digits."""
+    assert exponent_numbers("| B=auto | 6.34 | 1e+03 | 1,020 |") == ["1e+03"]
+    assert exponent_numbers("x 2.5E-4 and -3e7.") == ["2.5E-4", "-3e7"]
+    assert exponent_numbers(f"| {999.6:.3g} |") == ["1e+03"]
+    assert exponent_numbers("`e2e.json`, run c58e63d, 4,096 tokens, 1.5 x, e2e_k26.png") == []
+
+
+def test_no_number_on_the_page_is_in_exponent_notation():
+    page = report.report()
+    assert exponent_numbers(page) == [], exponent_numbers(page)[:5]
+    for x, want in ((999.6, "1,000"), (999.4, "999"), (0.0000123, "0.0000123"), (-0.00571, "-0.00571"),
+                    (1.2345e20, f"{1.2345e20:,.0f}"), (0.0, "0"), (2.0, "2"), (float("nan"), "nan")):
+        assert report._num(x) == want, (x, report._num(x))
+        assert exponent_numbers(report._num(x)) == []
+
+
+def _k26_rec(device="Test GPU X"):
+    def rows(C, b, tau, ar, best, budget, fitted=False):
+        base = dict(context=C, batch=b, layers=5, run="r1", tau_chain=tau, block=8, fitted=fitted)
+        return [dict(base, mode="ar", budget=None, tok_per_s=ar),
+                dict(base, mode="dflash", budget=None, tok_per_s=0.9 * ar),
+                dict(base, mode="ddtree", budget=budget, tok_per_s=best),
+                dict(base, mode="ddtree", budget=2 * budget, tok_per_s=0.5 * best),
+                dict(base, mode="ddtree", budget="auto", tok_per_s=0.9 * best)]
+    cells = rows(4096, 1, 5.0, 100.0, 250.0, 8) + rows(4096, 1, 2.72, 100.0, 90.0, 4, fitted=True) \
+        + rows(4096, 32, 5.0, 1000.0, 800.0, 4)
+    return {"device": device, "targets": [{"name": "a goal", "measured": 2.0, "goal": 1.0, "met": True}],
+            "k26": {"label": "K2.6 shape, SIMULATED", "cells": cells, "targets": []},
+            "auto": {"dtype": "float32", "compile": False, "cells": [
+                dict(batch=1, mode="ar", budget=None, compiled=False, tok_per_s=1000.0),
+                dict(batch=1, mode="ar", budget=None, compiled=True, tok_per_s=2500.0),
+                dict(batch=1, mode="ddtree", budget=64, tok_per_s=1500.0),
+                dict(batch=1, mode="ddtree", budget="auto", decide="previous", tok_per_s=1400.0)]}}
+
+
+def test_the_page_opens_with_the_answer(tmp_path):
+    """Before the goal table: the K2.6 rows (simulated, each against the engine's AR of its own run and
+    cell, on the card named), the trained pair's, and which AR each baseline is; the committed page reads
+    the H200 record so. Can fail: a folder without such records has no headline."""
+    gpu = tmp_path / "outputs" / "gx"
+    (gpu / "probe" / "deeper").mkdir(parents=True)
+    (gpu / "e2e.json").write_text(json.dumps(_k26_rec()))
+    sweep = dict(_k26_rec()["k26"], device="Test GPU X", decode_path="fused")   # a bench.k26 record, below
+    (gpu / "probe" / "deeper" / "e2e_k26_fused.json").write_text(json.dumps(sweep))
+    (gpu / "probe" / "e2e_k26.partial.json").write_text(json.dumps(dict(sweep, decode_path="partial")))
+    page = report.report(tmp_path / "outputs")
+    assert page.index("## The answer: does DDTree pay?") < page.index("## gx (`outputs/gx/`)") \
+        < page.index("Goals (")
+    head = "\n".join(report.headline(tmp_path / "outputs"))
+    assert "SIMULATED" in head and "engine's own AR" in head and "| card |" in head
+    assert ("| `gx/e2e.json` | Test GPU X | 1 | 4,096 | 5 | 100 | 0.90x at B = 4 (auto 0.81x) | **2.50x** at "
+            "B = 8 (auto 2.25x) |") in head
+    assert "| `gx/e2e.json` | Test GPU X | 32 | 4,096 | 5 | 1,000 | - | 0.80x at B = 4 (auto 0.72x) |" in head
+    assert "| `gx/probe/deeper/e2e_k26_fused.json` (fused decode) | Test GPU X | 1 | 4,096 |" in head
+    assert "partial" not in head
+    assert "τc 2.72 (fitted to the trained pair)" in head
+    assert "**batch 1** (Test GPU X): the best fixed budget beats AR in 1 of 2" in head
+    assert "**batch 32** (Test GPU X): the best fixed budget beats AR in 0 of 1" in head
+    assert ("| `gx/e2e.json` auto | Test GPU X | engine, CUDA graphs, float32 | 1 | 1,000 | 1,500 (B = 64) | "
+            "1.50x | 1.40x |") in head
+    assert "1,000 tok/s (Test GPU X) is the engine's AR with CUDA graphs" in head and "2,500 tok/s" in head
+    (gpu / "e2e.json").write_text(json.dumps({"device": "Test GPU X"}))
+    (gpu / "probe" / "deeper" / "e2e_k26_fused.json").unlink()
+    assert report.headline(tmp_path / "outputs") == []
+    assert "## The answer" not in report.report(tmp_path / "outputs")
+    # the committed page: the H200's K2.6 rows and the three ARs the goal table shows, explained
+    page = report.PAGE.read_text()
+    head = page[:page.index("## h200 (`outputs/h200/`)")]
+    assert "## The answer: does DDTree pay?" in head and "NVIDIA H200" in head and "SIMULATED" in head
+    rec = json.loads((report.RECORDS / "h200" / "e2e.json").read_text())
+    ar = next(c for c in rec["pair"]["rows"] if c["mode"] == "ar")
+    auto_ar = [c for c in rec["auto"]["cells"] if c["batch"] == 1 and c["mode"] == "ar"]
+    for c in [ar, *auto_ar]:
+        assert f"{report._num(c['tok_per_s'])} tok/s" in head, c
+    assert "reference loop" in head and "torch.compile" in head and "engine AR, tok/s" in head
+
+
+def test_outputs_cpu_is_no_gpu_section(tmp_path):
+    """A CPU lab run's git-ignored outputs/cpu/ neither makes a GPU section nor enters the headline."""
+    rec_dir = _copy(tmp_path)
+    cpu = rec_dir / lab.CPU_DIR
+    cpu.mkdir()
+    (cpu / "e2e.json").write_text(json.dumps(_k26_rec("cpu")))
+    page = report.report(rec_dir)
+    assert "## cpu (" not in page and "`cpu/e2e.json`" not in page
+    assert page == report.report(report.RECORDS)

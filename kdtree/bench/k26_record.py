@@ -5,7 +5,8 @@
   from their run's DFlash row. `python -m kdtree.bench.k26` writes its record through them.
 - `finish(k26, microbench)`: the projection check (notebook 01's layers against the measured rounds), the
   61-layer projection from the same parts (PROJECTED) and the projection target, into the section.
-- `plot(k26, check, path)`: the section's figure (tok/s against budget per cell; round cost against rows).
+- `plot(k26, check, path)`: the section's figure (tok/s against budget, a panel per measured (context, batch)
+  cell; round cost against rows per context; legends outside the panels).
 - `combine(sections)`: several sweeps' sections (each device command writes its own e2e.json) as one: every
   (context, batch, profile) keeps the rows of its newest run (`merge`, folded in run order).
 
@@ -178,68 +179,137 @@ def finish(k26: dict, microbench: dict | None, drafter_layers: int = 6, n_layers
 
 
 def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = "model"):
-    """The section's figure, one column per (context, batch) cell: tok/s of all requests against the fixed
-    budget per profile (auto a star, the DFlash chain dashed, AR dotted; a serving queue's full-batch rounds
-    as squares and a hollow star where measured), and the measured round (GPU span) against verified rows
-    with the projection of it. Saved at `path` when given; returns the figure."""
+    """The section's figure: one row per context, one panel per (context, batch) cell the section holds (no
+    panel for a cell it lacks): tok/s of all requests against the fixed budget per simulated profile (its
+    colour; auto a star at the "auto" slot right of the budgets, the DFlash chain dashed, the cell's AR
+    black; a serving queue's full-batch rounds as thin squares and a hollow star where measured); then,
+    per context, the measured round (GPU span, the wall time where no GPU span is recorded) against the
+    verified rows per request with its projection, where any is recorded. One shared legend under the
+    panels, the round-cost legend right of them; base-2 budget and row axes with integer ticks; constrained
+    layout (kdtree.plots' contract). Saved at `path` when given; returns the figure."""
     import matplotlib.pyplot as plt
-    cells = [c for c in k26["cells"] if not c.get("error")]
-    keys = sorted({(c["context"], c["batch"]) for c in cells})
-    fig, axes = plt.subplots(2, max(1, len(keys)), figsize=(5.5 * max(1, len(keys)), 8), squeeze=False)
-    for ax, ax2, (C, b) in zip(axes[0], axes[1], keys):
-        rs = [c for c in cells if c["context"] == C and c["batch"] == b]
-        for tc in sorted({c["tau_chain"] for c in rs if c["tau_chain"]}):
-            d = [c for c in rs if c["tau_chain"] == tc and c["mode"] == "ddtree" and c["budget"] != "auto"]
-            if not d:
+    from matplotlib.lines import Line2D
+
+    from .. import plots
+    cells = [c for c in k26["cells"] if not c.get("error") and c.get("tok_per_s")]
+    contexts = sorted({c["context"] for c in cells})
+    batches = sorted({c["batch"] for c in cells})
+    taus = sorted({c["tau_chain"] for c in cells if c.get("tau_chain")})
+    fitted = {c["tau_chain"] for c in cells if c.get("fitted")}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {tc: palette[i % len(palette)] for i, tc in enumerate(taus)}
+    others = ["tab:purple", "tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:pink"]   # not a profile's
+    shade = {b: others[i % len(others)] for i, b in enumerate(batches)}
+
+    def cost(c):   # (seconds, what) of a measured round
+        if c.get("round_gpu_span_median_s"):
+            return c["round_gpu_span_median_s"], "GPU span"
+        return c.get("round_wall_median_s"), "wall"
+
+    has_cost = {C: any(cost(c)[0] for c in cells if c["context"] == C and c["budget"] != "auto")
+                for C in contexts}
+    ncols = len(batches) + any(has_cost.values())
+    fig = plt.figure(layout="constrained",
+                     figsize=(4.3 * max(1, ncols) + 1.6, 3.5 * max(1, len(contexts)) + 1.1))
+    grid = fig.add_gridspec(max(1, len(contexts)), max(1, ncols))
+    queued_any = False
+    for i, C in enumerate(contexts):
+        for j, b in enumerate(batches):
+            rs = [c for c in cells if c["context"] == C and c["batch"] == b]
+            if not rs:
                 continue
-            line, = ax.plot([c["budget"] for c in d], [c["tok_per_s"] for c in d], "o-",
-                            label=f"chain tau {tc:g}")
-            qd = [c for c in d if (c.get("queued") or {}).get("full_tok_per_s")]
-            if qd:   # the serving queue's full-batch rounds
-                ax.plot([c["budget"] for c in qd], [c["queued"]["full_tok_per_s"] for c in qd], "s-.",
-                        color=line.get_color(), lw=0.8, ms=3, alpha=0.6)
-            au = next((c for c in rs if c["tau_chain"] == tc and c["budget"] == "auto"), None)
-            if au and (au.get("queued") or {}).get("full_tok_per_s"):
-                ax.plot([max(c["budget"] for c in d)], [au["queued"]["full_tok_per_s"]], "*", ms=9,
-                        mfc="none", color=line.get_color())
-            if au:
-                ax.plot([max(c["budget"] for c in d)], [au["tok_per_s"]], "*", ms=11, color=line.get_color(),
-                        label=f"auto, chain tau {tc:g}")
-            df = next((c for c in rs if c["tau_chain"] == tc and c["mode"] == "dflash"), None)
-            if df:
-                ax.axhline(df["tok_per_s"], color=line.get_color(), ls="--", lw=0.8)
-            ar = next((c for c in rs if c["mode"] == "ar" and c["tau_chain"] == tc), None)  # its own text
-            if ar:
-                ax.axhline(ar["tok_per_s"], color=line.get_color(), ls=":", lw=1.0)
-        ar = next((c for c in rs if c["mode"] == "ar" and not c["tau_chain"]), None)   # older records
-        if ar:
-            ax.axhline(ar["tok_per_s"], color="k", lw=0.8, label="AR")
-        ax.set(xscale="log", xlabel="budget (auto: star; dashed: DFlash chain; dotted: AR)",
-               ylabel="tok/s, all requests" + (" (squares, hollow star: queue, full batch)"
-                                               if any(c.get("queued") for c in rs) else ""))
-        fixed = sorted({c["budget"] for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"})
-        if fixed:
-            ax.set_xticks(fixed, [str(B) for B in fixed])
-            ax.minorticks_off()
-        ax.set_title(f"K2.6 SIMULATED acceptance, routing {routing},\n{rs[0]['layers']} MoE layers, "
-                     f"batch {b}, context {C}", fontsize=9)
-        ax.legend(fontsize=6)
-        pts = sorted({(1 if c["mode"] == "ar" else c["block"] if c["mode"] == "dflash" else c["budget"] + 1,
-                       c["round_gpu_span_median_s"]) for c in rs
-                      if c["budget"] != "auto" and c.get("round_gpu_span_median_s")})
-        ax2.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o", label="measured round")
-        pj = sorted({(1 if r["mode"] == "ar" else (r["budget"] or 0) + 1, r["projected_s"]) for r in check
-                     if (r["context"], r["batch"]) == (C, b) and r["mode"] != "dflash"})
-        if pj:
-            ax2.plot([p[0] for p in pj], [1e3 * p[1] for p in pj], "x--",
-                     label="projected (notebook 01 + routing)")
-        ax2.set(xscale="log", xlabel="verified rows per request", ylabel="ms per round (GPU span)",
-                title=f"round cost vs rows, batch {b}, context {C}")
-        ax2.legend(fontsize=7)
-    fig.tight_layout()
+            ax = fig.add_subplot(grid[i, j])
+            fixed_all = sorted({c["budget"] for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"})
+            slot = 2.0 * max(fixed_all) if fixed_all else 1.0
+            for tc in sorted({c.get("tau_chain") for c in rs if c.get("tau_chain")}):
+                col = colour[tc]
+                d = [c for c in rs
+                     if c.get("tau_chain") == tc and c["mode"] == "ddtree" and c["budget"] != "auto"]
+                if d:
+                    ax.plot([c["budget"] for c in d], [c["tok_per_s"] for c in d], "o-", color=col, ms=4)
+                qd = [c for c in d if (c.get("queued") or {}).get("full_tok_per_s")]
+                if qd:   # the serving queue's full-batch rounds
+                    queued_any = True
+                    ax.plot([c["budget"] for c in qd], [c["queued"]["full_tok_per_s"] for c in qd], "s-.",
+                            color=col, lw=0.8, ms=3, alpha=0.6)
+                au = next((c for c in rs if c.get("tau_chain") == tc and c["budget"] == "auto"), None)
+                if au and (au.get("queued") or {}).get("full_tok_per_s"):
+                    ax.plot([slot], [au["queued"]["full_tok_per_s"]], "*", ms=9, mfc="none", color=col)
+                if au:
+                    ax.plot([slot], [au["tok_per_s"]], "*", ms=11, color=col)
+                df = next((c for c in rs if c.get("tau_chain") == tc and c["mode"] == "dflash"), None)
+                if df:
+                    ax.axhline(df["tok_per_s"], color=col, ls="--", lw=0.8)
+            ars = sorted(c["tok_per_s"] for c in rs if c["mode"] == "ar")
+            if ars:   # one AR a profile, the same engine: their median
+                ax.axhline(ars[len(ars) // 2], color="k", lw=1.2)
+            if fixed_all:
+                plots.log2_axis(ax, fixed_all, "x", extra={slot: "auto"})
+            plots.thousands(ax)
+            ax.set_title(f"batch {b}, context {C:,}, {rs[0].get('layers')} MoE layers", fontsize=9)
+            ax.set_xlabel("budget B, then auto", fontsize=8)
+            if j == 0 or not any(c["context"] == C and c["batch"] == batches[j - 1] for c in cells):
+                ax.set_ylabel("tok/s, all requests", fontsize=8)
+            ax.tick_params(labelsize=7)
+        if not has_cost[C]:
+            continue
+        ax2 = fig.add_subplot(grid[i, ncols - 1])
+        what, rows_top, projected = set(), 1, False
+        for b in batches:
+            rs = [c for c in cells if c["context"] == C and c["batch"] == b and c["budget"] != "auto"]
+            pts = sorted({(_rows_verified(c), cost(c)[0]) for c in rs if cost(c)[0]})
+            what |= {cost(c)[1] for c in rs if cost(c)[0]}
+            if pts:
+                ax2.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o", color=shade[b], ms=4,
+                         label=f"batch {b}")
+                rows_top = max(rows_top, max(p[0] for p in pts))
+            pj = sorted({(1 if r["mode"] == "ar" else (r["budget"] or 0) + 1, r["projected_s"]) for r in check
+                         if (r["context"], r["batch"]) == (C, b) and r["mode"] != "dflash"})
+            if pj:
+                projected = True
+                ax2.plot([p[0] for p in pj], [1e3 * p[1] for p in pj], "x--", color=shade[b], lw=0.8, ms=4)
+        plots.log2_axis(ax2, plots.pow2_ticks(1, rows_top), "x")
+        ax2.set_yscale("log")
+        plots.thousands(ax2)
+        ax2.set_title(f"round cost, context {C:,}", fontsize=9)
+        ax2.set_xlabel("verified rows per request", fontsize=8)
+        ax2.set_ylabel(f"ms per round ({' / '.join(sorted(what))})", fontsize=8)
+        ax2.tick_params(labelsize=7)
+        h, lab = ax2.get_legend_handles_labels()
+        h += [Line2D([], [], color="0.35", marker="o", ms=4, ls="")]
+        lab += ["measured round"]
+        if projected:
+            h += [Line2D([], [], color="0.35", marker="x", ms=4, ls="--", lw=0.8)]
+            lab += ["projected: notebook 01\nlayers + routing"]
+        plots.legend_right(ax2, handles=h, labels=lab)
+    if not fig.axes:   # nothing measured: one line of text, not an empty axes
+        fig.text(0.5, 0.5, "no K2.6 row measured", ha="center", va="center")
+    key = [Line2D([], [], color=colour[tc], lw=2.5) for tc in taus]
+    labels = [f"chain tau {tc:g} (simulated" + (", fitted to the trained pair)" if tc in fitted else ")")
+              for tc in taus]
+    key += [Line2D([], [], color="0.35", marker="o", ms=4), Line2D([], [], color="0.35", marker="*", ms=10,
+                                                                   ls=""),
+            Line2D([], [], color="0.35", ls="--", lw=0.8), Line2D([], [], color="k", lw=1.2)]
+    labels += ["DDTree, fixed budget", "auto", "DFlash chain", "AR (the cell's engine)"]
+    if queued_any:
+        key += [Line2D([], [], color="0.35", marker="s", ms=3, ls="-.", lw=0.8),
+                Line2D([], [], color="0.35", marker="*", ms=9, mfc="none", ls="")]
+        labels += ["queue, full-batch rounds", "auto, queue, full-batch rounds"]
+    if taus:
+        fig.legend(key, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8,
+                   frameon=False)
+    fig.suptitle(f"K2.6 shape, random weights, SIMULATED acceptance, routing {routing}"
+                 + (f", {k26['device']}" if k26.get("device") else ""), fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _rows_verified(c: dict) -> int:
+    """Rows a request's round verifies: 1 for AR, the drafter block for the chain, B + 1 for a tree."""
+    if c["mode"] == "ar":
+        return 1
+    return (c.get("block") or 1) if c["mode"] == "dflash" else c["budget"] + 1
 
 
 def _row_key(c: dict) -> tuple:
