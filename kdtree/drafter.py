@@ -16,205 +16,59 @@ A drafter hands out sessions with three calls the decode loop uses:
     start(prompt_tokens, features)   features [P, F] of the prompt (or None)
     propose(committed) -> [L, V]     draft logits below the root committed[-1] at position len(committed)-1
     accept(features)                 features [k, F] of the newly committed tokens now in the target cache
+
+The drafter's parts, each in a module of its own, are handed on here (every name below importable from
+kdtree.drafter): DrafterArgs and DRAFTER_REQUIRED_KEYS (kdtree.drafter_args), the attention DraftAttention and
+the choice of its implementation, DRAFT_ATTN_IMPLS, draft_attn_auto, draft_attn_kernel_fits, draft_attn_math
+(kdtree.draft_attention), and OracleDrafter (kdtree.oracle_drafter). The flags of impl "auto", KERNEL_AUTO,
+SDPA_MIN_BLOCKS and _HAVE_CUPY, are kdtree.draft_attention's, read there at every call: this module reads
+them from there and sets them there (`kdtree.drafter.KERNEL_AUTO = False` turns the kernel off for "auto").
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-from dataclasses import asdict, dataclass
+import sys
+import types
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks
+from . import draft_attention as _attention
+from .draft_attention import (DRAFT_ATTN_IMPLS, DRAFT_HEAD_DIM, DRAFT_MAX_ROWS, DraftAttention,
+                              draft_attn_auto, draft_attn_kernel_fits, draft_attn_math)
+from .drafter_args import DRAFTER_REQUIRED_KEYS, DrafterArgs
 from .layers import RMSNorm, _refresh, apply_rope
 from .moe import MLP
-from .ops.draft_attn import HEAD_DIM as DRAFT_HEAD_DIM
-from .ops.draft_attn import MAX_ROWS as DRAFT_MAX_ROWS
-from .ops.draft_attn import draft_attn as _draft_attn_op
+from .oracle_drafter import OracleDrafter
+
+__all__ = ["DRAFTER_REQUIRED_KEYS", "DrafterArgs",
+           "DRAFT_ATTN_IMPLS", "DRAFT_HEAD_DIM", "DRAFT_MAX_ROWS", "DraftAttention", "draft_attn_auto",
+           "draft_attn_kernel_fits", "draft_attn_math",
+           "DraftLayer", "DFlashDrafter", "draft_inv_freq", "DraftContext", "DFlashSession", "init_drafter",
+           "build_drafter", "OracleDrafter"]
 
 
-DRAFTER_REQUIRED_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "vocab_size", "num_hidden_layers",
-                         "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                         "intermediate_size")
+def _attn_flag(name: str) -> property:
+    return property(lambda module: getattr(_attention, name),
+                    lambda module, value: setattr(_attention, name, value),
+                    doc=f"kdtree.draft_attention.{name}, read and set there")
 
 
-@dataclass
-class DrafterArgs:
-    block_size: int = 8
-    mask_token_id: int = 1023
-    target_layer_ids: tuple = (0, 1, 3)
-    target_hidden_size: int = 256
-    vocab_size: int = 1024
-    num_hidden_layers: int = 2
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 512
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
+class _DrafterModule(types.ModuleType):
+    """This module's type: impl "auto"'s flags as properties that read and set kdtree.draft_attention's, so a
+    flag set here (`setattr`, pytest's monkeypatch and its undo) is the one that "auto" reads."""
 
-    def __post_init__(self):
-        ids = self.target_layer_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"DrafterArgs.target_layer_ids={ids!r}: expected a list of target layer "
-                             "indices (ints)")
-        self.target_layer_ids = tuple(ids)
-        for name in ("block_size", "mask_token_id"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"DrafterArgs.{name}={v!r}: expected an int")
-        for name in ("vocab_size", "target_hidden_size", "num_hidden_layers", "hidden_size",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"DrafterArgs.{name}={v!r}: expected a positive int")
-        for name in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"DrafterArgs.{name}={v!r}: expected a finite number > 0")
-        if min(self.target_layer_ids, default=0) < 0:
-            raise ValueError(f"DrafterArgs.target_layer_ids={self.target_layer_ids}: expected layer indices "
-                             ">= 0")
-        if not (isinstance(self.block_size, int) and self.block_size >= 2):
-            raise ValueError(f"DrafterArgs.block_size={self.block_size!r}: expected an int >= 2")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"DrafterArgs.mask_token_id={self.mask_token_id}: expected in "
-                             f"[0, {self.vocab_size})")
-        if not self.target_layer_ids:
-            raise ValueError("DrafterArgs.target_layer_ids: expected at least one target layer")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"DrafterArgs.num_key_value_heads={self.num_key_value_heads}: expected a "
-                             f"divisor of num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"DrafterArgs.head_dim={self.head_dim}: expected an even number")
-
-    @classmethod
-    def for_target(cls, target, block_size: int = 8, num_hidden_layers: int = 2, **kw) -> "DrafterArgs":
-        """Defaults sized to a target's ModelArgs: layers spread over its depth, its vocab, a mask id at
-        V-1."""
-        n = target.num_hidden_layers
-        k = min(n, 3)
-        ids = tuple(sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}))
-        heads = kw.pop("num_attention_heads", 4)
-        base = dict(block_size=block_size, mask_token_id=target.vocab_size - 1, target_layer_ids=ids,
-                    target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                    num_hidden_layers=num_hidden_layers, hidden_size=target.hidden_size,
-                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                    head_dim=target.hidden_size // heads, intermediate_size=2 * target.hidden_size,
-                    rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings)
-        base.update(kw)
-        return cls(**base)
-
-    def to_hf_config(self) -> dict:
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        d.update(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_act="silu")
-        return d
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "DrafterArgs":
-        """From a DFlash drafter's config.json (its DFlash keys at the top or under dflash_config); the keys
-        that fix its shapes and its tie to the target are required."""
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("dflash_config", {}), dict):
-            raise ValueError(f"DrafterArgs.from_hf_config: expected a JSON object, got {type(cfg).__name__}")
-        names = set(cls.__dataclass_fields__)
-        merged = {**cfg, **cfg.get("dflash_config", {})}
-        missing = [k for k in DRAFTER_REQUIRED_KEYS if k not in merged]
-        if missing:
-            raise ValueError(f"DrafterArgs.from_hf_config: the drafter config lacks the required key(s) "
-                             f"{missing}")
-        return cls(**{k: v for k, v in merged.items() if k in names})
+    KERNEL_AUTO = _attn_flag("KERNEL_AUTO")
+    SDPA_MIN_BLOCKS = _attn_flag("SDPA_MIN_BLOCKS")
+    _HAVE_CUPY = _attn_flag("_HAVE_CUPY")
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, a: DrafterArgs):
-        super().__init__()
-        self.a = a
-        D, H, Hk, hd = a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(D, H * hd, bias=False)
-        self.k_proj = nn.Linear(D, Hk * hd, bias=False)
-        self.v_proj = nn.Linear(D, Hk * hd, bias=False)
-        self.o_proj = nn.Linear(H * hd, D, bias=False)
-        self.q_norm = RMSNorm(hd, a.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, a.rms_norm_eps)
-
-    def kv(self, x, cos, sin):
-        """x [B, T, D] -> k, v [B, Hk, T, hd] (k normed and rotated)."""
-        B, T, _ = x.shape
-        a = self.a
-        k = self.k_norm(self.k_proj(x).view(B, T, a.num_key_value_heads, a.head_dim))
-        k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleave=False)
-        v = self.v_proj(x).view(B, T, a.num_key_value_heads, a.head_dim)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        """x [B, T, D] block states; ctx_k/ctx_v [B, Hk, C, hd] cached context. Non-causal; mask (optional,
-        bool [B or 1, 1, T, C + T]: query row sees key column) for several blocks in one pass (training)."""
-        a = self.a
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, a.num_attention_heads, a.head_dim))
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
-        k, v = self.kv(x, cos, sin)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        rep = a.num_attention_heads // a.num_key_value_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)  # [B, H, T, hd]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+def __dir__() -> list[str]:
+    return sorted({*globals(), "KERNEL_AUTO", "SDPA_MIN_BLOCKS", "_HAVE_CUPY"})
 
 
-    def forward_buffered(self, x, cos, sin, kbuf, vbuf, ctx_len, C: int, impl: str = "auto"):
-        """The drafting pass over a preallocated context (the engine's, graph-capturable): x [B, T, D] block
-        states; kbuf/vbuf [B, Hk, C + T, hd], columns [0, ctx_len[b]) request b's context, columns [C, C + T)
-        this pass's block (written here); ctx_len int [B]. Same result as forward(x, cos, sin, ctx_k, ctx_v)
-        (query head h reads KV head h // (H / Hk)); with DFlashDrafter.prepare_buffered's fused weight, q, k
-        and v come from one GEMM. impl: "kernel" (kdtree.ops.draft_attn: a split-KV kernel that reads only
-        each request's ctx_len + T live columns, ctx_len on the device; bf16 on a CUDA device, head_dim 128,
-        G * T <= 64), "math" (scores as one batched GEMM over every column, masked softmax, a second GEMM:
-        parallel over the columns, so a few query rows over a long context keep the GPU busy) or "sdpa"
-        (torch's fused attention: its grid is B x Hk x row tiles of 64, a handful of blocks at batch 1, each
-        streaming the whole context), or "auto" (`draft_attn_auto`: kernel where it fits and KERNEL_AUTO is
-        set, else math while sdpa's grid would be under SDPA_MIN_BLOCKS blocks, and always in float32:
-        torch's fused float32 kernel runs without tensor cores; python -m kdtree.bench.drafter measures
-        them)."""
-        a = self.a
-        B, T, _ = x.shape
-        H, Hk, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        if getattr(self, "qkv", None) is not None:
-            q, k, v = F.linear(x, self.qkv).split([H * hd, Hk * hd, Hk * hd], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.view(B, T, H, hd))
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
-        k = apply_rope(self.k_norm(k.view(B, T, Hk, hd)), cos[:, :, None], sin[:, :, None], interleave=False)
-        kbuf[:, :, C:C + T] = k.transpose(1, 2)
-        vbuf[:, :, C:C + T] = v.view(B, T, Hk, hd).transpose(1, 2)
-        # the G = H / Hk query heads of a KV head as G * T query rows of it: K/V are never repeated
-        G = H // Hk
-        q = q.reshape(B, Hk, G * T, hd)
-        if impl == "auto":
-            impl = draft_attn_auto(kbuf.device, kbuf.dtype, B, Hk, G * T, hd)
-        if impl == "kernel":
-            o = _draft_attn_kernel(q.contiguous(), kbuf, vbuf, ctx_len.to(torch.int32), C, hd ** -0.5)
-            return self.o_proj(o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
-        col = torch.arange(C + T, device=x.device)
-        seen = (col[None] < ctx_len[:, None]) | (col[None] >= C)                               # [B, C + T]
-        if impl == "math":
-            s = (q @ kbuf.transpose(-1, -2)).float() * hd ** -0.5                        # [B, Hk, G*T, C+T]
-            p = s.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(-1)
-            o = p.to(vbuf.dtype) @ vbuf                                                 # [B, Hk, G*T, hd]
-        elif impl == "sdpa":
-            o = F.scaled_dot_product_attention(q, kbuf, vbuf, attn_mask=seen[:, None, None, :])
-        else:
-            raise ValueError(f"impl={impl!r}: expected one of {DRAFT_ATTN_IMPLS}")
-        return self.o_proj(o.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, -1))
+sys.modules[__name__].__class__ = _DrafterModule
 
 
 class DraftLayer(nn.Module):
@@ -228,47 +82,6 @@ class DraftLayer(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-DRAFT_ATTN_IMPLS = ("auto", "kernel", "math", "sdpa")
-SDPA_MIN_BLOCKS = 16   # "auto": below this many blocks of torch's fused attention, the batched-GEMM form
-
-
-@torch.compiler.disable
-def _draft_attn_kernel(q, kbuf, vbuf, ctx_len, C: int, scale: float) -> torch.Tensor:
-    """kdtree.ops.draft_attn.draft_attn with no host reads (check_values=False: graph-capturable), run outside
-    torch.compile's graphs (dynamo must not trace the launch plumbing)."""
-    return _draft_attn_op(q, kbuf, vbuf, ctx_len, C, scale, check_values=False)
-
-
-_HAVE_CUPY = importlib.util.find_spec("cupy") is not None  # the kernels' launcher is installed
-KERNEL_AUTO = True    # impl "auto" takes "kernel" (where it fits) only when set; by name it always runs
-
-
-def draft_attn_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: int, rows: int,
-                           have_cupy: bool | None = None) -> bool:
-    """impl "auto"'s first choice: the split-KV kernel (kdtree.ops.draft_attn) for bfloat16 buffers on a CUDA
-    device, head_dim 128 and at most 64 query rows per KV head (G * T), where CuPy is installed (have_cupy:
-    that condition given, e.g. for a GPU record read on another machine)."""
-    cupy_ok = _HAVE_CUPY if have_cupy is None else have_cupy
-    return (torch.device(device).type == "cuda" and dtype == torch.bfloat16 and head_dim == DRAFT_HEAD_DIM
-            and rows <= DRAFT_MAX_ROWS and cupy_ok)
-
-
-def draft_attn_auto(device, dtype: torch.dtype, batch: int, kv_heads: int, rows: int, head_dim: int,
-                    have_cupy: bool | None = None) -> str:
-    """The impl "auto" takes: "kernel" where KERNEL_AUTO is set and `draft_attn_kernel_fits`, else "math"
-    where `draft_attn_math`, else "sdpa"."""
-    if KERNEL_AUTO and draft_attn_kernel_fits(device, dtype, head_dim, rows, have_cupy):
-        return "kernel"
-    return "math" if draft_attn_math(batch, kv_heads, rows, dtype) else "sdpa"
-
-
-def draft_attn_math(batch: int, kv_heads: int, rows: int, dtype: torch.dtype) -> bool:
-    """impl "auto"'s choice where the kernel does not fit: the batched-GEMM form ("math") for float32, or
-    while torch's fused attention would run fewer than SDPA_MIN_BLOCKS blocks (batch x KV heads x tiles of 64
-    query rows)."""
-    return dtype == torch.float32 or batch * kv_heads * -(-rows // 64) < SDPA_MIN_BLOCKS
 
 
 class DFlashDrafter(nn.Module):
@@ -547,67 +360,3 @@ def build_drafter(target, args: DrafterArgs | None = None, seed: int = 0, **kw) 
     args = args or DrafterArgs.for_target(target.args, **kw)
     d = init_drafter(DFlashDrafter(args), seed).to(device=target.device, dtype=target.dtype).eval()
     return d.attach(target)
-
-
-# ----------------------------------------------------------------------------- test oracle
-class OracleDrafter:
-    """TEST ORACLE, not a model: it reads the target's own future greedy tokens.
-
-    `reference` is prompt + the target's greedy continuation. For a root at committed length n, each depth d
-    gets a calibrated draft distribution around the true token t = reference[n - 1 + d]: `k` decoy tokens and
-    t share weights w ~ Dirichlet(concentration) (sorted, largest first), and t takes slot j with probability
-    w[j], so the truth is a sample of the draft's own distribution. With probability `miss` the truth is left
-    out (it gets background mass only). Background: the remaining `background` mass spread over the
-    vocabulary with N(0, noise) log-jitter. Deterministic per (seed, n). Off the reference (never, while the
-    decoding is lossless) the truth is unknown and only decoys are drawn.
-    """
-
-    target_layer_ids: tuple = ()
-
-    def __init__(self, reference, vocab_size: int, block_size: int = 8, concentration: float = 0.3,
-                 k: int = 4, miss: float = 0.05, background: float = 0.02, noise: float = 0.5, seed: int = 0):
-        vocab_size = checks.positive_int("OracleDrafter vocab_size", vocab_size)
-        reference = checks.token_list("OracleDrafter reference", reference, vocab_size, allow_empty=True)
-        block_size = checks.int_in("OracleDrafter block_size", block_size, 2,
-                                   note=" (the root and at least one drafted depth)")
-        k = checks.int_in("OracleDrafter k", k, 0, vocab_size - 1, " (decoys besides the true token)")
-        concentration = checks.finite_float("OracleDrafter concentration", concentration, lo=1e-6)
-        miss = checks.finite_float("OracleDrafter miss", miss, lo=0.0, hi=1.0)
-        background = checks.finite_float("OracleDrafter background", background, lo=0.0, hi=0.999)
-        noise = checks.finite_float("OracleDrafter noise", noise, lo=0.0)
-        seed = checks.int_in("OracleDrafter seed", seed, 0)
-        self.reference = reference
-        self.vocab_size, self.block_size = vocab_size, block_size
-        self.concentration, self.k, self.miss = concentration, k, miss
-        self.background, self.noise, self.seed = background, noise, seed
-
-    def session(self, max_len: int) -> "OracleDrafter":
-        return self
-
-    def start(self, prompt_tokens, features=None) -> None:
-        n = len(prompt_tokens)
-        if self.reference[:n] != [int(t) for t in prompt_tokens]:
-            raise ValueError("OracleDrafter: the reference does not start with this prompt")
-
-    def accept(self, features=None) -> None:
-        pass
-
-    def propose(self, committed) -> torch.Tensor:
-        n = len(committed)
-        L, V = self.block_size - 1, self.vocab_size
-        rng = np.random.default_rng((self.seed, n))
-        on_track = self.reference[:n] == list(map(int, committed))
-        probs = np.full((L, V), self.background / V)
-        probs *= np.exp(self.noise * rng.standard_normal((L, V)))
-        for d in range(1, L + 1):
-            j = n - 1 + d
-            truth = self.reference[j] if on_track and j < len(self.reference) else -1
-            k = min(self.k + 1, V)
-            w = np.sort(rng.dirichlet([self.concentration] * k))[::-1] * (1 - self.background)
-            tokens = rng.permutation(V)[:k + 1]
-            tokens = [t for t in tokens if t != truth][:k]
-            if truth >= 0 and rng.random() >= self.miss:
-                slot = int(rng.choice(k, p=w / w.sum()))
-                tokens[slot] = truth
-            probs[d - 1, tokens] += w
-        return torch.from_numpy(np.log(probs).astype(np.float32))
