@@ -24,7 +24,8 @@ def test_runner_with_every_peer_absent_records_why(tmp_path, no_gpu, monkeypatch
     rec = peers.run(tmp_path, quick=True)
     on_disk = json.loads((tmp_path / "peers.json").read_text())
     assert on_disk == rec
-    assert rec["peers"]["flashinfer"]["available"] is False and "flashinfer" in rec["peers"]["flashinfer"]["reason"]
+    fi = rec["peers"]["flashinfer"]
+    assert fi["available"] is False and "flashinfer" in fi["reason"]
     assert rec["peers"]["sglang"]["available"] is False
     assert "sglang is not installed" in rec["peers"]["sglang"]["reason"]
     assert "no CUDA GPU" in rec["skipped"] and rec["attention"] == [] and rec["targets"] == []
