@@ -40,10 +40,13 @@ def test_the_benchmark_says_it_needs_a_gpu(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_mid_model_names_a_bad_decode_path_before_building():
+def test_mid_model_names_a_bad_decode_path_before_building(tmp_path):
     from kdtree.bench import engine as bench_engine
     with pytest.raises(ValueError, match="decode_path='kernels'"):
         bench_engine.mid_model(decode_path="kernels")
+    with pytest.raises(ValueError, match="decode_path='kernels'"):
+        bench_engine.run(tmp_path / "rec", decode_path="kernels")
+    assert not (tmp_path / "rec").exists()
 
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available")

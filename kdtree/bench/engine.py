@@ -177,11 +177,15 @@ def launch_bound(rec: dict, row: dict) -> dict:
 
 def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 64, max_new: int = 128,
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
-        compile: bool = True, batched_compile: bool | None = None, mid: bool = True) -> dict:
+        compile: bool = True, batched_compile: bool | None = None, mid: bool = True,
+        decode_path: str = "default") -> dict:
     """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile:
     the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile);
-    mid: the mid-size model's section (mid_model) last."""
+    mid: the mid-size model's section (mid_model) last. decode_path: the targets' layers as built
+    (Transformer.fused), through kdtree.fused ("fused", where it applies: the bf16 rows) or the torch path."""
     from ..oracle import oracle_ar
+    if decode_path not in ("default", "fused", "torch"):
+        raise ValueError(f"decode_path={decode_path!r}: expected 'default', 'fused' or 'torch'")
     if not torch.cuda.is_available():
         raise RuntimeError("bench_engine.run needs a CUDA GPU (CUDA graphs, the kernels, transformers on the "
                            "GPU)")
@@ -209,7 +213,10 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     targets = []
     for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         target = weights.load(ckpt / "target", device=dev, dtype=dt).eval()
-        row = {"dtype": name, "params": sum(p.numel() for p in target.parameters())}
+        if decode_path != "default":
+            target.fused = decode_path == "fused"
+        row = {"dtype": name, "params": sum(p.numel() for p in target.parameters()),
+               "decode_path": "fused" if target.fused else "torch"}
         t0 = time.perf_counter()
         e = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False)
         row["warmup_s"] = time.perf_counter() - t0
@@ -322,7 +329,8 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
             del e
             torch.cuda.empty_cache()
     if mid:
-        rec["mid"] = m = mid_model(hf=hf, n_prompts=2 if quick else 4, max_new=32 if quick else 64)
+        rec["mid"] = m = mid_model(hf=hf, n_prompts=2 if quick else 4, max_new=32 if quick else 64,
+                                   decode_path=decode_path)
         targets += mid_targets(m)
     elif (out / "engine_mid.json").exists():  # the mid-size section run apart (--mid-only), its own floor
         rec["mid"] = m = json.loads((out / "engine_mid.json").read_text())
@@ -405,8 +413,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-mid", action="store_true", help="leave out the mid-size model's section")
     ap.add_argument("--mid-only", action="store_true", help="only the mid-size model (DIR/engine_mid.json)")
     ap.add_argument("--decode-path", choices=("default", "fused", "torch"), default="default",
-                    help="--mid-only: the layers as built (Transformer.fused), through kdtree.fused or the "
-                    "torch path")
+                    help="the targets' layers as built (Transformer.fused), through kdtree.fused or the "
+                    "torch path (the torch path matches the engine before the fused layer)")
     ap.add_argument("--no-compile", action="store_true", help="--mid-only: leave out the torch.compile row")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -429,7 +437,8 @@ def main(argv=None) -> None:
             print(goals.line(t))
         return
     rec = run(a.out, a.ckpt, hf=not a.no_hf, quick=a.quick, budgets=tuple(a.budgets),
-              batches=tuple(a.batches), batched_compile=False if a.batched_eager else None, mid=not a.no_mid)
+              batches=tuple(a.batches), batched_compile=False if a.batched_eager else None, mid=not a.no_mid,
+              decode_path=a.decode_path)
     print(summary(rec))
 
 
