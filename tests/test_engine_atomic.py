@@ -1,8 +1,10 @@
 """The engine's public calls are atomic: a refused call queues nothing, generate() hands back only its own
-requests, and every request argument is checked to what the round can compute (CPU, tiny models)."""
+requests, every request argument is checked to what the round can compute, and a request whose admission
+fails leaves whole (CPU, tiny models)."""
 import pytest
 import torch
 
+from kdtree.drafter import OracleDrafter
 from kdtree.engine import Engine
 from kdtree.oracle import oracle_ar
 from kdtree.validate import random_prompts
@@ -106,3 +108,129 @@ def test_the_oracle_drafter_checks_its_arguments(kw, needle):
     args = dict(reference=[1, 2, 3], vocab_size=100) | kw
     with pytest.raises(ValueError, match=needle):
         OracleDrafter(**args)
+
+
+# ----------------------------------------------------------------------------- a failed admission
+def _prompts(args):
+    """Three prompts of distinct lengths (each its own prefill chunk group)."""
+    ps = random_prompts(args, 3, seed=9, min_len=6, max_len=20)
+    return [p[:n] for p, n in zip(ps, (5, 8, 11))]
+
+
+def _fail_once(monkeypatch, obj, name, bad: int, pick):
+    """obj.name raises RuntimeError("boom ...") once, on the call where pick(*args) names request `bad`."""
+    orig, left = getattr(obj, name), [1]
+
+    def patched(*a, **kw):
+        if left[0] and pick(*a) == bad:
+            left[0] = 0
+            raise RuntimeError(f"boom in {name}")
+        return orig(*a, **kw)
+    monkeypatch.setattr(obj, name, patched)
+
+
+def _pool_consistent(e):
+    """Every page is free or held by an active request; the reservation is the active requests' rest."""
+    held = sum(len(r.pages) for r in e.active)
+    assert e.free_pages + held == e.pages.capacity
+    assert e.pages.reserved == sum(r.reserve - len(r.pages) for r in e.active)
+
+
+class _Oracles:
+    """A host drafter (sessions): each session drafts its prompt's reference continuation (OracleDrafter);
+    the session of prompt `fail` raises at its start, once."""
+
+    def __init__(self, refs: dict, vocab_size: int, fail=None):
+        self.refs, self.vocab_size, self.block_size, self.fail = refs, vocab_size, 4, fail
+
+    def session(self, max_len):
+        outer = self
+
+        class _Session:
+            def start(self, prompt, features=None):
+                if list(prompt) == outer.fail:
+                    outer.fail = None
+                    raise RuntimeError("boom in session")
+                self.o = OracleDrafter(list(prompt) + outer.refs[tuple(prompt)], outer.vocab_size, 4)
+
+            def propose(self, committed):
+                return self.o.propose(committed)
+
+            def accept(self, features=None):
+                pass
+        return _Session()
+
+
+@pytest.mark.parametrize("where", ["grow", "chunk", "session"])   # its pages, its forward, its drafter
+def test_a_request_whose_admission_fails_leaves_whole(tiny, monkeypatch, where):
+    """A request whose admission fails (at its pages, its prompt's forward, its drafter session) is refused
+    to the caller, gives its pages back and never comes out of run(); the others' tokens are unchanged."""
+    _, args, model = tiny
+    ps = _prompts(args)
+    refs = [oracle_ar(model, p, 6).tokens for p in ps]
+    if where == "session":
+        drafter = _Oracles({tuple(p): r for p, r in zip(ps, refs)}, args.vocab_size, fail=ps[1])
+        e = Engine(model, drafter, mode="ddtree", budget=4, max_batch=4, max_len=128, debug=True)
+    else:
+        e = _engine(model, debug=True)
+    free0 = e.free_pages
+    ids = [e.add_request(p, 6) for p in ps]
+    bad = ids[1]
+    if where != "session":
+        obj, pick = ((e.scheduler, lambda r, rows: r.rid) if where == "grow"
+                     else (e.prefill, lambda group, *a: group[0].rid))
+        _fail_once(monkeypatch, obj, where, bad, pick)
+    with pytest.raises(ValueError, match=rf"^request {bad}: boom in {where}$"):
+        e.run()
+    assert bad not in [r.rid for r in e.waiting + e.active]
+    _pool_consistent(e)
+    res = e.run()
+    assert sorted(res) == [ids[0], ids[2]]
+    assert [res[ids[0]].tokens, res[ids[2]].tokens] == [refs[0], refs[2]]
+    assert e.free_pages == free0 and e.pages.reserved == 0
+    later = e.add_request(ps[1], 6)
+    res = e.run()
+    assert list(res) == [later] and res[later].tokens == refs[1]   # the failed one never comes out
+
+
+def test_a_failed_first_token_choice_fails_only_the_requests_in_it(tiny, monkeypatch):
+    """The first tokens of one admission come from one batched choice: when it fails, every request of that
+    admission leaves; a request admitted earlier goes on unchanged."""
+    from kdtree.engine import prefill
+    _, args, model = tiny
+    ps = _prompts(args)
+    refs = [oracle_ar(model, p, 8).tokens for p in ps]
+    e = _engine(model, debug=True)
+    first = e.add_request(ps[0], 8)
+    e.step()
+    late = [e.add_request(p, 8) for p in ps[1:]]
+    _fail_once(monkeypatch, prefill, "choose", None, lambda *a: None)
+    with pytest.raises(ValueError, match=rf"^requests {late[0]}, {late[1]}: boom in choose$"):
+        e.step()
+    assert [r.rid for r in e.active] == [first] and not e.waiting
+    _pool_consistent(e)
+    res = e.run()
+    assert list(res) == [first] and res[first].tokens == refs[0]
+    assert e.free_pages == e.pages.capacity and e.pages.reserved == 0
+
+
+def test_a_failure_past_the_requests_own_steps_removes_every_joining_request(tiny, monkeypatch):
+    """An error the prefill does not attribute to one request (here its last phase mark) leaves no request
+    half-admitted: those joining leave with it, those already active go on."""
+    _, args, model = tiny
+    ps = _prompts(args)
+    refs = [oracle_ar(model, p, 8).tokens for p in ps]
+    e = _engine(model, debug=True)
+    first = e.add_request(ps[0], 8)
+    e.step()
+    late = [e.add_request(p, 8) for p in ps[1:]]
+    e.prefill_phases = {}
+    _fail_once(monkeypatch, e.prefill, "mark", "requests", lambda phase: phase)
+    with pytest.raises(ValueError, match=rf"^requests {late[0]}, {late[1]}: boom in mark$"):
+        e.step()
+    e.prefill_phases = None
+    assert [r.rid for r in e.active] == [first] and not e.waiting
+    _pool_consistent(e)
+    res = e.run()
+    assert list(res) == [first] and res[first].tokens == refs[0]
+    assert e.free_pages == e.pages.capacity

@@ -177,8 +177,9 @@ class Engine:
 
     def step(self, overlap: bool = False) -> dict[int, list[int]]:
         """Admit what fits, then one round for every active request. Returns {request id: tokens emitted}.
-        A request whose logits turn non-finite (or whose prefill fails) leaves alone, its pages freed; step()
-        then raises ValueError naming it, after the other requests' bookkeeping, and the next call goes on.
+        A request whose logits turn non-finite (or whose admission fails) leaves alone, its pages freed, never
+        a result; step() then raises one ValueError naming every such request, after the other requests'
+        bookkeeping, and the next call goes on.
         overlap=True (run()'s schedule; honoured when the engine's `overlap` is on): launch this round, then
         land the round launched by the previous call while the GPU runs it, so the tokens returned are that
         round's; a round in flight lands first when a request can join. A plain step() lands any round in

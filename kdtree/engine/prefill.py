@@ -34,8 +34,10 @@ class Prefill:
         """The admitted requests' prompts, chunk by chunk: one forward per chunk for every request whose chunk
         has the same length (so same-length prompts share each forward; deterministic engines prefill each
         request alone, keeping a request's arithmetic independent of its batch mates), then each request's
-        first token from one batched choice. A request that fails (its pages, or non-finite logits) leaves
-        alone; the others' slots stay put until every prefill forward is done."""
+        first token from one batched choice. A request whose admission fails (its pages, its chunk's forward,
+        non-finite logits, its drafter session or synthetic rows; the batched choice or simulated texts: every
+        request in them) leaves whole: its error is recorded for step() to raise, its pages go back, it emits
+        nothing and is never a result. The others' slots stay put until every prefill forward is done."""
         e = self.e
         self.mark(None)
         t0 = time.perf_counter()
@@ -67,14 +69,21 @@ class Prefill:
                         e.scheduler.errors[r.rid] = err
                         leave.append(r)
                         ok.remove(r)
+        both = None
         if ok:
-            logits = torch.stack([last[r.rid] for r in ok])                                 # [n, V]
-            finite = all_finite(logits)
-            pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
-            first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
-                           torch.tensor([r.seed for r in ok], device=dev), pos,
-                           any(r.temperature > 0 for r in ok))[:, -1]
-            both = torch.stack([finite.long(), first]).tolist()                             # one host read
+            try:   # one batched choice: a failure fails every request in it
+                logits = torch.stack([last[r.rid] for r in ok])                             # [n, V]
+                finite = all_finite(logits)
+                pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
+                first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
+                               torch.tensor([r.seed for r in ok], device=dev), pos,
+                               any(r.temperature > 0 for r in ok))[:, -1]
+                both = torch.stack([finite.long(), first]).tolist()                         # one host read
+            except Exception as err:
+                for r in ok:
+                    e.scheduler.errors[r.rid] = err
+                leave += ok
+                ok = []
             self.mark("first")
         for i, r in enumerate(ok):
             if not both[0][i]:
@@ -83,33 +92,29 @@ class Prefill:
                                                        "finite")
                 leave.append(r)
                 continue
-            tok, s, P = both[1][i], r.slot, len(r.prompt)
-            if e.mode != "ar" and not e.batched_drafter:
-                r.session = e.drafter.session(e.kv_cap)
-                r.session.start(r.prompt, torch.cat(feats[r.rid]) if feats[r.rid] else None)
-            for t, v in ((e.root, tok), (e.lens, P), (e.temp, r.temperature), (e.seed, r.seed),
-                         (e.live, 1)):
-                t[s].fill_(v)   # a fill kernel: item assignment would copy from the host and synchronize
-            r.length = P
-            r.committed.append(tok)
-            if r.synthetic:   # timed alone: the device idle before and after
-                self.mark("requests")
-                e.sync()
-                ts = time.perf_counter()
-                self.synthesize(r)
-                e.sync()
-                synth += time.perf_counter() - ts
-                self.mark(None)
-            r.result.stage_times["prefill"] += time.perf_counter() - t0 - synth
+            tok = both[1][i]
+            try:
+                synth = self.start(r, tok, feats[r.rid], t0, synth)
+            except Exception as err:   # this request fails alone (its drafter session, its synthetic rows)
+                e.scheduler.errors[r.rid] = err
+                leave.append(r)
+                continue
             emitted[r.rid] = [tok]
             if finish(r.result.tokens, [tok], r.max_new, r.stop):
                 leave.append(r)
         self.mark("requests")
-        if e.sim is not None and ok:   # the simulated texts, timed alone as the fill is (set-up, not work)
+        live = [r for r in ok if r.rid not in e.scheduler.errors]
+        if e.sim is not None and live:   # the simulated texts, timed alone as the fill is (set-up, not work)
             e.sync()
             ts = time.perf_counter()
-            live = [r for r in ok if r.rid not in e.scheduler.errors]
-            e.sim.write([r.slot for r in live], [r.seed for r in live])
+            try:
+                e.sim.write([r.slot for r in live], [r.seed for r in live])
+            except Exception as err:   # one write for them all: every live request fails
+                for r in live:
+                    e.scheduler.errors[r.rid] = err
+                    emitted.pop(r.rid, None)
+                gone = {r.rid for r in leave}
+                leave += [r for r in live if r.rid not in gone]
             e.sync()
             synth += time.perf_counter() - ts
             self.mark(None)
@@ -118,6 +123,31 @@ class Prefill:
             e.scheduler.release(r)
         self.mark("release")
         e.prefill_s += time.perf_counter() - t0 - synth
+
+    def start(self, r: Request, tok: int, feats: list, t0: float, synth: float) -> float:
+        """Request r's slot set up after its prompt: its first token `tok` as the root, its length,
+        temperature, seed and live flag, a host drafter's session (from the prompt's `feats`), the
+        synthetic rows; its prefill seconds (since t0, less the synthetic fills') recorded. Returns `synth`
+        plus its own fill's seconds."""
+        e = self.e
+        s, P = r.slot, len(r.prompt)
+        if e.mode != "ar" and not e.batched_drafter:
+            r.session = e.drafter.session(e.kv_cap)
+            r.session.start(r.prompt, torch.cat(feats) if feats else None)
+        for t, v in ((e.root, tok), (e.lens, P), (e.temp, r.temperature), (e.seed, r.seed), (e.live, 1)):
+            t[s].fill_(v)   # a fill kernel: item assignment would copy from the host and synchronize
+        r.length = P
+        r.committed.append(tok)
+        if r.synthetic:   # timed alone: the device idle before and after
+            self.mark("requests")
+            e.sync()
+            ts = time.perf_counter()
+            self.synthesize(r)
+            e.sync()
+            synth += time.perf_counter() - ts
+            self.mark(None)
+        r.result.stage_times["prefill"] += time.perf_counter() - t0 - synth
+        return synth
 
     def mark(self, phase: str | None) -> None:
         """With `prefill_phases` a dict: synchronize the device, then add the seconds since the last mark to

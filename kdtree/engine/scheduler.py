@@ -100,6 +100,9 @@ class Scheduler:
                 and not all(len(r.result.tokens) + 1 >= r.max_new for r in self.active))
 
     def admit(self, emitted) -> None:
+        """The waiting requests that fit (a slot and their page reservation, in order) join and prefill
+        (`Prefill.run`). One whose admission fails leaves whole, its pages back, never a result; its error
+        is recorded for step() to raise."""
         e = self.e
         new = []
         while (self.waiting and len(self.active) < e.max_batch
@@ -113,7 +116,11 @@ class Scheduler:
         if new:
             self.rent = 0.0
             graphs, t0 = len(e.prefill.graphs), e.prefill_s
-            e.prefill.run(new, emitted)
+            try:
+                e.prefill.run(new, emitted)
+            except Exception as err:   # outside any one request's steps: every request still joining leaves
+                self.abandon(new, err, emitted)
+                return
             rows, secs = sum(len(r.prompt) for r in new), e.prefill_s - t0
             captured = len(e.prefill.graphs) != graphs
             e.admissions += 1
@@ -122,6 +129,15 @@ class Scheduler:
             if (self.admission == "grouped" and not captured
                     and not any(r.rid in self.errors for r in new)):
                 self.admits, self.fit = (self.admits + [(rows, secs)])[-ADMIT_FIT:], None
+
+    def abandon(self, reqs: list[Request], err: Exception, emitted) -> None:
+        """Requests of a failed admission that are still active leave whole (the highest slot first): each
+        records `err` for step() to raise, emits nothing, gives its pages back and is never a result."""
+        for r in sorted(reqs, key=lambda r: -r.slot):
+            if 0 <= r.slot < len(self.active) and self.active[r.slot] is r:
+                self.errors.setdefault(r.rid, err)
+                emitted.pop(r.rid, None)
+                self.release(r)
 
     def grow(self, r: Request, rows: int) -> None:
         """Give request r pages for cache rows [0, rows), all or none (RuntimeError beyond its reservation).
@@ -164,10 +180,15 @@ class Scheduler:
             self.finished[r.rid] = r.result
 
     def raise_errors(self) -> None:
+        """One ValueError naming every request that failed since the last call ("request 3: ...", or
+        "requests 1, 2: ..." for one error shared), chained from the first error; the record is cleared."""
         if self.errors:
-            rid, e = next(iter(self.errors.items()))
-            del self.errors[rid]
-            raise ValueError(f"request {rid}: {e}") from e
+            errors, self.errors = self.errors, {}
+            by: dict[str, list[int]] = {}
+            for rid, err in sorted(errors.items()):
+                by.setdefault(str(err), []).append(rid)
+            raise ValueError("; ".join(f"request{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {msg}"
+                                       for msg, ids in by.items())) from errors[min(errors)]
 
     def request(self, prompt, max_new_tokens, temperature, seed, stop_tokens, synthetic_context,
                  what: str = "prompt") -> Request:
