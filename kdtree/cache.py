@@ -129,8 +129,12 @@ class KVCache:
     PAGE_SIZE = 64
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        if not isinstance(args, ModelArgs):
+            raise ValueError(f"KVCache args: expected a kdtree ModelArgs, got {type(args).__name__}")
         max_len = checks.positive_int("KVCache max_len", max_len, note=" (rows of the cache)")
         batch = checks.positive_int("KVCache batch", batch)
+        dtype = checks.float_dtype("KVCache dtype", dtype)
+        device = checks.device("KVCache device", device)
         L, R = args.num_hidden_layers, args.kv_lora_rank
         s_pad = -(-max_len // self.PAGE_SIZE) * self.PAGE_SIZE
         item = torch.empty(0, dtype=dtype).element_size()

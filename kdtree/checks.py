@@ -60,6 +60,34 @@ def flag(name: str, v) -> bool:
     return bool(v)
 
 
+def float_dtype(name: str, v) -> torch.dtype:
+    """v as a floating torch dtype: a torch.dtype, or its name as torch spells it ('bfloat16', 'float16',
+    'torch.float32', 'half', ...)."""
+    d = getattr(torch, v.removeprefix("torch."), None) if isinstance(v, str) else v
+    if not (isinstance(d, torch.dtype) and d.is_floating_point):
+        raise ValueError(f"{name}={v!r}: expected a floating torch dtype (torch.bfloat16, torch.float32, ... "
+                         "or its name: 'bfloat16')")
+    return d
+
+
+def device(name: str, v) -> torch.device:
+    """v as a device of this machine: 'cpu', 'cuda', 'cuda:N' (N below the visible GPUs), or such a
+    torch.device; other kinds ('meta', 'mps', ...) are refused, as is CUDA where none is visible."""
+    try:
+        dev = torch.device(v)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}={v!r}: expected a torch device ('cpu', 'cuda', 'cuda:1', ...)")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"{name}={v!r}: no CUDA device on this machine")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"{name}={v!r}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
 def one_of(name: str, v, choices) -> object:
     if v not in tuple(choices):
         raise ValueError(f"{name}={v!r}: expected one of {tuple(choices)}")

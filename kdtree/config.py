@@ -264,7 +264,11 @@ def load_config(name_or_path: str | os.PathLike | ModelArgs) -> ModelArgs:
     """A preset name, a JSON name under data/configs/ (e.g. 'kimi-k2.6'), or a HF config path."""
     if isinstance(name_or_path, ModelArgs):
         return name_or_path
-    s = str(name_or_path)
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(os.fspath(name_or_path)).strip():
+        known = sorted(PRESETS) + sorted(q.stem for q in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"config={name_or_path!r}: expected a ModelArgs, one of {known} or a path to a HF "
+                         "config.json")
+    s = str(os.fspath(name_or_path))
     if s in PRESETS:
         return dataclasses.replace(PRESETS[s])
     shipped = CONFIG_DIR / (s if s.endswith(".json") else s + ".json")

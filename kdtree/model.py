@@ -35,6 +35,17 @@ from .moe import (GATHER_PAIRS_MAX, MLP, MOE_PATHS, RANK_TOPK_MAX, AbsentExpert,
                   Int4Experts, MoE, _repack_chunks)
 
 
+def check_attn_impl(args: ModelArgs, value, where: str = "") -> str:
+    """value as an attention path of a model of `args`: one of ATTN_IMPLS; 'kernel' needs the kernel's
+    576-wide latent rows (kv_lora_rank 512, qk_rope_head_dim 64). `where` prefixes the message."""
+    if value not in ATTN_IMPLS:
+        raise ValueError(f"{where}attn_impl={value!r}: expected one of {ATTN_IMPLS}")
+    if value == "kernel" and (args.kv_lora_rank, args.qk_rope_head_dim) != (512, 64):
+        raise ValueError(f"{where}attn_impl='kernel' needs kv_lora_rank 512 and qk_rope_head_dim 64 (the "
+                         f"kernel's 576-wide rows), got {args.kv_lora_rank} and {args.qk_rope_head_dim}")
+    return value
+
+
 # ----------------------------------------------------------------------------- attention
 class MLA(nn.Module):
     """Multi-head latent attention. Shapes: B batch, T new tokens, S = cached + T, H heads,
@@ -199,6 +210,9 @@ class Transformer(nn.Module):
         return self
 
     def __init__(self, args: ModelArgs, attn_impl: str = "absorb"):
+        if not isinstance(args, ModelArgs):
+            raise ValueError(f"args: expected a kdtree ModelArgs (kdtree.load_config('tiny-a'), ...), got "
+                             f"{type(args).__name__}")
         super().__init__()
         self.args = args
         self.attn_impl = attn_impl
@@ -215,13 +229,7 @@ class Transformer(nn.Module):
 
     @attn_impl.setter
     def attn_impl(self, value: str) -> None:
-        if value not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl={value!r}: expected one of {ATTN_IMPLS}")
-        if value == "kernel" and (self.args.kv_lora_rank, self.args.qk_rope_head_dim) != (512, 64):
-            raise ValueError(f"attn_impl='kernel' needs kv_lora_rank 512 and qk_rope_head_dim 64 (the "
-                             f"kernel's 576-wide rows), got {self.args.kv_lora_rank} and "
-                             f"{self.args.qk_rope_head_dim}")
-        self._attn_impl = value
+        self._attn_impl = check_attn_impl(self.args, value)
 
     @property
     def device(self) -> torch.device:
@@ -431,7 +439,10 @@ def init_weights(model: Transformer, seed: int = 0, scale: float = 1.0) -> Trans
 
 def build_model(args: ModelArgs, seed: int = 0, attn_impl: str = "absorb", dtype=torch.float32,
                 device="cpu") -> Transformer:
-    """A randomly initialised model (see `init_weights`) on `device` in `dtype`."""
+    """A randomly initialised model (see `init_weights`) on `device` in `dtype` (a floating torch dtype or
+    its name). Every argument is checked before any weight is made."""
+    seed = checks.int_in("seed", seed, 0, 2**64 - 1)
+    dtype, device = checks.float_dtype("dtype", dtype), checks.device("device", device)
     m = Transformer(args, attn_impl)
     init_weights(m, seed)
     return m.to(device=device, dtype=dtype).eval()

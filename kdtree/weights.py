@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from . import checks, quant
 from .config import ModelArgs
-from .model import Int4Experts, MoE, Transformer
+from .model import ATTN_IMPLS, Int4Experts, MoE, Transformer, check_attn_impl
 
 _PACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight_packed$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -80,7 +80,7 @@ def _tensor_files(d: Path) -> list[Path]:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, by name."""
-    d = Path(path)
+    d = _path_arg("read_state_dict", path)
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for f in _tensor_files(d):
@@ -230,29 +230,28 @@ def _path_arg(fn: str, path) -> Path:
     return Path(path)
 
 
-def _dtype_arg(fn: str, dtype, allow_none: bool = False):
-    if (dtype is None and allow_none) or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return dtype
-    raise ValueError(f"{fn}: dtype={dtype!r}: expected a floating torch dtype (torch.bfloat16, "
-                     "torch.float32, ...)")
+def _dtype_arg(fn: str, dtype, allow_none: bool = False) -> torch.dtype | None:
+    """A floating torch dtype or its name (checks.float_dtype); None where allowed."""
+    return None if dtype is None and allow_none else checks.float_dtype(f"{fn}: dtype", dtype)
 
 
 def _device_arg(fn: str, device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{fn}: device={device!r}: expected a torch device ('cpu', 'cuda', 'cuda:1', ...)") \
-            from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{fn}: device={device!r}: no CUDA device on this machine")
-    return dev
+    """'cpu', or a CUDA device this machine has (checks.device)."""
+    return checks.device(f"{fn}: device", device)
+
+
+def _args_arg(fn: str, args) -> ModelArgs | None:
+    if args is not None and not isinstance(args, ModelArgs):
+        raise ValueError(f"{fn}: args: expected a kdtree ModelArgs (or None: the checkpoint's config.json), "
+                         f"got {type(args).__name__}")
+    return args
 
 
 def checkpoint_kind(folder: Path) -> str | None:
     """'drafter' or 'target' for a folder whose config.json says which (a DFlash drafter's carries
     block_size and target_layer_ids), None without a readable config.json."""
     try:
-        cfg = json.loads((folder / "config.json").read_text())
+        cfg = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(cfg, dict):
@@ -302,12 +301,16 @@ def _commit(d: Path, files: dict) -> None:
 def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: str = "absorb",
          args: ModelArgs | None = None, allow_nonfinite: bool = False) -> Transformer:
     """Load a hub-layout checkpoint directory into a Transformer (config from its config.json unless given).
-    INT4 routed experts stay packed (Int4Experts); `dtype` applies to the floating-point weights. Checked as
-    the module docstring says, before anything is built; allow_nonfinite: accept NaN / inf weights."""
+    INT4 routed experts stay packed (Int4Experts); `dtype` (a floating torch dtype or its name, 'bfloat16')
+    applies to the floating-point weights; `device`: 'cpu' or a CUDA device this machine has. Every argument
+    is checked (ValueError naming it) before any tensor is read, the checkpoint as the module docstring says
+    before anything is built; allow_nonfinite: accept NaN / inf weights."""
     allow_nonfinite = checks.flag("allow_nonfinite", allow_nonfinite)
     d = _path_arg("load", path)
-    _dtype_arg("load", dtype)
-    _device_arg("load", device)
+    dtype = _dtype_arg("load", dtype)
+    device = _device_arg("load", device)
+    args = _args_arg("load", args)
+    checks.one_of("load: attn_impl", attn_impl, ATTN_IMPLS)
     if not d.is_dir():
         raise CheckpointError(f"load: {d} is not a directory")
     nextn = 0
@@ -318,6 +321,7 @@ def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: 
                 args = ModelArgs.from_hf_config(cfg)
             except ValueError as e:
                 raise CheckpointError(f"load: {d / 'config.json'}: {e}") from None
+    check_attn_impl(args, attn_impl, "load: ")
     found = read_state_dict(d)
     check_layout(found, args, nextn, where=f"checkpoint {d}")
     int4 = _take_int4_experts(found, args, allow_nonfinite)
@@ -348,11 +352,12 @@ def load(path: str | os.PathLike, dtype=torch.float32, device="cpu", attn_impl: 
 def save(model: Transformer, path: str | os.PathLike, dtype=None) -> Path:
     """Write config.json + model.safetensors in the hub layout (INT4 routed experts as pack-quantized
     tensors per expert, the way compressed-tensors writes them). Refuses (before writing) a folder that holds
-    a drafter checkpoint or stray shards (`_writable`); the files are written beside it and moved in whole."""
+    a drafter checkpoint or stray shards (`_writable`); the files are written beside it and moved in whole.
+    dtype: the floating tensors' dtype on disk (a floating torch dtype or its name; None: as held)."""
     if not isinstance(model, Transformer):
         raise ValueError(f"save: model: expected a kdtree Transformer, got {type(model).__name__} (a "
                          "drafter: save_drafter)")
-    _dtype_arg("save", dtype, allow_none=True)
+    dtype = _dtype_arg("save", dtype, allow_none=True)
     released = [i for i, layer in enumerate(model.model.layers)
                 if getattr(getattr(layer.mlp, "experts", None), "released", False)]
     if released:
@@ -402,7 +407,7 @@ def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
     if not isinstance(drafter, DFlashDrafter):
         raise ValueError(f"save_drafter: drafter: expected a DFlashDrafter, got {type(drafter).__name__} (a "
                          "target: save)")
-    _dtype_arg("save_drafter", dtype, allow_none=True)
+    dtype = _dtype_arg("save_drafter", dtype, allow_none=True)
     d = _writable("save_drafter", path, "drafter")
     sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
           for k, v in drafter.state_dict().items()}
@@ -416,13 +421,14 @@ def save_drafter(drafter, path: str | os.PathLike, dtype=None) -> Path:
 def load_drafter(path: str | os.PathLike, target: Transformer, dtype=torch.float32,
                  allow_nonfinite: bool = False):
     """The drafter saved by save_drafter, attached to `target` (checked like load: names, shapes, dtypes,
-    finite values); `drafter.calibration` is the folder's calibration table (kdtree.calibration) or None."""
+    finite values; the arguments before any tensor is read, dtype as load takes it); `drafter.calibration`
+    is the folder's calibration table (kdtree.calibration) or None."""
     from .drafter import DFlashDrafter, DrafterArgs
     d = _path_arg("load_drafter", path)
     if not isinstance(target, Transformer):
         raise ValueError(f"load_drafter: target: expected the kdtree Transformer the drafter serves, got "
                          f"{type(target).__name__}")
-    _dtype_arg("load_drafter", dtype)
+    dtype = _dtype_arg("load_drafter", dtype)
     allow_nonfinite = checks.flag("allow_nonfinite", allow_nonfinite)
     if not (d / "config.json").is_file():
         raise CheckpointError(f"load_drafter: no config.json in {d}")

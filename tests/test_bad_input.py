@@ -273,3 +273,103 @@ def test_numpy_scalars_are_taken_and_bools_refused_by_the_generate_wrappers():
         decode.generate_ar(m, p, 4, temperature=True)
     with pytest.raises(ValueError, match="max_new_tokens=True"):
         decode.generate_ar(m, p, True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny target and its drafter saved side by side: (target folder, drafter folder, the target)."""
+    from kdtree.config import TINY_A
+    from kdtree.drafter import build_drafter
+    from kdtree.model import build_model
+    d = tmp_path_factory.mktemp("ckpt")
+    m = build_model(TINY_A, seed=3)
+    weights.save(m, d / "target")
+    weights.save_drafter(build_drafter(m, block_size=4), d / "drafter")
+    return d / "target", d / "drafter", m
+
+
+@pytest.fixture
+def no_read(monkeypatch):
+    """Reading a checkpoint's tensors fails the test: a refusal must come before it."""
+    def read(path):
+        raise AssertionError(f"the tensors of {path} were read before the refusal")
+    monkeypatch.setattr(weights, "read_state_dict", read)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(path=None), r"load: path=None: expected a checkpoint folder"),
+    (dict(path=123), r"load: path=123: expected a checkpoint folder"),
+    (dict(dtype="bogus"), r"load: dtype='bogus': expected a floating torch dtype"),
+    (dict(dtype="int8"), r"load: dtype='int8': expected a floating torch dtype"),
+    (dict(device="cuda:0"), r"load: device='cuda:0': no CUDA device"),
+    (dict(device="meta"), r"load: device='meta': expected a torch device"),
+    (dict(args=5), r"load: args: expected a kdtree ModelArgs"),
+    (dict(attn_impl="fast"), r"load: attn_impl='fast': expected one of"),
+    (dict(attn_impl="kernel"), r"load: attn_impl='kernel' needs kv_lora_rank 512")])
+def test_load_refuses_each_argument_before_reading_the_weights(saved, no_read, monkeypatch, kw, needle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # a CPU-only machine
+    kw = dict(path=saved[0]) | kw
+    with pytest.raises(ValueError, match=needle):
+        weights.load(kw.pop("path"), **kw)
+
+
+def test_dtypes_are_taken_by_their_torch_names(saved):
+    t = weights.load(saved[0], dtype="float16")
+    assert t.dtype == torch.float16
+    assert weights.load(saved[0], dtype="torch.bfloat16").dtype == torch.bfloat16
+    d = weights.load_drafter(saved[1], t, dtype="float16")
+    assert d.fc.weight.dtype == torch.float16
+    with pytest.raises(ValueError, match=r"load_drafter: target: expected the kdtree Transformer"):
+        weights.load_drafter(saved[1], None)
+
+
+def test_read_state_dict_and_checkpoint_kind_take_what_load_takes(saved):
+    with pytest.raises(ValueError, match=r"read_state_dict: path=None: expected a checkpoint folder"):
+        weights.read_state_dict(None)
+    assert weights.checkpoint_kind(str(saved[0])) == "target"
+    assert weights.checkpoint_kind(str(saved[1])) == "drafter"
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: _build(None), r"args: expected a kdtree ModelArgs"),
+    (lambda: _build(seed="x"), r"seed='x': expected an int"),
+    (lambda: _build(dtype=torch.int8), r"dtype=torch.int8: expected a floating torch dtype"),
+    (lambda: _build(device=None), r"device=None: expected a torch device"),
+    (lambda: Transformer({}), r"args: expected a kdtree ModelArgs"),
+    (lambda: _cache(None), r"KVCache args: expected a kdtree ModelArgs"),
+    (lambda: _cache(dtype="x"), r"KVCache dtype='x': expected a floating torch dtype"),
+    (lambda: _cache(device="tpu"), r"KVCache device='tpu': expected a torch device")])
+def test_model_and_cache_constructors_check_their_arguments(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+def test_cuda_is_refused_by_name_on_a_cpu_only_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda': no CUDA device on this machine"):
+        _build(device="cuda")
+    with pytest.raises(ValueError, match=r"KVCache device='cuda': no CUDA device"):
+        _cache(device="cuda")
+
+
+def test_build_model_takes_a_dtype_name():
+    assert _build(dtype="bfloat16").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [None, 123, "", "  "])
+def test_load_config_names_what_it_takes(bad):
+    from kdtree.config import load_config
+    with pytest.raises(ValueError, match=r"config=.*: expected a ModelArgs, one of \['tiny-a'"):
+        load_config(bad)
+
+
+def _build(args="tiny", **kw):
+    from kdtree.config import TINY_A
+    from kdtree.model import build_model
+    return build_model(TINY_A if args == "tiny" else args, **kw)
+
+
+def _cache(args="tiny", **kw):
+    from kdtree.cache import KVCache
+    from kdtree.config import TINY_A
+    return KVCache(TINY_A if args == "tiny" else args, 1, 8, **kw)

@@ -88,8 +88,9 @@ def test_loaders_name_a_bad_argument(pair, tmp_path):
     tf = weights.save(t, tmp_path / "t")
     with pytest.raises(ValueError, match=r"load: path=None"):
         weights.load(None)
-    with pytest.raises(ValueError, match=r"load: dtype='float16'"):
-        weights.load(tf, dtype="float16")
+    with pytest.raises(ValueError, match=r"load: dtype='int8': expected a floating torch dtype"):
+        weights.load(tf, dtype="int8")
+    assert weights.load(tf, dtype="float16").dtype == torch.float16   # a dtype by its torch name
     with pytest.raises(ValueError, match="allow_nonfinite='no': expected True or False"):
         weights.load(tf, allow_nonfinite="no")
     if not torch.cuda.is_available():

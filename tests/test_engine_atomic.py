@@ -78,6 +78,35 @@ def test_stop_tokens_take_tensors_and_sets(tiny):
     assert a == b == ref[:ref.index(ref[2]) + 1]
 
 
+def test_add_request_takes_stop_tokens_as_a_prompt_is_taken(tiny):
+    import numpy as np
+    _, args, model = tiny
+    p = random_prompts(args, 1, seed=4)[0]
+    ref = oracle_ar(model, p, 8).tokens
+    e = _engine(model)
+    ids = [e.add_request(p, 8, stop_tokens=s) for s in (torch.tensor([ref[2]]), np.array([ref[2]]),
+                                                        torch.tensor([[ref[2]]]), (ref[2],))]
+    res = e.run()
+    assert [res[i].tokens for i in ids] == [ref[:ref.index(ref[2]) + 1]] * 4
+    with pytest.raises(ValueError, match=r"stop_tokens=tensor\(\[3\.\]\): expected token ids"):
+        e.add_request(p, 8, stop_tokens=torch.tensor([3.0]))
+    assert not e.waiting
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda e: e.step(overlap="no"), "overlap='no': expected True or False"),
+    (lambda e: e.run(progress="no"), "progress='no': expected True or False"),
+    (lambda e: e.bucket(5), r"n=5: expected an int in \[1, 4\]"),
+    (lambda e: e.bucket("2"), r"n='2': expected an int in \[1, 4\]")])
+def test_step_run_and_bucket_check_their_arguments_before_any_work(tiny, call, needle):
+    _, _, model = tiny
+    e = _engine(model)
+    rid = e.add_request([1, 2, 3], 4)
+    with pytest.raises(ValueError, match=needle):
+        call(e)
+    assert [r.rid for r in e.waiting] == [rid] and not e.active   # nothing admitted or run
+
+
 def test_max_len_bounds_a_request_not_its_page_rounding(tiny):
     _, _, model = tiny
     e = Engine(model, mode="ar", max_batch=2, max_len=16)

@@ -21,6 +21,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from .. import checks
 from ..model import Int4Experts, Transformer, check_memory
 from ..round_ops import GoldenOps, KernelOps
 from ..simulate import Simulation
@@ -185,7 +186,7 @@ class Engine:
         round's; a round in flight lands first when a request can join. A plain step() lands any round in
         flight, then its own."""
         emitted: dict[int, list[int]] = {}
-        s, overlap = self.scheduler, overlap and self.overlap
+        s, overlap = self.scheduler, checks.flag("overlap", overlap) and self.overlap
         if self.in_flight and (not overlap or s.admissible() or not s.can_overlap()):
             self._drain(emitted)
         if s.due():
@@ -206,7 +207,7 @@ class Engine:
         id: result} of every request finished since the last run() (also those that finished in step() calls
         before it), each handed out once."""
         bar = None
-        if progress:
+        if checks.flag("progress", progress):
             from ..progress import tqdm
             bar = tqdm(total=len(self.waiting) + len(self.active), desc=f"engine {self.mode}")
         while self.waiting or self.active or self.in_flight:
@@ -272,8 +273,12 @@ class Engine:
         return self._flight is not None
 
     def bucket(self, n: int) -> int:
-        """The batch bucket a round of n requests pads to."""
-        return next(b for b in self.buckets if b >= n)
+        """The batch bucket a round of n requests (1..max_batch) pads to; ValueError past max_batch."""
+        try:   # checked only when no bucket is found: the rounds call it
+            return next(b for b in self.buckets if b >= n)
+        except (StopIteration, TypeError):
+            raise ValueError(f"n={n!r}: expected an int in [1, {self.max_batch}] (requests in a round, up to "
+                             "max_batch)") from None
 
     def sync(self) -> None:
         sync(self.device)
