@@ -88,18 +88,36 @@ def parse_value(text: str):
 RUNNER_PARAMETERS = ("device", "out_dir")  # set by run_lab (--device, --out-dir), never by -p
 
 
-def find_notebooks(names) -> list[Path]:
-    """Every notebooks/NN_*.ipynb, or each name resolved to exactly one notebook (a path, a file name with or
-    without .ipynb, or a prefix such as '03' that only one notebook starts with)."""
-    if not names:
+GLOB = set("*?[]")   # pattern characters: a notebook argument is a name, never a pattern
+
+
+def find_notebooks(names=()) -> list[Path]:
+    """Every notebooks/NN_*.ipynb (no names), or each name resolved to exactly one notebook (a path, a file
+    name with or without .ipynb, or a prefix such as '03' that only one notebook starts with). names: a list
+    or tuple of str / os.PathLike, or one of them; ValueError naming the notebook argument for another type,
+    an empty name or a glob pattern ('*': the shell's, unexpanded), FileNotFoundError for a name that matches
+    none; both list the notebooks."""
+    if names is None or (isinstance(names, (list, tuple)) and not names):
         return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
-    out = []
     known = [q.name for q in sorted(NOTEBOOKS.glob("*.ipynb"))]
+    if isinstance(names, (str, os.PathLike)):
+        names = [names]
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(f"notebooks: expected a list of notebook names or paths, got "
+                         f"{type(names).__name__}; the notebooks: {known}")
+    out = []
     for n in names:
+        if not isinstance(n, (str, os.PathLike)) or not os.fspath(n).strip():
+            raise ValueError(f"notebook {n!r}: expected a notebook name or path (a non-empty str), one of "
+                             f"{known}")
+        if GLOB & set(os.fspath(n)):
+            raise ValueError(f"notebook {os.fspath(n)!r}: a pattern is not expanded here; expected a "
+                             f"notebook name, a prefix such as '00', or a path, one of {known} (none: all of "
+                             "them)")
         p = Path(n)
         exact = next((c for c in (p, NOTEBOOKS / p, NOTEBOOKS / (p.name + ".ipynb"))
                       if c.is_file() and c.suffix == ".ipynb"), None)
-        hits = [exact] if exact else sorted(NOTEBOOKS.glob(f"{p.name}*.ipynb"))
+        hits = [exact] if exact else [NOTEBOOKS / k for k in known if k.startswith(p.name)]
         if not hits:
             raise FileNotFoundError(f"notebook {n!r} not found; expected one of {known}")
         if len(hits) > 1:
@@ -231,11 +249,19 @@ def _run_staged(out: Path, run) -> None:
 
 def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
             out_dir: str | None = None, overwrite_trained: bool = False) -> list[Path]:
-    """Execute notebooks with papermill; returns the executed copies. Every check (notebook names, parameters,
-    the output folder) runs before anything is written, the names and values before torch is imported.
+    """Execute notebooks with papermill; returns the executed copies. Every check (the arguments, notebook
+    names, parameters, the output folder) runs before anything is written, the names and values before torch
+    is imported; notebooks as `find_notebooks` takes them.
     overwrite_trained: passed to the notebooks that declare it (03: a training run may replace
     data/trained/)."""
     lab_params.check_device(device)
+    if params is not None and not (isinstance(params, dict) and all(isinstance(k, str) for k in params)):
+        raise ValueError(f"params: expected a dict {{parameter name: value}}, got {type(params).__name__}")
+    if out_dir is not None and not (isinstance(out_dir, (str, os.PathLike)) and os.fspath(out_dir).strip()):
+        raise ValueError(f"out_dir={out_dir!r}: expected a folder (a non-empty str or os.PathLike), or None "
+                         "for the default")
+    if not isinstance(overwrite_trained, bool):
+        raise ValueError(f"overwrite_trained={overwrite_trained!r}: expected True or False")
     nbs = find_notebooks(notebooks)
     for nb in nbs:  # every notebook's parameters checked before anything runs or is written
         check_parameters(nb, params or {})

@@ -132,6 +132,34 @@ def test_bad_lab_arguments(tmp_path):
     assert lab.main_lab(["99_nope", "--out-dir", str(tmp_path)]) == 2
 
 
+@pytest.mark.parametrize("names", [["*"], ["0*"], ["0?_golden_validation"], ["[0]0"]])
+def test_a_glob_is_refused_naming_the_notebook_argument_and_listing_the_notebooks(names, capsys):
+    with pytest.raises(ValueError, match=r"notebook '.*': a pattern is not expanded here") as e:
+        lab.find_notebooks(names)
+    assert all(nb.name in str(e.value) for nb in lab.find_notebooks(()))
+    assert lab.main_lab(names) == 2
+    assert "error: notebook " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(notebooks=[3]), r"notebook 3: expected a notebook name"),
+                                       (dict(notebooks=[""]), r"notebook '': expected a notebook name"),
+                                       (dict(notebooks=7), r"notebooks: expected a list of notebook names"),
+                                       (dict(params=[("seed", 1)]), r"params: expected a dict"),
+                                       (dict(out_dir=123), r"out_dir=123: expected a folder"),
+                                       (dict(out_dir=""), r"out_dir='': expected a folder"),
+                                       (dict(overwrite_trained="no"), r"overwrite_trained='no': expected")])
+def test_run_lab_checks_its_arguments_before_anything_is_written(kw, needle, tmp_path):
+    kw = dict(notebooks=["00"], device="cpu", out_dir=str(tmp_path / "never")) | kw
+    with pytest.raises(ValueError, match=needle):
+        lab.run_lab(**kw)
+    assert not (tmp_path / "never").exists()
+
+
+def test_one_notebook_name_is_taken_as_a_name():
+    want = [lab.NOTEBOOKS / "00_golden_validation.ipynb"]
+    assert lab.find_notebooks("00") == lab.find_notebooks(["00"]) == want
+
+
 def test_cpu_records_never_land_in_a_gpu_folder():
     assert lab.output_dir("cpu") == lab.OUTPUTS / "cpu"
     assert lab.device_slug("cpu") is None
@@ -284,6 +312,20 @@ def test_no_parameters_cell_comment_holds_an_equals_sign():
         cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
         for line in "".join(cell["source"]).splitlines():
             assert "=" not in line.partition("#")[2], (nb.name, line)
+
+
+def test_papermill_reads_every_declared_parameter_without_a_warning(caplog):
+    """papermill's own parser (what `lab` and papermill's --parameters use) reads each notebook's parameters
+    cell: every declared parameter, no "Unable to parse line" warning."""
+    translators = pytest.importorskip("papermill.translators")
+    for nb in lab.find_notebooks(()):
+        cells = json.loads(nb.read_text())["cells"]
+        cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="papermill"):
+            found = translators.PythonTranslator.inspect({"source": "".join(cell["source"])})
+        assert not [r.getMessage() for r in caplog.records], nb.name
+        assert {p.name for p in found} == set(lab.declared_parameters(nb)), nb.name
 
 
 def test_cpu_runs_take_one_torch_thread_unless_told():

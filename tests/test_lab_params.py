@@ -189,6 +189,7 @@ def _lab_in_a_fresh_interpreter(args) -> tuple[int, list[str], float, str]:
 
 @pytest.mark.parametrize("args,needle", [
     (["lab", "99"], "notebook '99' not found"),
+    (["lab", "*"], "notebook '*': a pattern is not expanded here; expected a notebook name"),
     (["lab", "02", "-p", "stage", "bogus"], "-p stage 'bogus': expected one of"),
     (["lab", "00", "-p", "n_prompts", "-1"], "-p n_prompts -1: expected an int >= 1"),
     (["lab", "00", "-p", "n_promts", "1"], "declares no such parameter"),
