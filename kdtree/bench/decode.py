@@ -211,7 +211,9 @@ def kernel_table(step) -> tuple[int, list[dict]]:
     """The CUDA kernels one eager call of step() launches (after one untimed call), read from torch.profiler
     as bench.layer's routed_kernel_s reads them (every device event, CuPy launches included): (count,
     [{name, count, device_us}] by total device time, largest first; names cut to KERNEL_NAME_CHARS)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
     with torch.no_grad():
         step()
         torch.cuda.synchronize()

@@ -58,7 +58,9 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
     profile's text is the seed's, so one seed for all would feed every request the same tokens (fewer
     experts read than the runs read). The engine must be idle; the requests are served to the end (a few
     rounds each)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
     from ..model import MoE
     moe = [layer.mlp for layer in engine.model.model.layers if isinstance(layer.mlp, MoE)]
     seen = []

@@ -89,7 +89,9 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
     kernel times over `calls` eager steps}: the share of the layer's time that depends on the routing, which
     `project.routing_correction` replaces by an engine round's own."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
     out = {"experts_touched": experts_touched(moe, step)}
     if torch.device(device).type != "cuda":
         return out

@@ -12,7 +12,9 @@ from .serve import _sync
 def launches_per_round(engine: Engine, prompt, max_new: int = 8) -> dict:
     """Kernels of one eager round (the graph's nodes are these launches): torch.profiler's CUDA kernel
     events."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
     rid = engine.add_request(prompt, max_new)
     engine.step()  # prefill + one round
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -45,7 +47,9 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     and build stages stay empty), as an AR hold serves it. batch: that many requests of the prompt (seeds
     0 ...; at most the engine's max_batch), each added with `add` (add_request keywords, e.g.
     synthetic_context), so the round runs at that batch bucket."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
+
+    from .profiling import profile
     if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= engine.max_batch:
         raise ValueError(f"batch={batch!r}: expected an int in [1, {engine.max_batch}] (max_batch)")
     phases = None

@@ -84,7 +84,9 @@ def prefill_profile(engine: Engine, prompts, repeats: int = 3, top: int = 20, **
     "device_s" their sum) and host ops of that admission (its synthetic fill included, under its own kernel
     names). The engine must be idle, with room for every prompt at once (ValueError otherwise)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
     checks.positive_int("repeats", repeats)
     if engine.waiting or engine.active or engine.in_flight:
         raise ValueError("prefill_profile: the engine is not idle (requests waiting, active or in flight)")
