@@ -14,7 +14,9 @@ def test_the_page_equals_the_records():
 
 def _copy(tmp_path):
     dst = tmp_path / "outputs"
-    shutil.copytree(report.RECORDS, dst, ignore=shutil.ignore_patterns("*.ipynb", "*.png", "*.log"))
+    # the committed records only: not a local CPU lab run (outputs/cpu/) or a run's staging folder
+    shutil.copytree(report.RECORDS, dst,
+                    ignore=shutil.ignore_patterns("*.ipynb", "*.png", "*.log", lab.CPU_DIR, ".*.run-*"))
     return dst
 
 
