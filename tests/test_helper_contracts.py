@@ -22,3 +22,28 @@ def test_int4_weight_refuses_a_shape_that_is_not_two_ints(shape):
         quant.Int4Weight(packed, scale, shape)
     assert quant.Int4Weight(packed, scale, (2, 32)).shape == (2, 32)
     assert quant.Int4Weight(packed, scale, torch.tensor([2, 32])).in_features == 32   # a checkpoint's
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int4_weight_refuses_non_finite_scales(bad):
+    packed = torch.zeros(2, 4, dtype=torch.int32)
+    scale = torch.ones(2, 1, dtype=torch.bfloat16)
+    assert quant.Int4Weight(packed, scale, (2, 32)).dequantize().isfinite().all()
+    scale[1, 0] = bad
+    with pytest.raises(quant.QuantFormatError, match="weight_scale: expected finite scales, got 1 NaN"):
+        quant.Int4Weight(packed, scale, (2, 32))
+
+
+def test_build_tree_refuses_log_probabilities_out_of_rank_order():
+    """The best-first build reads each depth's list as topk_logprobs sorts it (largest first); an ascending
+    list would build a different tree without a word."""
+    rng = np.random.default_rng(3)
+    lp = np.sort(np.log(rng.dirichlet(np.ones(6), size=3)), axis=1)[:, ::-1].astype(np.float32)
+    tok = np.tile(np.arange(6), (3, 1))
+    tree = golden.build_tree(tok, lp, 5)
+    assert tree.n == 5
+    lp[2, 1], lp[2, 3] = lp[2, 3], lp[2, 1]
+    with pytest.raises(ValueError, match="expected each depth's list sorted largest first.*depth 2"):
+        golden.build_tree(tok, lp, 5)
+    inf_tail = np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32)   # -inf ranks after finite ones: sorted
+    assert golden.build_tree(np.array([[5, 6, 7, 8]]), inf_tail, 4).n == 2
