@@ -263,3 +263,29 @@ def test_a_failure_past_the_requests_own_steps_removes_every_joining_request(tin
     res = e.run()
     assert list(res) == [first] and res[first].tokens == refs[0]
     assert e.free_pages == e.pages.capacity
+
+
+@pytest.mark.parametrize("where", ["grow", "chunk"])
+def test_generate_that_fails_leaves_none_of_its_requests(tiny, monkeypatch, where):
+    """generate() whose run raises (one of its requests failed admission) takes every request of its own out
+    (the waiting, the active and the finished: none comes out of a later run()); a request queued earlier
+    with add_request goes on to its reference tokens."""
+    _, args, model = tiny
+    ps = _prompts(args)
+    refs = [oracle_ar(model, p, 6).tokens for p in ps]
+    e = _engine(model, debug=True)
+    free0 = e.free_pages
+    first = e.add_request(ps[0], 6)
+    e.step()
+    bad = first + 2                                   # generate's second request
+    obj, pick = ((e.scheduler, lambda r, rows: r.rid) if where == "grow"
+                 else (e.prefill, lambda group, *a: group[0].rid))
+    _fail_once(monkeypatch, obj, where, bad, pick)
+    with pytest.raises(ValueError, match=rf"^request {bad}: boom in {where}$"):
+        e.generate([ps[1], ps[2]], 6)
+    assert [r.rid for r in e.waiting + e.active] in ([first], [])
+    _pool_consistent(e)
+    res = e.run()
+    assert list(res) == [first] and res[first].tokens == refs[0]
+    assert e.free_pages == free0 and e.pages.reserved == 0
+    assert e.generate([ps[1], ps[2]], 6)[1].tokens == refs[2]   # the engine serves the same call afterwards

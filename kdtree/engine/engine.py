@@ -224,7 +224,10 @@ class Engine:
                  stop_tokens=()) -> list[GenerationResult]:
         """One request per prompt (request i seeded seed + i), run to the end; results in prompt order. Every
         prompt and seed is checked before any request is queued (a ValueError queues nothing). Requests queued
-        earlier with add_request run alongside; their results stay for the next run()."""
+        earlier with add_request run alongside; their results stay for the next run(). Where the run raises
+        (a request of this call failed admission, say), every request of this call leaves whole (waiting,
+        active or finished: pages back, never a result of a later run()) before the error reaches the caller;
+        the earlier requests go on."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts: expected a list of prompts (each a sequence of token ids), got "
                              f"{type(prompts).__name__}")
@@ -235,10 +238,26 @@ class Engine:
         reqs = [s.request(p, max_new_tokens, temperature, seed + i, stop_tokens, 0, what=f"prompts[{i}]")
                 for i, p in enumerate(prompts)]
         ids = [s.queue(r) for r in reqs]
-        res = self.run()
+        try:
+            res = self.run()
+        except BaseException:
+            self._withdraw(set(ids))
+            raise
         own = [res.pop(i) for i in ids]
         s.finished.update(res)   # others' results: handed out by the next run()
         return own
+
+    def _withdraw(self, rids: set) -> None:
+        """Requests `rids` leave whole: a round in flight lands, then they leave waiting, active, finished."""
+        s = self.scheduler
+        if self.in_flight:
+            self._drain({})
+        s.waiting[:] = [r for r in s.waiting if r.rid not in rids]
+        for r in sorted((r for r in s.active if r.rid in rids), key=lambda r: -r.slot):
+            s.release(r)
+        for rid in rids:
+            s.finished.pop(rid, None)
+            s.errors.pop(rid, None)
 
     # the scheduler's queues and pool, the graph cache, the budget policy's tables
     waiting = property(lambda self: self.scheduler.waiting)
