@@ -289,11 +289,19 @@ def run_lab(notebooks=(), params: dict | None = None, device: str = "auto",
 
         def run(folder, nb=nb, p=p, name=name):
             pm.execute_notebook(str(nb), str(folder / name), cwd=str(nb.parent), progress_bar=True,
-                                parameters={**p, "out_dir": str(folder.resolve())}, kernel_name="python3")
+                                parameters={**p, "out_dir": str(folder.resolve())}, kernel_name="python3",
+                                config=kernel_config())
         _run_staged(out, run)
         done.append(out / name)
     refresh_results(out)
     return done
+
+
+def kernel_config():
+    """The notebooks' kernels talk to papermill over local IPC sockets, not TCP on localhost (no network
+    port, and no "running over TCP without encryption" warning from every kernel)."""
+    from traitlets.config import Config
+    return Config({"KernelManager": {"transport": "ipc"}})
 
 
 def cpu_threads(device: str, environ=None) -> str | None:

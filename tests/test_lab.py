@@ -348,3 +348,37 @@ def test_tests_run_tiny_models_on_one_thread():
     import torch
     want = int(os.environ.get("KDTREE_TORCH_THREADS", "1"))
     assert torch.get_num_threads() == want
+
+
+def test_every_notebook_validates_without_warnings():
+    """Each notebook is valid nbformat 4.5 as committed: every cell has an id (nbformat warns on every run
+    where one is missing, and will refuse such a notebook later)."""
+    import warnings
+
+    import nbformat
+    for nb_path in sorted((lab.ROOT / "notebooks").glob("*.ipynb")):
+        nb = json.loads(nb_path.read_text())
+        missing = [i for i, c in enumerate(nb["cells"]) if "id" not in c]
+        assert not missing, f"{nb_path.name}: cells {missing} have no id"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            nbformat.validate(nbformat.reads(nb_path.read_text(), as_version=4))
+
+
+def test_a_notebook_kernel_talks_over_ipc_without_a_tcp_warning(tmp_path, capfd):
+    """The lab's kernels use local IPC sockets: no port on localhost and no "running over TCP without
+    encryption" line from each kernel (the line the default transport prints shows the check can fail)."""
+    nb = tmp_path / "98_quiet.ipynb"
+    cells = [{"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "execution_count": None,
+              "outputs": [], "source": ['device = "auto"\n', 'out_dir = "."\n']},
+             {"cell_type": "code", "id": "w", "metadata": {}, "execution_count": None, "outputs": [],
+              "source": ["print('ran')\n"]}]
+    nb.write_text(json.dumps({"cells": cells,
+                              "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                                          "display_name": "Python 3"}},
+                              "nbformat": 4, "nbformat_minor": 5}))
+    assert lab.kernel_config().KernelManager.transport == "ipc"
+    assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(tmp_path / "out")]) == 0
+    out, err = capfd.readouterr()
+    assert "without encryption" not in out + err
+    assert (tmp_path / "out" / "98_quiet.ipynb").exists()
