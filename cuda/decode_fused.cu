@@ -408,31 +408,20 @@ __device__ __forceinline__ void router_select_body(const float* __restrict__ sco
     }
 }
 
-extern "C" __global__ void router_select_j4(const float* __restrict__ scores, const void* __restrict__ bias,
-        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-        float* __restrict__ w_out, int* __restrict__ ids) {
-    router_select_body<4>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
-}
-extern "C" __global__ void router_select_j8(const float* __restrict__ scores, const void* __restrict__ bias,
-        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-        float* __restrict__ w_out, int* __restrict__ ids) {
-    router_select_body<8>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
-}
-extern "C" __global__ void router_select_j12(const float* __restrict__ scores, const void* __restrict__ bias,
-        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-        float* __restrict__ w_out, int* __restrict__ ids) {
-    router_select_body<12>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
-}
-extern "C" __global__ void router_select_j16(const float* __restrict__ scores, const void* __restrict__ bias,
-        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-        float* __restrict__ w_out, int* __restrict__ ids) {
-    router_select_body<16>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
-}
-extern "C" __global__ void router_select_j32(const float* __restrict__ scores, const void* __restrict__ bias,
-        int bias_bf16, int M, int E, int n_group, int topk_group, int k, int norm, float scale,
-        float* __restrict__ w_out, int* __restrict__ ids) {
-    router_select_body<32>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, ids);
-}
+// router_select_jJ: the body built for J experts a lane (ops.decode.SEL_JS)
+#define ROUTER_SELECT(J)                                                                                 \
+    extern "C" __global__ void router_select_j##J(                                                       \
+        const float* __restrict__ scores, const void* __restrict__ bias, int bias_bf16, int M, int E,    \
+        int n_group, int topk_group, int k, int norm, float scale, float* __restrict__ w_out,            \
+        int* __restrict__ ids) {                                                                         \
+        router_select_body<J>(scores, bias, bias_bf16, M, E, n_group, topk_group, k, norm, scale, w_out, \
+                              ids);                                                                      \
+    }
+ROUTER_SELECT(4)
+ROUTER_SELECT(8)
+ROUTER_SELECT(12)
+ROUTER_SELECT(16)
+ROUTER_SELECT(32)
 
 extern "C" __global__ void silu_mul(const uint16_t* __restrict__ g, const uint16_t* __restrict__ u, int M, int I,
                                     int ld, uint16_t* __restrict__ out) {

@@ -222,17 +222,23 @@ def test_a_request_whose_admission_fails_leaves_whole(tiny, monkeypatch, where):
     assert list(res) == [later] and res[later].tokens == refs[1]   # the failed one never comes out
 
 
-def test_a_failed_first_token_choice_fails_only_the_requests_in_it(tiny, monkeypatch):
-    """The first tokens of one admission come from one batched choice: when it fails, every request of that
-    admission leaves; a request admitted earlier goes on unchanged."""
-    from kdtree.engine import prefill
+def _one_running_two_joining(tiny):
+    """An engine with one request admitted and two more waiting to join: (engine, the three requests'
+    reference tokens, the first's id, the two later ids)."""
     _, args, model = tiny
     ps = _prompts(args)
     refs = [oracle_ar(model, p, 8).tokens for p in ps]
     e = _engine(model, debug=True)
     first = e.add_request(ps[0], 8)
     e.step()
-    late = [e.add_request(p, 8) for p in ps[1:]]
+    return e, refs, first, [e.add_request(p, 8) for p in ps[1:]]
+
+
+def test_a_failed_first_token_choice_fails_only_the_requests_in_it(tiny, monkeypatch):
+    """The first tokens of one admission come from one batched choice: when it fails, every request of that
+    admission leaves; a request admitted earlier goes on unchanged."""
+    from kdtree.engine import prefill
+    e, refs, first, late = _one_running_two_joining(tiny)
     _fail_once(monkeypatch, prefill, "choose", None, lambda *a: None)
     with pytest.raises(ValueError, match=rf"^requests {late[0]}, {late[1]}: boom in choose$"):
         e.step()
@@ -246,13 +252,7 @@ def test_a_failed_first_token_choice_fails_only_the_requests_in_it(tiny, monkeyp
 def test_a_failure_past_the_requests_own_steps_removes_every_joining_request(tiny, monkeypatch):
     """An error the prefill does not attribute to one request (here its last phase mark) leaves no request
     half-admitted: those joining leave with it, those already active go on."""
-    _, args, model = tiny
-    ps = _prompts(args)
-    refs = [oracle_ar(model, p, 8).tokens for p in ps]
-    e = _engine(model, debug=True)
-    first = e.add_request(ps[0], 8)
-    e.step()
-    late = [e.add_request(p, 8) for p in ps[1:]]
+    e, refs, first, late = _one_running_two_joining(tiny)
     e.prefill_phases = {}
     _fail_once(monkeypatch, e.prefill, "mark", "requests", lambda phase: phase)
     with pytest.raises(ValueError, match=rf"^requests {late[0]}, {late[1]}: boom in mark$"):

@@ -212,17 +212,21 @@ def test_lab_parameters_must_be_declared_and_in_range(tmp_path, capsys):
     assert "block_size" in lab.declared_parameters(lab.find_notebooks(["00"])[0])
 
 
-def test_a_failing_notebook_reports_its_cell_in_a_few_lines(tmp_path, capsys):
-    nb = tmp_path / "99_fails.ipynb"
+def _notebook(path, body: str):
+    """A two-cell notebook at path: the lab's parameters cell (device, out_dir), then `body`."""
     cells = [{"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "execution_count": None,
-              "outputs": [],
-              "source": ['device = "auto"\n', 'out_dir = "."\n']},
-             {"cell_type": "code", "id": "f", "metadata": {}, "execution_count": None, "outputs": [],
-              "source": ['raise RuntimeError("the cause, stated")\n']}]
-    nb.write_text(json.dumps({"cells": cells,
-                              "metadata": {"kernelspec": {"name": "python3", "language": "python",
-                                                          "display_name": "Python 3"}},
-                              "nbformat": 4, "nbformat_minor": 5}))
+              "outputs": [], "source": ['device = "auto"\n', 'out_dir = "."\n']},
+             {"cell_type": "code", "id": "b", "metadata": {}, "execution_count": None, "outputs": [],
+              "source": [body]}]
+    path.write_text(json.dumps({"cells": cells,
+                                "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                                            "display_name": "Python 3"}},
+                                "nbformat": 4, "nbformat_minor": 5}))
+    return path
+
+
+def test_a_failing_notebook_reports_its_cell_in_a_few_lines(tmp_path, capsys):
+    nb = _notebook(tmp_path / "99_fails.ipynb", 'raise RuntimeError("the cause, stated")\n')
     assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     msg = err[err.index("error:"):]  # after papermill's progress bar
@@ -368,15 +372,7 @@ def test_every_notebook_validates_without_warnings():
 def test_a_notebook_kernel_talks_over_ipc_without_a_tcp_warning(tmp_path, capfd):
     """The lab's kernels use local IPC sockets: no port on localhost and no "running over TCP without
     encryption" line from each kernel (the line the default transport prints shows the check can fail)."""
-    nb = tmp_path / "98_quiet.ipynb"
-    cells = [{"cell_type": "code", "id": "p", "metadata": {"tags": ["parameters"]}, "execution_count": None,
-              "outputs": [], "source": ['device = "auto"\n', 'out_dir = "."\n']},
-             {"cell_type": "code", "id": "w", "metadata": {}, "execution_count": None, "outputs": [],
-              "source": ["print('ran')\n"]}]
-    nb.write_text(json.dumps({"cells": cells,
-                              "metadata": {"kernelspec": {"name": "python3", "language": "python",
-                                                          "display_name": "Python 3"}},
-                              "nbformat": 4, "nbformat_minor": 5}))
+    nb = _notebook(tmp_path / "98_quiet.ipynb", "print('ran')\n")
     assert lab.kernel_config().KernelManager.transport == "ipc"
     assert lab.main_lab([str(nb), "--device", "cpu", "--out-dir", str(tmp_path / "out")]) == 0
     out, err = capfd.readouterr()
