@@ -63,7 +63,7 @@ def device_slug(device: str) -> str | None:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
-CPU_DIR = "cpu"   # outputs/cpu/: a CPU run's folder (git-ignored: the checkout stays clean)
+CPU_DIR = lab_params.CPU_DIR
 
 
 def output_dir(device: str) -> Path:

@@ -25,6 +25,7 @@ from .config import CONFIG_DIR, PRESETS, ModelArgs
 
 CORPUS_SOURCES = ("stdlib", "torch", "numpy")   # kdtree.data.SOURCES (a test keeps them equal)
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelArgs))   # what target_kw may override
+CPU_DIR = "cpu"   # outputs/cpu/: a CPU lab run's folder (git-ignored: the checkout stays clean)
 TRAINED_DEFAULT = "../data/trained"   # notebook 03's ckpt_dir: the shipped pair, beside notebooks/
 TRAINED = Path(__file__).resolve().parent.parent / "data" / "trained"   # the package checkout's pair
 SEED_MAX = 2**31 - 1

@@ -351,7 +351,7 @@ def headline(records: Path | str = RECORDS) -> list[str]:
 def _gpu_folders(root: Path, depth: int = 1) -> list[Path]:
     """outputs/<gpu>/: the folders of `root` holding JSON records (at their top; depth 2: or in a subfolder
     at any depth), outputs/cpu/ (a CPU lab run's) excepted."""
-    from .lab import CPU_DIR
+    from .lab_params import CPU_DIR
     pats = ("*.json", "*/**/*.json")[:depth]
     return sorted(p for p in root.iterdir()
                   if p.is_dir() and p.name != CPU_DIR and any(any(p.glob(pat)) for pat in pats))
