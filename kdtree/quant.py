@@ -94,9 +94,6 @@ def check_int4(packed: torch.Tensor, scale: torch.Tensor, shape, name: str = "we
     if tuple(scale.shape) != (out, inp // GROUP):
         raise QuantFormatError(f"{name}.weight_scale: expected shape {(out, inp // GROUP)} (one scale per "
                                f"{GROUP} inputs) for weight_shape {(out, inp)}, got {tuple(scale.shape)}")
-    if not bool(torch.isfinite(scale).all()):
-        bad = int((~torch.isfinite(scale)).sum())
-        raise QuantFormatError(f"{name}.weight_scale: expected finite scales, got {bad} NaN or infinite")
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
