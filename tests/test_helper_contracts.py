@@ -37,3 +37,15 @@ def test_build_tree_refuses_log_probabilities_out_of_rank_order():
         golden.build_tree(tok, lp, 5)
     inf_tail = np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32)   # -inf ranks after finite ones: sorted
     assert golden.build_tree(np.array([[5, 6, 7, 8]]), inf_tail, 4).n == 2
+
+
+def test_dequant_twin_refuses_non_finite_or_misshapen_scales():
+    from kdtree.ops.moe_int4_golden import dequant_int4
+    packed = np.random.default_rng(0).integers(-2**31, 2**31, (3, 8), dtype=np.int64).astype(np.int32)
+    scale = np.full((3, 2), 0.5)
+    assert dequant_int4(packed, scale).shape == (3, 64)
+    scale[1, 1] = np.nan
+    with pytest.raises(ValueError, match="scale: expected finite scales, got 1 NaN"):
+        dequant_int4(packed, scale)
+    with pytest.raises(ValueError, match=r"scale: expected shape \(3, 2\)"):
+        dequant_int4(packed, np.ones((3, 1)))

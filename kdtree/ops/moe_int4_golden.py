@@ -18,9 +18,15 @@ def unpack_int4(packed) -> np.ndarray:
 
 
 def dequant_int4(packed, scale) -> np.ndarray:
-    """[..., out, in / 8] int32 + [..., out, in / 32] scales -> float64 [..., out, in] = q * scale."""
+    """[..., out, in / 8] int32 + [..., out, in / 32] finite scales -> float64 [..., out, in] = q * scale."""
     q = unpack_int4(packed).astype(np.float64)
-    return q * np.repeat(np.asarray(scale, np.float64), 32, axis=-1)
+    s = np.asarray(scale, np.float64)
+    if s.shape != q.shape[:-1] + (q.shape[-1] // 32,):
+        raise ValueError(f"scale: expected shape {q.shape[:-1] + (q.shape[-1] // 32,)} (one per 32 inputs of "
+                         f"packed {np.shape(packed)}), got {s.shape}")
+    if not np.isfinite(s).all():
+        raise ValueError(f"scale: expected finite scales, got {int((~np.isfinite(s)).sum())} NaN or infinite")
+    return q * np.repeat(s, 32, axis=-1)
 
 
 def group_pairs(topk_ids, topk_weights, n_experts: int):
