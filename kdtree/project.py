@@ -232,7 +232,9 @@ def profile_taus(tau_chain: float, budgets, depth: int = 15, ratio: float = 0.5)
     out = {}
     for B in budgets:
         K = int(B)
-        q = profile_rank_probs(p, ratio, K)
+        # a calibrated drafter ranks its tokens by their probability: below a chain tau of about 2 - ratio
+        # the profile's rank 1 outweighs its rank 0, so the list is sorted as that drafter would rank it
+        q = np.sort(profile_rank_probs(p, ratio, K))[::-1]
         keep = q > 0
         lp = np.full((depth, K), -np.inf, dtype=np.float32)
         lp[:, keep] = np.log(q[keep]).astype(np.float32)

@@ -24,6 +24,21 @@ def test_int4_weight_refuses_a_shape_that_is_not_two_ints(shape):
     assert quant.Int4Weight(packed, scale, torch.tensor([2, 32])).in_features == 32   # a checkpoint's
 
 
+def test_build_tree_refuses_log_probabilities_out_of_rank_order():
+    """The best-first build reads each depth's list as topk_logprobs sorts it (largest first); an ascending
+    list would build a different tree without a word."""
+    rng = np.random.default_rng(3)
+    lp = np.sort(np.log(rng.dirichlet(np.ones(6), size=3)), axis=1)[:, ::-1].astype(np.float32)
+    tok = np.tile(np.arange(6), (3, 1))
+    tree = golden.build_tree(tok, lp, 5)
+    assert tree.n == 5
+    lp[2, 1], lp[2, 3] = lp[2, 3], lp[2, 1]
+    with pytest.raises(ValueError, match="expected each depth's list sorted largest first.*depth 2"):
+        golden.build_tree(tok, lp, 5)
+    inf_tail = np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32)   # -inf ranks after finite ones: sorted
+    assert golden.build_tree(np.array([[5, 6, 7, 8]]), inf_tail, 4).n == 2
+
+
 def test_dequant_twin_refuses_non_finite_or_misshapen_scales():
     from kdtree.ops.moe_int4_golden import dequant_int4
     packed = np.random.default_rng(0).integers(-2**31, 2**31, (3, 8), dtype=np.int64).astype(np.int32)

@@ -266,3 +266,12 @@ def test_a_cell_without_its_kernel_time_takes_the_fitted_one():
     assert not blind["moe_kernel_modelled"] and not blind["within"]
     timed = P.check_engine(rec, [dict(c, round_gpu_span_median_s=t) for c in fitted], **kw)
     assert len(timed) == 3 and all(not r["moe_kernel_modelled"] for r in timed)
+
+
+def test_a_low_tau_profile_ranks_its_tokens_as_its_drafter_would():
+    """Below a chain tau of about 2 - ratio the profile's rank 1 outweighs its rank 0; profile_taus sorts
+    the ranks (a calibrated drafter ranks by probability) before golden.build_tree, which takes sorted lists
+    only."""
+    assert P.profile_rank_probs(0.2, 0.5, 4)[1] > P.profile_rank_probs(0.2, 0.5, 4)[0]
+    taus = P.profile_taus(1.4, [1, 4, 8], 15, 0.5)
+    assert 1.0 < taus[1] < taus[4] < taus[8]

@@ -136,6 +136,11 @@ def build_tree(top_tokens, top_logprobs, budget: int) -> Tree:
                          f"and {lp.shape}")
     if np.isnan(lp).any() or np.isposinf(lp).any() or (lp > 0).any():
         raise ValueError("top_logprobs: expected log-probabilities (<= 0, no NaN)")
+    if (np.diff(lp, axis=1) > 0).any():   # the best-first walk takes rank r + 1 only after rank r
+        d, r = (int(v) for v in np.argwhere(np.diff(lp, axis=1) > 0)[0])
+        raise ValueError(f"top_logprobs: expected each depth's list sorted largest first (as topk_logprobs "
+                         f"sorts), got depth {d}: rank {r + 1} ({lp[d, r + 1]:.4g}) > rank {r} "
+                         f"({lp[d, r]:.4g})")
     L, K = lp.shape
     tokens, depths, parents, scores, ranks = [], [], [], [], []
     # heap entries: (-score, depth, parent_index, rank, parent_score); the first four are the order key
