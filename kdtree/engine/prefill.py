@@ -222,7 +222,7 @@ class Prefill:
             return out
         self.tok[:n * T].view(n, T).copy_(tokens)
         self.pt[:n].copy_(page_table)
-        self.start[:n].copy_(start)
+        self.starts[:n].copy_(start)
         g.replay()
         e.prefill_replays += 1
         f = None if self.feat is None else self.feat[:n * T].view(n, T, -1)
@@ -236,7 +236,7 @@ class Prefill:
         rows = min(PREFILL_GRAPH_ROWS, B * e.prefill_chunk)
         self.tok = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.pt = torch.zeros_like(e.page_table)
-        self.start = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.starts = torch.zeros(B, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(B, a.vocab_size, dtype=torch.float32, device=dev)
         self.feat = (torch.zeros(rows, len(e.layers) * a.hidden_size, dtype=e.model.dtype,
                                      device=dev)
@@ -247,7 +247,7 @@ class Prefill:
         graphs share one memory pool: their outputs are copied to the static buffers, so the pool holds
         temporaries only); False where the capture fails (that shape then runs eagerly)."""
         e = self.e
-        tok, pt, st = self.tok[:n * T].view(n, T), self.pt[:n], self.start[:n]
+        tok, pt, st = self.tok[:n * T].view(n, T), self.pt[:n], self.starts[:n]
         cur = torch.cuda.current_stream(e.device)
         e.cache.side.wait_stream(cur)
         g = torch.cuda.CUDAGraph()
