@@ -16,11 +16,13 @@ One round (`Runner.round`), for every active request at once:
 Files: `config` (EngineConfig), `requests` (Request, GenerationResult, PagePool, argument checks),
 `scheduler` (queues, slots, pages, admission), `prefill`, `runner` (the round, its launch and landing),
 `graphs` (GraphCache, BLAS choice, stream marks), `policy` (the budget policy's hooks; FixedBudget),
-`engine` (Engine: add_request / step / run / generate). The tree steps and the sampling live in
+`engine` (Engine: add_request / step / run / generate), `cached` (engine_for: the generate_* wrappers'
+engines). The tree steps and the sampling live in
 `kdtree/round_ops.py`; budget="auto" in `kdtree/budget/`. docs/engine.md is the design page.
 """
+from .cached import engine_for
 from .config import ADMISSIONS, BACKENDS, MODES, EngineConfig, moe_path
-from .engine import Engine, engine_for
+from .engine import Engine
 from .graphs import blas_for, preferred_blas
 from .requests import (STAGES, GenerationResult, Request, check_drafter, check_max_new, check_prompt,
                        check_seed, check_stop, check_temperature, finish)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import checks, golden
+from ..cache import check_memory
 from ..model import MOE_PATHS, Int4Experts, Transformer
 from .requests import check_drafter
 
@@ -81,11 +82,9 @@ class EngineConfig:
     def resolve(self, model: Transformer, drafter=None) -> "EngineConfig":
         """This config checked against model and drafter, every default picked (ValueError naming the
         argument otherwise)."""
-        from ..budget.config import AutoConfig
         if not isinstance(model, Transformer):
             raise ValueError(f"model: expected a kdtree Transformer, got {type(model).__name__}")
-        mode, budget = self.mode, self.budget
-        checks.one_of("mode", mode, MODES)
+        checks.one_of("mode", self.mode, MODES)
         checks.one_of("admission", self.admission, ADMISSIONS)
         graphs, debug, graph_sampling, compile = (checks.flag(n, v) for n, v in (
             ("graphs", self.graphs), ("debug", self.debug), ("graph_sampling", self.graph_sampling),
@@ -93,7 +92,28 @@ class EngineConfig:
         if self.admission == "grouped" and getattr(model, "tp", None) is not None:
             raise ValueError("admission='grouped' under tensor parallelism: each rank times its own "
                              "admissions, so their decisions could part; use 'eager'")
-        dev = model.device
+        backend, budget, auto = self._budget(model, drafter)
+        max_batch, prefill_chunk, max_len, max_tokens, buckets = self._sizes(model, drafter, budget)
+        deterministic = self.deterministic
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic={deterministic!r}: expected True or False")
+        if deterministic:
+            buckets = _deterministic_buckets(model, buckets, max_batch)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r}: expected True or False")
+        moe = moe_path(model, self.moe, deterministic)
+        buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
+        return dataclasses.replace(
+            self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
+            backend=backend, prefill_chunk=prefill_chunk, debug=debug, buckets=buckets,
+            graph_sampling=graph_sampling, compile=compile, moe=moe, auto=auto,
+            block_size=0 if self.mode == "ar" else drafter.block_size)
+
+    def _budget(self, model: Transformer, drafter) -> tuple:
+        """(backend, the budget as an int or None, the resolved AutoConfig or None), checked against the mode,
+        the drafter and the device."""
+        from ..budget.config import AutoConfig
+        mode, budget, dev = self.mode, self.budget, model.device
         backend = self.backend
         if backend is None:
             backend = "kernel" if dev.type == "cuda" else "golden"
@@ -122,13 +142,18 @@ class EngineConfig:
                              "takes them")
         if auto:
             ac = (ac or AutoConfig()).resolve(backend)
-            budget = max(ac.budgets)
-        elif mode == "ddtree":
+            return backend, max(ac.budgets), ac
+        if mode == "ddtree":
             budget = golden._check_budget(budget)
             if backend == "kernel" and budget > 1024:
                 raise ValueError(f"budget={budget}: the kernel backend supports at most 1024")
         elif budget is not None:
             raise ValueError(f"budget={budget!r}: only mode='ddtree' takes a budget")
+        return backend, budget, None
+
+    def _sizes(self, model: Transformer, drafter, budget) -> tuple:
+        """(max_batch, prefill_chunk, max_len, max_tokens, buckets as given or None), checked; a verify
+        block must fit one request and the pool."""
         max_batch = checks.positive_int("max_batch", self.max_batch)
         prefill_chunk = checks.positive_int("prefill_chunk", self.prefill_chunk)
         page_size = self.page_size
@@ -147,33 +172,26 @@ class EngineConfig:
             raise ValueError(f"buckets={buckets!r}: expected a list of ints in [1, max_batch={max_batch}] "
                              "including max_batch")
         buckets = None if buckets is None else [int(x) for x in buckets]
+        mode = self.mode
         rows = 1 if mode == "ar" else drafter.block_size if mode == "dflash" else budget + 1
         cap = -(-max_len // page_size) * page_size
         if rows + 1 > min(cap, (-(-max_tokens // page_size)) * page_size):
             raise ValueError(f"{'budget' if mode == 'ddtree' else 'block_size'}: a verify block of {rows} "
                              f"rows does not fit a request of max_len={max_len} in a pool of "
                              f"max_tokens={max_tokens}")
-        deterministic = self.deterministic
-        if not isinstance(deterministic, bool):
-            raise ValueError(f"deterministic={deterministic!r}: expected True or False")
-        if deterministic:
-            if buckets is not None and tuple(sorted(set(buckets))) != (max_batch,):
-                raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: "
-                                 f"buckets={buckets!r} contradicts it (leave buckets out)")
-            if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts)
-                   for layer in model.model.layers):
-                raise ValueError("deterministic=True: INT4 experts are not supported (their paths group "
-                                 "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
-            buckets = (max_batch,)
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap={self.overlap!r}: expected True or False")
-        moe = moe_path(model, self.moe, deterministic)
-        buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
-        return dataclasses.replace(
-            self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
-            backend=backend, prefill_chunk=prefill_chunk, debug=debug, buckets=buckets,
-            graph_sampling=graph_sampling, compile=compile, moe=moe, auto=ac if auto else None,
-            block_size=0 if mode == "ar" else drafter.block_size)
+        return max_batch, prefill_chunk, max_len, max_tokens, buckets
+
+
+def _deterministic_buckets(model: Transformer, buckets, max_batch: int) -> tuple[int]:
+    """deterministic=True: every round at max_batch rows (ValueError where buckets or INT4 experts say
+    otherwise)."""
+    if buckets is not None and tuple(sorted(set(buckets))) != (max_batch,):
+        raise ValueError(f"deterministic=True runs every round at max_batch={max_batch}: "
+                         f"buckets={buckets!r} contradicts it (leave buckets out)")
+    if any(isinstance(getattr(layer.mlp, "experts", None), Int4Experts) for layer in model.model.layers):
+        raise ValueError("deterministic=True: INT4 experts are not supported (their paths group "
+                         "tokens by expert; the GPU kernel moe_int4 combines them with fp32 atomics)")
+    return (max_batch,)
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:
@@ -209,3 +227,20 @@ def moe_path(model: Transformer, moe, deterministic: bool) -> str:
                f"torch's grouped GEMM on a GPU takes bfloat16 (the model is {model.dtype})")
         raise ValueError(f"moe='grouped': {why}")
     return moe
+
+
+def check_engine_memory(cfg: EngineConfig, model: Transformer, drafter) -> None:
+    """MemoryError (`model.check_memory`) where the engine's buffers for the resolved cfg would not fit on
+    the model's device: the page pool, a batched drafter's context, the torch attention's visibility bias."""
+    a = model.args
+    need = (a.num_hidden_layers * cfg.n_pages * cfg.page_size * (a.kv_lora_rank + a.qk_rope_head_dim)
+            * torch.empty(0, dtype=model.cache_dtype).element_size())
+    if cfg.mode != "ar" and hasattr(drafter, "new_context"):
+        da = drafter.args
+        need += (2 * len(drafter.layers) * cfg.max_batch * da.num_key_value_heads
+                 * (cfg.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
+    if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
+        need += cfg.max_batch * cfg.rows * cfg.kv_cap * 4
+    check_memory(f"max_batch={cfg.max_batch}, max_len={cfg.max_len}, max_tokens={cfg.max_tokens}, "
+                 f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's mask)",
+                 need, model.device)

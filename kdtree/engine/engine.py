@@ -14,19 +14,17 @@ root.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
-from collections import OrderedDict
 
 import torch
-from torch import nn
 
 from .. import checks
-from ..model import Int4Experts, Transformer, check_memory
+from ..model import Transformer
 from ..round_ops import GoldenOps, KernelOps
 from ..simulate import Simulation
-from .config import EngineConfig
-from .graphs import GraphCache, sync
+from .config import EngineConfig, check_engine_memory
+from .graphs import GraphCache, graph_blocker, sync
 from .policy import FixedBudget
 from .prefill import Prefill
 from .requests import GenerationResult, check_seed
@@ -34,6 +32,29 @@ from .runner import Runner
 from .scheduler import Scheduler
 
 AUTO_KEYS = ("max_budget", "budgets", "decide", "calibration", "makespan")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What the engine has done so far (read and written as the engine's attributes of the same names)."""
+    rounds: int = 0                  # rounds landed
+    prefill_forwards: int = 0        # target forwards spent on prompts (same-length chunks share one)
+    prefill_s: float = 0.0           # wall seconds in prefill (admission to first tokens, host read included)
+    synthetic_s: float = 0.0         # wall seconds of synthetic rows' fill, simulated texts (not prefill_s)
+    prefill_replays: int = 0         # prefill forwards that replayed a graph
+    prefill_phases: dict | None = None   # {phase: seconds} when set to a dict (`Prefill.mark`; benchmarks)
+    admissions: int = 0              # admissions (prefills of one or more requests)
+    last_admission: tuple | None = None  # the last one's (requests, prompt rows, seconds, captured a graph)
+    last_round: dict = dataclasses.field(default_factory=dict)  # stage seconds, batch, bucket, graph
+    warmup_s: float = 0.0            # graph captures and the budget policy's start-up measurements
+
+
+def _config(name: str, doc: str | None = None) -> property:
+    return property(lambda self: getattr(self.config, name), doc=doc)
+
+
+def _stat(name: str) -> property:
+    return property(lambda self: getattr(self.stats, name), lambda self, v: setattr(self.stats, name, v))
 
 
 class Engine:
@@ -78,18 +99,7 @@ class Engine:
             raise ValueError(f"config and keywords {sorted(kw) + sorted(auto_kw)}: pass one or the other")
         cfg = self.config = config.resolve(model, drafter)
         self.model, self.drafter, self.device = model, drafter, model.device
-        self.mode, self.backend, self.moe = cfg.mode, cfg.backend, cfg.moe
-        self.budget = "auto" if cfg.is_auto else cfg.budget   # the tree's nodes (max_budget: the largest)
-        self.max_budget = cfg.budget
-        self.max_batch, self.page_size, self.buckets = cfg.max_batch, cfg.page_size, cfg.buckets
-        self.prefill_chunk, self.debug, self.deterministic = cfg.prefill_chunk, cfg.debug, cfg.deterministic
-        self.rows, self.max_accept = cfg.rows, cfg.max_accept   # N: verify rows per request
-        self.lookahead = 0 if cfg.mode == "ar" else cfg.rows
-        self.max_len, self.pages_per_req, self.kv_cap = cfg.max_len, cfg.pages_per_req, cfg.kv_cap
-        self.graph_sampling, self.compiled = cfg.graph_sampling, cfg.compile
-        self.batched_drafter = cfg.mode != "ar" and hasattr(drafter, "new_context")
-        self.layers = tuple(getattr(drafter, "target_layer_ids", ())) if cfg.mode != "ar" else ()
-        self._check_memory()
+        check_engine_memory(cfg, model, drafter)
         self.scheduler = Scheduler(self, cfg.n_pages, cfg.admission)
         model.prepare_paged(cfg.moe)   # fused projections, stacked experts: from the weights as they are now
         self._state()
@@ -98,23 +108,12 @@ class Engine:
             import torch._dynamo.config as dc
             name = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
             setattr(dc, name, max(getattr(dc, name), 256))
-        # statistics
-        self.rounds = 0             # rounds landed
-        self.prefill_forwards = 0   # target forwards spent on prompts (same-length chunks share one)
-        self.prefill_s = 0.0        # wall seconds in prefill (admission to first tokens, host read included)
-        self.synthetic_s = 0.0      # wall seconds of synthetic rows' fill and simulated texts (not prefill_s)
-        self.prefill_replays = 0    # prefill forwards that replayed a graph
-        self.prefill_phases = None  # {phase: seconds} when set to a dict (`Prefill.mark`; benchmarks)
-        self.admissions = 0         # admissions (prefills of one or more requests)
-        self.last_admission = None  # the last admission's (requests, prompt rows, seconds, captured a graph)
-        self.last_round: dict = {}  # the last round's stage seconds, batch, bucket, whether a graph ran it
+        self.stats = EngineStats()
         # the last round's verify logits [n, N, V], until the next (None when a graphed round landed behind
         # another in flight: its static output is being rewritten)
         self.last_logits: torch.Tensor | None = None
-        self.warmup_s = 0.0
-        self.simulated = None if cfg.simulate is None else cfg.simulate.name
         self.cache = GraphCache(self.device)
-        self.graph_reason = self._graph_blocker() if cfg.graphs else "graphs=False"
+        self.graph_reason = graph_blocker(self) if cfg.graphs else "graphs=False"
         self.overlap = (cfg.overlap and not cfg.debug and (cfg.mode == "ar" or self.batched_drafter)
                         and getattr(model, "tp", None) is None)
         self._flight = None   # the launched round whose bookkeeping waits (overlap)
@@ -128,21 +127,35 @@ class Engine:
             self.prefill.buffers()
         self.policy.start()
 
-    def _check_memory(self) -> None:
-        cfg, model, drafter = self.config, self.model, self.drafter
-        a = model.args
-        need = (a.num_hidden_layers * cfg.n_pages * cfg.page_size * (a.kv_lora_rank + a.qk_rope_head_dim)
-                * torch.empty(0, dtype=model.cache_dtype).element_size())
-        if self.batched_drafter:
-            da = drafter.args
-            need += (2 * len(drafter.layers) * cfg.max_batch * da.num_key_value_heads
-                     * (cfg.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
-        if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
-            need += cfg.max_batch * cfg.rows * cfg.kv_cap * 4
-        check_memory(f"max_batch={cfg.max_batch}, max_len={cfg.max_len}, max_tokens={cfg.max_tokens}, "
-                     f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's "
-                     "mask)",
-                     need, self.device)
+    # the resolved config's values, read-only (`deterministic` re-resolves)
+    mode, backend, moe = _config("mode"), _config("backend"), _config("moe")
+    max_budget = _config("budget", "DDTree's largest tree (budget='auto': its largest candidate)")
+    max_batch, page_size, buckets = _config("max_batch"), _config("page_size"), _config("buckets")
+    prefill_chunk, debug, compiled = _config("prefill_chunk"), _config("debug"), _config("compile")
+    rows = _config("rows", "N: verify rows per request")
+    max_accept, max_len, kv_cap = _config("max_accept"), _config("max_len"), _config("kv_cap")
+    pages_per_req, graph_sampling = _config("pages_per_req"), _config("graph_sampling")
+    budget = property(lambda self: "auto" if self.config.is_auto else self.config.budget,
+                      doc="DDTree's draft nodes per round, or 'auto'")
+    lookahead = property(lambda self: 0 if self.mode == "ar" else self.rows)
+    batched_drafter = property(lambda self: self.mode != "ar" and hasattr(self.drafter, "new_context"))
+    layers = property(lambda self: tuple(getattr(self.drafter, "target_layer_ids", ()))
+                      if self.mode != "ar" else (), doc="the target layers whose features the drafter reads")
+    simulated = property(lambda self: None if self.config.simulate is None else self.config.simulate.name)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.config.deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self.config = dataclasses.replace(self.config, deterministic=checks.flag("deterministic", value))
+
+    # the statistics (`EngineStats`), read and written through the engine
+    rounds, prefill_forwards, prefill_s = _stat("rounds"), _stat("prefill_forwards"), _stat("prefill_s")
+    synthetic_s, prefill_replays = _stat("synthetic_s"), _stat("prefill_replays")
+    prefill_phases, admissions, warmup_s = _stat("prefill_phases"), _stat("admissions"), _stat("warmup_s")
+    last_admission, last_round = _stat("last_admission"), _stat("last_round")
 
     def _state(self) -> None:
         """The static device state (module docstring), every slot zeroed (padding)."""
@@ -191,14 +204,13 @@ class Engine:
             self._drain(emitted)
         if s.due():
             s.admit(emitted)                                             # schedule
-        if not self.active:
-            self._drain(emitted)
-        else:
+        busy = bool(self.active)
+        if busy:
             prev, self._flight = self._flight, self.runner.launch()      # run
             if prev is not None:
                 self.runner.land(prev, emitted)                          # postprocess
-            if not overlap:
-                self._drain(emitted)
+        if not (busy and overlap):
+            self._drain(emitted)
         s.raise_errors()
         return emitted
 
@@ -326,24 +338,6 @@ class Engine:
             t[s].fill_(0)
         self.policy.clear_slot(s)
 
-    def _graph_blocker(self) -> str | None:
-        if self.device.type != "cuda":
-            return "graphs need a CUDA device"
-        if not self.ops.capturable:
-            return "the golden backend's tree steps run on the host"
-        if self.mode != "ar" and not self.batched_drafter:
-            return "a host drafter (sessions) drafts on the host"
-        for layer in self.model.model.layers:
-            ex = getattr(layer.mlp, "experts", None)
-            if isinstance(ex, Int4Experts) and self.model.dtype != torch.bfloat16:
-                return "INT4 experts outside bf16 take the host-driven reference path"
-        if getattr(self.model, "tp", None) is not None:
-            return "tensor-parallel ranks run eagerly"
-        if self.moe == "loop" and any(isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
-                                      for layer in self.model.model.layers):
-            return "moe='loop' reads the routing on the host"
-        return None
-
     def _capture(self) -> None:
         """Warm up and capture the policy's graphs (the largest bucket first, one memory pool); the state is
         reset afterwards (warm-up rounds run on padding slots only, before any request)."""
@@ -374,27 +368,3 @@ class Engine:
         if len(self.pages.free) + held != self.pages.capacity:
             raise RuntimeError(f"engine state: {len(self.pages.free)} free + {held} held != "
                                f"{self.pages.capacity}")
-
-
-# ----------------------------------------------------------------------------- engines behind generate_*
-_ENGINES: "OrderedDict[tuple, Engine]" = OrderedDict()
-MAX_CACHED_ENGINES = 4
-
-
-def engine_for(model: Transformer, drafter, mode: str, budget, need: int, backend: str | None = None,
-               graphs: bool = True) -> Engine:
-    """A batch-1 engine for the generate_* wrappers, kept per (model, drafter, mode, budget, backend, context
-    bucket) so that repeated calls replay the graphs captured once (at most MAX_CACHED_ENGINES kept)."""
-    mpe = model.args.max_position_embeddings
-    max_len = min(mpe, max(256, 1 << max(0, math.ceil(math.log2(max(need, 1))))))
-    key = (id(model), id(drafter), mode, budget, backend, max_len, graphs, model.attn_impl, model.dtype,
-           str(model.device))
-    e = _ENGINES.get(key)
-    if e is None or e.model is not model or e.drafter is not drafter:
-        e = Engine(model, drafter, mode=mode, budget=budget, max_batch=1, max_len=max_len, backend=backend,
-                   graphs=graphs)
-        _ENGINES[key] = e
-        while len(_ENGINES) > MAX_CACHED_ENGINES:
-            _ENGINES.popitem(last=False)
-    _ENGINES.move_to_end(key)
-    return e

@@ -228,3 +228,26 @@ class Clock:
         if self.cuda:  # the round's GPU span: from before its first launch to after its last
             out["gpu_span"] = self.marks[0][1].elapsed_time(self.marks[-1][1]) * 1e-3
         return out
+
+
+def graph_blocker(e) -> str | None:
+    """Why engine e's rounds cannot run as CUDA graphs, or None where they can."""
+    from torch import nn
+
+    from ..model import Int4Experts
+    if e.device.type != "cuda":
+        return "graphs need a CUDA device"
+    if not e.ops.capturable:
+        return "the golden backend's tree steps run on the host"
+    if e.mode != "ar" and not e.batched_drafter:
+        return "a host drafter (sessions) drafts on the host"
+    for layer in e.model.model.layers:
+        ex = getattr(layer.mlp, "experts", None)
+        if isinstance(ex, Int4Experts) and e.model.dtype != torch.bfloat16:
+            return "INT4 experts outside bf16 take the host-driven reference path"
+    if getattr(e.model, "tp", None) is not None:
+        return "tensor-parallel ranks run eagerly"
+    if e.moe == "loop" and any(isinstance(getattr(layer.mlp, "experts", None), nn.ModuleList)
+                               for layer in e.model.model.layers):
+        return "moe='loop' reads the routing on the host"
+    return None

@@ -41,7 +41,42 @@ class Prefill:
         e = self.e
         self.mark(None)
         t0 = time.perf_counter()
-        dev, leave, ok, synth = e.device, [], [], 0.0
+        leave, synth = [], 0.0
+        ok = self.pages(reqs, t0, leave)
+        self.mark("pages")
+        feats, last = {r.rid: [] for r in ok}, {}
+        self.forwards(ok, feats, last, leave)
+        ok, first = self.first_tokens(ok, last, leave)
+        for r, tok in zip(ok, first):
+            if tok is None:
+                e.scheduler.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of "
+                                                       "the prefill: the target's weights or inputs are not "
+                                                       "finite")
+                leave.append(r)
+                continue
+            try:
+                synth = self.start(r, tok, feats[r.rid], t0, synth)
+            except Exception as err:   # this request fails alone (its drafter session, its synthetic rows)
+                e.scheduler.errors[r.rid] = err
+                leave.append(r)
+                continue
+            emitted[r.rid] = [tok]
+            if finish(r.result.tokens, [tok], r.max_new, r.stop):
+                leave.append(r)
+        self.mark("requests")
+        live = [r for r in ok if r.rid not in e.scheduler.errors]
+        if e.sim is not None and live:
+            synth += self.simulated_texts(live, leave, emitted)
+        e.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
+        for r in sorted(leave, key=lambda r: -r.slot):  # slots move only now, the highest first
+            e.scheduler.release(r)
+        self.mark("release")
+        e.prefill_s += time.perf_counter() - t0 - synth
+
+    def pages(self, reqs: list[Request], t0: float, leave: list) -> list[Request]:
+        """Each request's pages for its prompt; those that got them (a failure: its error recorded, the
+        request in `leave`)."""
+        e, ok = self.e, []
         for r in reqs:
             r.t0, r.syn0 = t0, e.synthetic_s
             try:
@@ -52,9 +87,12 @@ class Prefill:
                 continue
             r.committed = list(r.prompt)
             ok.append(r)
-        self.mark("pages")
-        feats = {r.rid: [] for r in ok}
-        last = {}
+        return ok
+
+    def forwards(self, ok: list[Request], feats: dict, last: dict, leave: list) -> None:
+        """The prompts chunk by chunk, a forward per group of same-length chunks (per request when
+        deterministic); a group whose forward fails leaves `ok` for `leave`, its error recorded."""
+        e = self.e
         for c0 in range(0, max((len(r.prompt) for r in ok), default=0), e.prefill_chunk):
             groups: dict = {}
             for r in ok:
@@ -69,60 +107,49 @@ class Prefill:
                         e.scheduler.errors[r.rid] = err
                         leave.append(r)
                         ok.remove(r)
-        both = None
-        if ok:
-            try:   # one batched choice: a failure fails every request in it
-                logits = torch.stack([last[r.rid] for r in ok])                             # [n, V]
-                finite = all_finite(logits)
-                pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
-                first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
-                               torch.tensor([r.seed for r in ok], device=dev), pos,
-                               any(r.temperature > 0 for r in ok))[:, -1]
-                both = torch.stack([finite.long(), first]).tolist()                         # one host read
-            except Exception as err:
-                for r in ok:
-                    e.scheduler.errors[r.rid] = err
-                leave += ok
-                ok = []
-            self.mark("first")
-        for i, r in enumerate(ok):
-            if not both[0][i]:
-                e.scheduler.errors[r.rid] = ValueError("target logits: NaN or inf in verify row(s) [0] of "
-                                                       "the prefill: the target's weights or inputs are not "
-                                                       "finite")
-                leave.append(r)
-                continue
-            tok = both[1][i]
-            try:
-                synth = self.start(r, tok, feats[r.rid], t0, synth)
-            except Exception as err:   # this request fails alone (its drafter session, its synthetic rows)
+
+    def first_tokens(self, ok: list[Request], last: dict, leave: list) -> tuple[list[Request], list]:
+        """(the requests, each one's first token or None where its logits are not finite), from one batched
+        choice and one host read; where the choice fails, every request leaves (([], []))."""
+        e = self.e
+        if not ok:
+            return ok, []
+        try:   # one batched choice: a failure fails every request in it
+            dev = e.device
+            logits = torch.stack([last[r.rid] for r in ok])                                 # [n, V]
+            finite = all_finite(logits)
+            pos = torch.tensor([len(r.prompt) - 1 for r in ok], device=dev)
+            first = choose(logits[:, None], torch.tensor([r.temperature for r in ok], device=dev),
+                           torch.tensor([r.seed for r in ok], device=dev), pos,
+                           any(r.temperature > 0 for r in ok))[:, -1]
+            both = torch.stack([finite.long(), first]).tolist()                             # one host read
+        except Exception as err:
+            for r in ok:
                 e.scheduler.errors[r.rid] = err
-                leave.append(r)
-                continue
-            emitted[r.rid] = [tok]
-            if finish(r.result.tokens, [tok], r.max_new, r.stop):
-                leave.append(r)
-        self.mark("requests")
-        live = [r for r in ok if r.rid not in e.scheduler.errors]
-        if e.sim is not None and live:   # the simulated texts, timed alone as the fill is (set-up, not work)
-            e.sync()
-            ts = time.perf_counter()
-            try:
-                e.sim.write([r.slot for r in live], [r.seed for r in live])
-            except Exception as err:   # one write for them all: every live request fails
-                for r in live:
-                    e.scheduler.errors[r.rid] = err
-                    emitted.pop(r.rid, None)
-                gone = {r.rid for r in leave}
-                leave += [r for r in live if r.rid not in gone]
-            e.sync()
-            synth += time.perf_counter() - ts
-            self.mark(None)
-        e.synthetic_s += synth   # before any release: a request ending here leaves its fill out too
-        for r in sorted(leave, key=lambda r: -r.slot):  # slots move only now, the highest first
-            e.scheduler.release(r)
-        self.mark("release")
-        e.prefill_s += time.perf_counter() - t0 - synth
+            leave += ok
+            self.mark("first")
+            return [], []
+        self.mark("first")
+        return ok, [tok if fin else None for fin, tok in zip(*both)]
+
+    def simulated_texts(self, live: list[Request], leave: list, emitted: dict) -> float:
+        """The simulated texts of the live requests, timed alone as the fill is (set-up, not work): its
+        seconds. A failed write fails every live request."""
+        e = self.e
+        e.sync()
+        ts = time.perf_counter()
+        try:
+            e.sim.write([r.slot for r in live], [r.seed for r in live])
+        except Exception as err:   # one write for them all: every live request fails
+            for r in live:
+                e.scheduler.errors[r.rid] = err
+                emitted.pop(r.rid, None)
+            gone = {r.rid for r in leave}
+            leave += [r for r in live if r.rid not in gone]
+        e.sync()
+        secs = time.perf_counter() - ts
+        self.mark(None)
+        return secs
 
     def start(self, r: Request, tok: int, feats: list, t0: float, synth: float) -> float:
         """Request r's slot set up after its prompt: its first token `tok` as the root, its length,
