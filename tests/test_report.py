@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from kdtree import lab, report
+from kdtree import lab, report, report_format, report_records
 
 
 def test_the_page_equals_the_records():
@@ -79,10 +79,10 @@ def test_auto_phase_kernels_sit_beside_the_fixed_round(tmp_path):
     cells = [{"batch": 8, "budget": 16, "name": "B=16", "stage_kernels": prof(100)},
              {"batch": 8, "budget": "auto", "name": "auto (previous)",
               "stage_kernels": prof(120, plan="B=16", build_nodes=32)}]
-    lines = report._phase_kernels(cells)
+    lines = report_records._phase_kernels(cells)
     assert lines and "| 8 | auto (previous) | 10 / 120 |" in "\n".join(lines)
     assert "| 8 | B=16 | 10 / 100 |" in "\n".join(lines) and "50 / 600" in "\n".join(lines)
-    assert report._phase_kernels([{**c, "stage_kernels": {}} for c in cells]) == []
+    assert report_records._phase_kernels([{**c, "stage_kernels": {}} for c in cells]) == []
     import json
     rec = json.loads((report.ROOT / "outputs/h200/e2e.json").read_text())
     profiled = any(c.get("budget") == "auto" and c.get("stage_kernels") for c in rec["auto"]["cells"])
@@ -114,8 +114,8 @@ def test_no_number_on_the_page_is_in_exponent_notation():
     assert exponent_numbers(page) == [], exponent_numbers(page)[:5]
     for x, want in ((999.6, "1,000"), (999.4, "999"), (0.0000123, "0.0000123"), (-0.00571, "-0.00571"),
                     (1.2345e20, f"{1.2345e20:,.0f}"), (0.0, "0"), (2.0, "2"), (float("nan"), "nan")):
-        assert report._num(x) == want, (x, report._num(x))
-        assert exponent_numbers(report._num(x)) == []
+        assert report_format._num(x) == want, (x, report_format._num(x))
+        assert exponent_numbers(report_format._num(x)) == []
 
 
 def _k26_rec(device="Test GPU X"):
@@ -175,7 +175,7 @@ def test_the_page_opens_with_the_answer(tmp_path):
     ar = next(c for c in rec["pair"]["rows"] if c["mode"] == "ar")
     auto_ar = [c for c in rec["auto"]["cells"] if c["batch"] == 1 and c["mode"] == "ar"]
     for c in [ar, *auto_ar]:
-        assert f"{report._num(c['tok_per_s'])} tok/s" in head, c
+        assert f"{report_format._num(c['tok_per_s'])} tok/s" in head, c
     assert "reference loop" in head and "torch.compile" in head and "engine AR, tok/s" in head
 
 
