@@ -28,10 +28,11 @@ from ..data import heldout_prompts
 from ..engine import STAGES, Engine
 from .baselines import hf_generate
 from .ceilings import copy_bandwidth, launch_floor
+from . import engine_sections as sections
 from . import goals
 from .goals import target as _goal
-from .serve import run_engine, serial
-from .stages import launches_per_round, stage_kernels
+from .serve import run_engine
+from .stages import stage_kernels
 from .timer import measure
 
 
@@ -179,11 +180,11 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         budgets=(16, 32, 64, 128, 256), batches=(8, 32), hf: bool = True, quick: bool = False,
         compile: bool = True, batched_compile: bool | None = None, mid: bool = True,
         decode_path: str = "default") -> dict:
-    """The engine's record (module docstring) into out_dir/engine.json, written after each section. compile:
-    the batch-1 engines through torch.compile; batched_compile: the batched ones (default: as compile);
-    mid: the mid-size model's section (mid_model) last. decode_path: the targets' layers as built
+    """The engine's record (module docstring) into out_dir/engine.json, written after each section (AR,
+    speculative, deterministic cost and batched: kdtree.bench.engine_sections). compile: the batch-1
+    engines through torch.compile; batched_compile: the batched ones (default: as compile); mid: the
+    mid-size model's section (mid_model) last. decode_path: the targets' layers as built
     (Transformer.fused), through kdtree.fused ("fused", where it applies: the bf16 rows) or the torch path."""
-    from ..oracle import oracle_ar
     if decode_path not in ("default", "fused", "torch"):
         raise ValueError(f"decode_path={decode_path!r}: expected 'default', 'fused' or 'torch'")
     if not torch.cuda.is_available():
@@ -192,7 +193,6 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(ckpt_dir)
-    dev = "cuda"
     if quick:
         n_prompts, max_new, budgets, batches = 2, 32, (16, 64), (8,)
     batched_compile = compile if batched_compile is None else batched_compile
@@ -210,124 +210,19 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
     except ImportError:
         hf = False
     max_len = 1 << int(np.ceil(np.log2(prompt_len + max_new + max(budgets) + 2)))
-    targets = []
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        target = weights.load(ckpt / "target", device=dev, dtype=dt).eval()
-        if decode_path != "default":
-            target.fused = decode_path == "fused"
-        row = {"dtype": name, "params": sum(p.numel() for p in target.parameters()),
-               "decode_path": "fused" if target.fused else "torch"}
-        t0 = time.perf_counter()
-        e = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False)
-        row["warmup_s"] = time.perf_counter() - t0
-        run_engine(e, p1[:1], 8)
-        row["engine"] = run_engine(e, p1, max_new)
-        eg = Engine(target, mode="ar", max_batch=1, max_len=max_len, graphs=False)
-        run_engine(eg, p1[:1], 8)
-        row["engine_eager"] = run_engine(eg, p1, max_new)
-        row["eager_equals_graphs"] = row["engine_eager"]["outputs"] == row["engine"]["outputs"]
-        row["launches"] = launches_per_round(eg, p1[0])
-        eg.run()
-        row["engine_compiled"] = {}
-        try:
-            t0 = time.perf_counter()
-            ec = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False, compile=True)
-            warm = time.perf_counter() - t0
-            run_engine(ec, p1[:1], 8)
-            row["engine_compiled"] = run_engine(ec, p1, max_new)
-            row["engine_compiled"]["warmup_s"] = warm
-            row["engine_compiled"]["serial"] = serial(ec, p1, max_new, row["engine_compiled"]["outputs"])
-            row["compiled_equals_engine"] = row["engine_compiled"].pop("outputs") == row["engine"]["outputs"]
-            row["launches_compiled"] = launches_per_round(Engine(target, mode="ar", max_batch=1,
-                                                                 max_len=max_len, graphs=False, compile=True),
-                                                          p1[0])
-            row["stage_kernels"] = stage_kernels(ec, p1[0])
-            del ec
-        except Exception as ex:  # recorded, not fatal: the uncompiled rows stand
-            row["engine_compiled"] = {"error": f"{type(ex).__name__}: {ex}"[:400]}
-        if name == "float32":
-            ref = [oracle_ar(target, p, max_new).tokens for p in p1]
-            row["equals_oracle"] = ref == row["engine"]["outputs"]
-        if hf:
-            row["hf"] = hf_generate(ckpt / "target", dt, p1, max_new)
-            row["hf_equals_engine"] = row["hf"]["outputs"] == row["engine"]["outputs"]
-            row["x_hf"] = row["engine"]["tok_per_s"] / row["hf"]["tok_per_s"]
-        best = row["engine_compiled"] if "tok_per_s" in row["engine_compiled"] else row["engine"]
-        row["best"] = "compiled" if best is row["engine_compiled"] else "graphs"
-        row["ms_per_token"] = 1e3 * best["round_wall_median_s"]  # one token per AR round
-        row["round_wall_over_gpu_span"] = best["round_wall_median_s"] / best["round_gpu_span_median_s"]
-        if "x_hf" in row:
-            row["x_hf"] = best["tok_per_s"] / row["hf"]["tok_per_s"]
-        for k in ("engine", "engine_eager"):
-            row[k].pop("outputs")
-        if "hf" in row:
-            row["hf"].pop("outputs")
-        rec["ar"][name] = row
-        (out / "engine.json").write_text(json.dumps(rec, indent=1))  # partial records survive a timeout
-        targets.append(_goal("ar_ms_per_token", row["ms_per_token"], dtype=name, engine=row["best"]))
-        if "x_hf" in row:
-            targets.append(_goal("ar_x_hf", row["x_hf"], dtype=name, engine=row["best"]))
-        targets.append(_goal("ar_wall_over_span", row["round_wall_over_gpu_span"], dtype=name))
-        del target, e, eg
-        torch.cuda.empty_cache()
+    targets = sections.ar_section(rec, out, ckpt, p1, max_new, max_len, hf, decode_path)
     # speculative, batch 1, float32 (lossless against the oracle loop), then batches
-    target = weights.load(ckpt / "target", device=dev, dtype=torch.float32).eval()
+    target = weights.load(ckpt / "target", device="cuda", dtype=torch.float32).eval()
     drafter = weights.load_drafter(ckpt / "drafter", target, dtype=torch.float32)
-    ref = [oracle_ar(target, p, max_new).tokens for p in p1]
     cases = [("ar", None), ("dflash", None)] + [("ddtree", B) for B in budgets]
-    for mode, B in cases:
-        t0 = time.perf_counter()
-        e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=1,
-                   max_len=max_len, graph_sampling=False, compile=compile)
-        warm = time.perf_counter() - t0
-        run_engine(e, p1[:1], 8)
-        r = run_engine(e, p1, max_new)
-        r["serial"] = serial(e, p1, max_new, r["outputs"])
-        r["lossless"] = r.pop("outputs") == ref
-        r["stage_kernels"] = stage_kernels(e, p1[0])
-        r.update(mode=mode, budget=B, batch=1, warmup_s=warm,
-                 round_wall_over_gpu_span=r["round_wall_median_s"] / r["round_gpu_span_median_s"])
-        rec["speculative"].append(r)
-        (out / "engine.json").write_text(json.dumps(rec, indent=1))
-        del e
-        torch.cuda.empty_cache()
-    sp = rec["speculative"]
-    ar1 = next(r for r in sp if r["mode"] == "ar")
-    df1 = next(r for r in sp if r["mode"] == "dflash")
-    best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
-    rec["ddtree_bound"] = ddtree_bound(ar1, df1, best)
-    targets += [
-        _goal("ddtree_x_ar", best["tok_per_s"] / ar1["tok_per_s"], budget=best["budget"]),
-        _goal("ddtree_x_dflash", best["tok_per_s"] / df1["tok_per_s"], budget=best["budget"]),
-        _goal("ddtree_wall_over_span", best["round_wall_over_gpu_span"], budget=best["budget"]),
-        _goal("engine_lossless", float(all(r["lossless"] for r in sp)))]
+    sections.speculative_section(rec, out, target, drafter, p1, max_new, max_len, cases, compile)
+    targets += speculative_targets(rec)
     # deterministic=True pads every round to max_batch: its price for a lone request, same run
-    det = {}
-    for flag in (False, True):
-        e = Engine(target, drafter, mode="ddtree", budget=budgets[0], max_batch=max(batches), max_len=max_len,
-                   graph_sampling=False, deterministic=flag)
-        run_engine(e, p1[:1], 8)
-        det[flag] = run_engine(e, p1[:1], max_new)
-        det[flag].pop("outputs")
-        del e
-    ratio = det[True]["round_wall_median_s"] / det[False]["round_wall_median_s"]
-    rec["deterministic_cost"] = {"mode": "ddtree", "budget": budgets[0], "max_batch": max(batches),
-                                 "requests": 1, "default": det[False], "deterministic": det[True],
-                                 "round_ratio": ratio}
-    (out / "engine.json").write_text(json.dumps(rec, indent=1))
-    for b in batches:
-        ps = prompts[:b]
-        for mode, B in cases:
-            e = Engine(target, None if mode == "ar" else drafter, mode=mode, budget=B, max_batch=b,
-                       max_len=max_len, buckets=(b,), graph_sampling=False, compile=batched_compile)
-            run_engine(e, ps[:1], 4)
-            r = run_engine(e, ps, max_new)
-            r.pop("outputs")
-            r.update(mode=mode, budget=B, batch=b)
-            rec["batched"].append(r)
-            (out / "engine.json").write_text(json.dumps({**rec, "targets": targets}, indent=1))
-            del e
-            torch.cuda.empty_cache()
+    rec["deterministic_cost"] = sections.deterministic_cost(target, drafter, p1, max_new, max_len, budgets[0],
+                                                            max(batches))
+    sections.save(out, rec)
+    sections.batched_section(rec, out, targets, target, drafter, prompts, max_new, max_len, cases, batches,
+                             batched_compile)
     if mid:
         rec["mid"] = m = mid_model(hf=hf, n_prompts=2 if quick else 4, max_new=32 if quick else 64,
                                    decode_path=decode_path)
@@ -337,8 +232,24 @@ def run(out_dir, ckpt_dir="data/trained", n_prompts: int = 8, prompt_len: int = 
         rec["mid"]["from"] = "engine_mid.json"
         targets += mid_targets(m)
     rec["targets"] = targets
-    (out / "engine.json").write_text(json.dumps(rec, indent=1))
+    sections.save(out, rec)
     return rec
+
+
+def speculative_targets(rec: dict) -> list[dict]:
+    """From rec's batch-1 speculative rows: rec["ddtree_bound"] (`ddtree_bound` of the AR row, the DFlash
+    row and the fastest DDTree budget) and the returned targets (DDTree over AR and over DFlash, its wall
+    over GPU span, every row lossless)."""
+    sp = rec["speculative"]
+    ar1 = next(r for r in sp if r["mode"] == "ar")
+    df1 = next(r for r in sp if r["mode"] == "dflash")
+    best = max((r for r in sp if r["mode"] == "ddtree"), key=lambda r: r["tok_per_s"])
+    rec["ddtree_bound"] = ddtree_bound(ar1, df1, best)
+    return [
+        _goal("ddtree_x_ar", best["tok_per_s"] / ar1["tok_per_s"], budget=best["budget"]),
+        _goal("ddtree_x_dflash", best["tok_per_s"] / df1["tok_per_s"], budget=best["budget"]),
+        _goal("ddtree_wall_over_span", best["round_wall_over_gpu_span"], budget=best["budget"]),
+        _goal("engine_lossless", float(all(r["lossless"] for r in sp)))]
 
 
 def mid_targets(m: dict) -> list[dict]:
