@@ -28,6 +28,7 @@ rows into a record (`merge`, `cell_targets`, `draft_times`) `kdtree.bench.k26_re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -129,84 +130,139 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
            "cells": [], "targets": [], "layers": {}}
     weights = k26.weight_bytes(target) + k26.weight_bytes(drafter)
     free_after = torch.cuda.mem_get_info()[0] + weights if gpu else 0
+    sweep = _Sweep(profiles, fitted, budgets, repeats, queue, rows, gpu, device, weights, run_id, decode_path)
     for context, batch in cells:
         n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
         rec["layers"][f"{context}:{batch}"] = n
         if n == 0:
             continue
         t, d = _first_layers(target, drafter, n)
-        prompts = cell_prompts(batch, batch)
-        rows_cell = []
-        common = cell_engine(context, batch, max_new(batch), rows)
-        specs = []
-        for i, prof in enumerate(profiles):   # AR too reads the profile's text: every mode the same tokens
-            specs += [(i, m, B, prof) for m, B in [("ar", None), ("dflash", None)] +
-                      [("ddtree", B) for B in budgets] + [("ddtree", "auto")]]
-        for spec_i, mode, budget, prof in specs:
-            kw = dict(common, mode=mode)
-            if budget is not None:
-                kw["budget"] = budget
-            if budget == "auto":
-                kw.update(budgets=tuple(budgets))
-            if prof is not None:
-                kw["simulate"] = prof
-            dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
-            start = time.perf_counter()
-            add = dict(synthetic_context=context - PROMPT)
-
-            def after(e, mode=mode, budget=budget, first=spec_i == 0):
-                # the routing of every fixed plan's rounds; the DFlash engine's stages (an eager round under
-                # the profiler, at the cell's batch and context): the drafter's measured cost; the largest
-                # tree's, of the first profile (one request): the kernels whose time grows with the rows
-                out = {} if budget == "auto" else measure_routing(e, prompts, **add)
-                if gpu and mode == "dflash":
-                    out["stages"] = stage_kernels(e, prompts[0], batch=batch, **add)
-                    out["stages_at"] = {"batch": batch, "context": context}
-                elif gpu and first and budget == max(budgets):
-                    out["stages"] = stage_kernels(e, prompts[0])
-                if first and batch > 1 and (mode == "ar" or budget == "auto"):
-                    # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
-                    out["ar_stages"] = stage_kernels(e, prompts[0], batch=batch, **add,
-                                                     plan="AR" if budget == "auto" else None)
-                if queue and batch > 1:
-                    out["queued"] = measure_queue(e, batch, queue, repeats, **add)
-                return out
-            if gpu:
-                torch.cuda.reset_peak_memory_stats()
-            st0 = gpu_state(device) if gpu else None
-            try:
-                c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), repeats, add=add, after=after,
-                          warm_new=max_new(batch) // 4, reseed=True)
-            except Exception as e:  # recorded; the sweep goes on
-                c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
-            c.pop("outputs", None)
-            if gpu:   # what the engine held beyond the weights at its peak, against fit_layers' estimate
-                ka = k26.target_args(1)
-                c.update(peak_bytes=torch.cuda.max_memory_allocated() - weights,
-                         estimate_bytes=cell_bytes(ka, k26.drafter_args(ka), batch, context, rows, n))
-            if gpu:   # the clock state at the engine's start and end (a power cap would slow later engines)
-                c["gpu_state"] = [st0, gpu_state(device)]
-            c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=run_id,
-                     profile=None if prof is None else prof.name,
-                     tau_chain=None if prof is None else prof.tau_chain,
-                     block=None if prof is None else prof.depth + 1,
-                     fitted=fitted[spec_i], elapsed_s=time.perf_counter() - start, decode_path=decode_path)
-            rows_cell.append(c)
-            if on_engine is not None:
-                on_engine({**rec, "cells": rec["cells"] + draft_times(rows_cell), "partial": True})
-            gc.collect()
-            torch.cuda.empty_cache()
-            if progress:
-                what = c.get("error") or f"{c['tok_per_s']:8.1f} tok/s  tau {c['tau'] or 0:.2f}"
-                if _queued(c):
-                    what += (f"  queue {_queued(c):8.1f} tok/s (full batch, "
-                             f"{c['queued'].get('admissions', '?')} admissions)")
-                print(f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
-                      f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
-                      f"({c['elapsed_s']:.0f} s)", flush=True)
+        rows_cell = _cell_rows(sweep, rec, t, d, context, batch, n, on_engine, progress)
         rec["cells"] += draft_times(rows_cell)
         rec["targets"] += _targets(rows_cell, context, batch, n)
     return rec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+    """What every engine of one `run` shares: its checked arguments and what it built."""
+    profiles: list        # the checked profiles, in order
+    fitted: list          # per profile: a fitted one (a given Profile, `--trained`)
+    budgets: tuple | list  # the fixed budgets, as given (auto chooses among them)
+    repeats: int
+    queue: int
+    rows: int             # the largest tree's verified rows: max(budgets) + 1
+    gpu: bool
+    device: object
+    weights: int          # the built target's and drafter's weight bytes
+    run_id: str           # each row's `run`
+    decode_path: str      # the path taken: "fused" or "torch"
+
+
+def _cell_rows(sweep: _Sweep, rec: dict, t, d, context: int, batch: int, n: int, on_engine,
+               progress: bool) -> list[dict]:
+    """The rows of one (context, batch) cell on the target t and drafter d of n MoE layers: per profile,
+    AR, the DFlash chain, DDTree at each fixed budget and at budget="auto" (`_engine_row` each). After each
+    row: on_engine (when given) with rec's rows and this cell's so far, marked "partial"; garbage collected
+    and the CUDA cache emptied; (progress) a line printed."""
+    prompts = cell_prompts(batch, batch)
+    rows_cell = []
+    common = cell_engine(context, batch, max_new(batch), sweep.rows)
+    specs = []
+    for i, prof in enumerate(sweep.profiles):   # AR too reads the profile's text: every mode the same tokens
+        specs += [(i, m, B, prof) for m, B in [("ar", None), ("dflash", None)] +
+                  [("ddtree", B) for B in sweep.budgets] + [("ddtree", "auto")]]
+    for spec_i, mode, budget, prof in specs:
+        c = _engine_row(sweep, t, d, context, batch, n, prompts, common, spec_i, mode, budget, prof)
+        rows_cell.append(c)
+        if on_engine is not None:
+            on_engine({**rec, "cells": rec["cells"] + draft_times(rows_cell), "partial": True})
+        gc.collect()
+        torch.cuda.empty_cache()
+        if progress:
+            print(_progress_line(c, context, batch, n, mode, budget, prof), flush=True)
+    return rows_cell
+
+
+def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, common: dict, spec_i: int,
+                mode: str, budget, prof) -> dict:
+    """One engine's row: the engine of `mode` and `budget` on the cell's keywords `common`, simulating
+    profile prof (index spec_i of sweep.profiles), measured by `_cell` over prompts (each with the cell's
+    synthetic context) with `_after`'s fields; an exception is recorded as the row's "error". On a GPU the
+    peak bytes beyond the weights against `cell_bytes`' estimate and the clock state at start and end; then
+    the row's labels (cell, layers, mode, budget, run, profile, elapsed_s, decode_path)."""
+    kw = dict(common, mode=mode)
+    if budget is not None:
+        kw["budget"] = budget
+    if budget == "auto":
+        kw.update(budgets=tuple(sweep.budgets))
+    if prof is not None:
+        kw["simulate"] = prof
+    dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
+    start = time.perf_counter()
+    add = dict(synthetic_context=context - PROMPT)
+    after = _after(sweep, prompts, context, batch, add, mode, budget, spec_i == 0)
+    gpu = sweep.gpu
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    st0 = gpu_state(sweep.device) if gpu else None
+    try:
+        c = _cell(lambda: Engine(t, dd, **kw), prompts, max_new(batch), sweep.repeats, add=add, after=after,
+                  warm_new=max_new(batch) // 4, reseed=True)
+    except Exception as e:  # recorded; the sweep goes on
+        c = {"error": f"{type(e).__name__}: {e}"[:400], "tok_per_s": None, "tau": None}
+    c.pop("outputs", None)
+    if gpu:   # what the engine held beyond the weights at its peak, against fit_layers' estimate
+        ka = k26.target_args(1)
+        c.update(peak_bytes=torch.cuda.max_memory_allocated() - sweep.weights,
+                 estimate_bytes=cell_bytes(ka, k26.drafter_args(ka), batch, context, sweep.rows, n))
+    if gpu:   # the clock state at the engine's start and end (a power cap would slow later engines)
+        c["gpu_state"] = [st0, gpu_state(sweep.device)]
+    c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=sweep.run_id,
+             profile=None if prof is None else prof.name,
+             tau_chain=None if prof is None else prof.tau_chain,
+             block=None if prof is None else prof.depth + 1,
+             fitted=sweep.fitted[spec_i], elapsed_s=time.perf_counter() - start,
+             decode_path=sweep.decode_path)
+    return c
+
+
+def _after(sweep: _Sweep, prompts, context: int, batch: int, add: dict, mode: str, budget, first: bool):
+    """The after(engine) -> dict of an engine's `_cell`, measured on the idle engine: the routing of every
+    fixed plan's rounds (`measure_routing`); on a GPU, the DFlash engine's stages (an eager round under the
+    profiler, at the cell's batch and context: the drafter's measured cost) and, of the first profile, the
+    largest tree's (one request: the kernels whose time grows with the rows); of the first profile from
+    batch 2 on, an AR round's stages at the cell's batch and context (the AR engine's, and auto's AR plan);
+    from batch 2 on, the serving queue (`measure_queue`, where sweep.queue)."""
+    gpu, budgets = sweep.gpu, sweep.budgets
+
+    def after(e):
+        out = {} if budget == "auto" else measure_routing(e, prompts, **add)
+        if gpu and mode == "dflash":
+            out["stages"] = stage_kernels(e, prompts[0], batch=batch, **add)
+            out["stages_at"] = {"batch": batch, "context": context}
+        elif gpu and first and budget == max(budgets):
+            out["stages"] = stage_kernels(e, prompts[0])
+        if first and batch > 1 and (mode == "ar" or budget == "auto"):
+            # an AR round at the cell's batch and context: the AR engine's against auto's AR plan
+            out["ar_stages"] = stage_kernels(e, prompts[0], batch=batch, **add,
+                                             plan="AR" if budget == "auto" else None)
+        if sweep.queue and batch > 1:
+            out["queued"] = measure_queue(e, batch, sweep.queue, sweep.repeats, **add)
+        return out
+    return after
+
+
+def _progress_line(c: dict, context: int, batch: int, n: int, mode: str, budget, prof) -> str:
+    """Row c's progress line: its cell, layers, mode, budget and profile, tok/s and tau (or its error), the
+    queue's full-batch tok/s where measured, and its elapsed seconds."""
+    what = c.get("error") or f"{c['tok_per_s']:8.1f} tok/s  tau {c['tau'] or 0:.2f}"
+    if _queued(c):
+        what += (f"  queue {_queued(c):8.1f} tok/s (full batch, "
+                 f"{c['queued'].get('admissions', '?')} admissions)")
+    return (f"{context:6d} b={batch:2d} L={n:2d} {mode:6s} {str(budget):5s} "
+            f"{'' if prof is None else f'tau_c {prof.tau_chain:g}'}  {what}  "
+            f"({c['elapsed_s']:.0f} s)")
 
 
 def measure_queue(e: Engine, batch: int, queue: int, repeats: int, **add) -> dict:
