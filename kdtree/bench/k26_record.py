@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import project
 from .goals import target as _goal
 from .k26_cells import PROFILES
+from .k26_figure import cost_panel, figure_legend, round_cost, throughput_panel
 
 PARTS = ("pair", "auto", "k26", "k26_uniform", "engine")   # notebook 02's sections that carry targets
 
@@ -186,11 +187,10 @@ def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = 
     per context, the measured round (GPU span, the wall time where no GPU span is recorded) against the
     verified rows per request with its projection, where any is recorded. One shared legend under the
     panels, the round-cost legend right of them; base-2 budget and row axes with integer ticks; constrained
-    layout (kdtree.plots' contract). Saved at `path` when given; returns the figure."""
+    layout (kdtree.plots' contract); the panels and the legend are kdtree.bench.k26_figure's. Saved at
+    `path` when given; returns the figure."""
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
-    from .. import plots
     cells = [c for c in k26["cells"] if not c.get("error") and c.get("tok_per_s")]
     contexts = sorted({c["context"] for c in cells})
     batches = sorted({c["batch"] for c in cells})
@@ -200,13 +200,7 @@ def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = 
     colour = {tc: palette[i % len(palette)] for i, tc in enumerate(taus)}
     others = ["tab:purple", "tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:pink"]   # not a profile's
     shade = {b: others[i % len(others)] for i, b in enumerate(batches)}
-
-    def cost(c):   # (seconds, what) of a measured round
-        if c.get("round_gpu_span_median_s"):
-            return c["round_gpu_span_median_s"], "GPU span"
-        return c.get("round_wall_median_s"), "wall"
-
-    has_cost = {C: any(cost(c)[0] for c in cells if c["context"] == C and c["budget"] != "auto")
+    has_cost = {C: any(round_cost(c)[0] for c in cells if c["context"] == C and c["budget"] != "auto")
                 for C in contexts}
     ncols = len(batches) + any(has_cost.values())
     fig = plt.figure(layout="constrained",
@@ -218,98 +212,19 @@ def plot(k26: dict, check: list[dict], path: Path | None = None, routing: str = 
             rs = [c for c in cells if c["context"] == C and c["batch"] == b]
             if not rs:
                 continue
-            ax = fig.add_subplot(grid[i, j])
-            fixed_all = sorted({c["budget"] for c in rs if c["mode"] == "ddtree" and c["budget"] != "auto"})
-            slot = 2.0 * max(fixed_all) if fixed_all else 1.0
-            for tc in sorted({c.get("tau_chain") for c in rs if c.get("tau_chain")}):
-                col = colour[tc]
-                d = [c for c in rs
-                     if c.get("tau_chain") == tc and c["mode"] == "ddtree" and c["budget"] != "auto"]
-                if d:
-                    ax.plot([c["budget"] for c in d], [c["tok_per_s"] for c in d], "o-", color=col, ms=4)
-                qd = [c for c in d if (c.get("queued") or {}).get("full_tok_per_s")]
-                if qd:   # the serving queue's full-batch rounds
-                    queued_any = True
-                    ax.plot([c["budget"] for c in qd], [c["queued"]["full_tok_per_s"] for c in qd], "s-.",
-                            color=col, lw=0.8, ms=3, alpha=0.6)
-                au = next((c for c in rs if c.get("tau_chain") == tc and c["budget"] == "auto"), None)
-                if au and (au.get("queued") or {}).get("full_tok_per_s"):
-                    ax.plot([slot], [au["queued"]["full_tok_per_s"]], "*", ms=9, mfc="none", color=col)
-                if au:
-                    ax.plot([slot], [au["tok_per_s"]], "*", ms=11, color=col)
-                df = next((c for c in rs if c.get("tau_chain") == tc and c["mode"] == "dflash"), None)
-                if df:
-                    ax.axhline(df["tok_per_s"], color=col, ls="--", lw=0.8)
-            ars = sorted(c["tok_per_s"] for c in rs if c["mode"] == "ar")
-            if ars:   # one AR a profile, the same engine: their median
-                ax.axhline(ars[len(ars) // 2], color="k", lw=1.2)
-            if fixed_all:
-                plots.log2_axis(ax, fixed_all, "x", extra={slot: "auto"})
-            plots.thousands(ax)
-            ax.set_title(f"batch {b}, context {C:,}, {rs[0].get('layers')} MoE layers", fontsize=9)
-            ax.set_xlabel("budget B, then auto", fontsize=8)
-            if j == 0 or not any(c["context"] == C and c["batch"] == batches[j - 1] for c in cells):
-                ax.set_ylabel("tok/s, all requests", fontsize=8)
-            ax.tick_params(labelsize=7)
-        if not has_cost[C]:
-            continue
-        ax2 = fig.add_subplot(grid[i, ncols - 1])
-        what, rows_top, projected = set(), 1, False
-        for b in batches:
-            rs = [c for c in cells if c["context"] == C and c["batch"] == b and c["budget"] != "auto"]
-            pts = sorted({(_rows_verified(c), cost(c)[0]) for c in rs if cost(c)[0]})
-            what |= {cost(c)[1] for c in rs if cost(c)[0]}
-            if pts:
-                ax2.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o", color=shade[b], ms=4,
-                         label=f"batch {b}")
-                rows_top = max(rows_top, max(p[0] for p in pts))
-            pj = sorted({(1 if r["mode"] == "ar" else (r["budget"] or 0) + 1, r["projected_s"]) for r in check
-                         if (r["context"], r["batch"]) == (C, b) and r["mode"] != "dflash"})
-            if pj:
-                projected = True
-                ax2.plot([p[0] for p in pj], [1e3 * p[1] for p in pj], "x--", color=shade[b], lw=0.8, ms=4)
-        plots.log2_axis(ax2, plots.pow2_ticks(1, rows_top), "x")
-        ax2.set_yscale("log")
-        plots.thousands(ax2)
-        ax2.set_title(f"round cost, context {C:,}", fontsize=9)
-        ax2.set_xlabel("verified rows per request", fontsize=8)
-        ax2.set_ylabel(f"ms per round ({' / '.join(sorted(what))})", fontsize=8)
-        ax2.tick_params(labelsize=7)
-        h, lab = ax2.get_legend_handles_labels()
-        h += [Line2D([], [], color="0.35", marker="o", ms=4, ls="")]
-        lab += ["measured round"]
-        if projected:
-            h += [Line2D([], [], color="0.35", marker="x", ms=4, ls="--", lw=0.8)]
-            lab += ["projected: notebook 01\nlayers + routing"]
-        plots.legend_right(ax2, handles=h, labels=lab)
+            ylabel = j == 0 or not any(c["context"] == C and c["batch"] == batches[j - 1] for c in cells)
+            queued_any |= throughput_panel(fig.add_subplot(grid[i, j]), rs, colour, ylabel)
+        if has_cost[C]:
+            cost_panel(fig.add_subplot(grid[i, ncols - 1]), [c for c in cells if c["context"] == C],
+                        check, batches, shade)
     if not fig.axes:   # nothing measured: one line of text, not an empty axes
         fig.text(0.5, 0.5, "no K2.6 row measured", ha="center", va="center")
-    key = [Line2D([], [], color=colour[tc], lw=2.5) for tc in taus]
-    labels = [f"chain tau {tc:g} (simulated" + (", fitted to the trained pair)" if tc in fitted else ")")
-              for tc in taus]
-    key += [Line2D([], [], color="0.35", marker="o", ms=4), Line2D([], [], color="0.35", marker="*", ms=10,
-                                                                   ls=""),
-            Line2D([], [], color="0.35", ls="--", lw=0.8), Line2D([], [], color="k", lw=1.2)]
-    labels += ["DDTree, fixed budget", "auto", "DFlash chain", "AR (the cell's engine)"]
-    if queued_any:
-        key += [Line2D([], [], color="0.35", marker="s", ms=3, ls="-.", lw=0.8),
-                Line2D([], [], color="0.35", marker="*", ms=9, mfc="none", ls="")]
-        labels += ["queue, full-batch rounds", "auto, queue, full-batch rounds"]
-    if taus:
-        fig.legend(key, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=8,
-                   frameon=False)
+    figure_legend(fig, taus, fitted, colour, queued_any)
     fig.suptitle(f"K2.6 shape, random weights, SIMULATED acceptance, routing {routing}"
                  + (f", {k26['device']}" if k26.get("device") else ""), fontsize=10)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
-
-
-def _rows_verified(c: dict) -> int:
-    """Rows a request's round verifies: 1 for AR, the drafter block for the chain, B + 1 for a tree."""
-    if c["mode"] == "ar":
-        return 1
-    return (c.get("block") or 1) if c["mode"] == "dflash" else c["budget"] + 1
 
 
 def _row_key(c: dict) -> tuple:
