@@ -158,14 +158,17 @@ def test_main_without_cuda_exits_with_a_message(monkeypatch, tmp_path):
 
 
 def _wall(monkeypatch):
-    """decode's GPU-only pieces swapped for CPU ones: host-clock timing, no profiler."""
+    """decode's GPU-only pieces (in bench.decode and bench.decode_layers) swapped for CPU ones: host-clock
+    timing, no profiler."""
+    from kdtree.bench import decode_layers
     from kdtree.bench.timer import measure
-    monkeypatch.setattr(decode, "measure", lambda fn, repeats, mode, **kw: measure(fn, repeats, "wall"))
 
     def kernel_table(fn):
         fn()
         return 7, [{"name": "k", "count": 7, "device_us": 1.0}]
-    monkeypatch.setattr(decode, "kernel_table", kernel_table)
+    for mod in (decode, decode_layers):
+        monkeypatch.setattr(mod, "measure", lambda fn, repeats, mode, **kw: measure(fn, repeats, "wall"))
+        monkeypatch.setattr(mod, "kernel_table", kernel_table)
 
 
 def test_gemm_rows_and_the_table(monkeypatch):

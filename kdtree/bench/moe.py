@@ -37,18 +37,8 @@ def bench_moe(
     args = load_config(config)
     D, I, E = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
     dt = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    n_sets = 2 if str(device).startswith("cuda") else 1  # rotate past L2 (a set is E * 3 * I * D / 2 bytes)
-    sets = [Int4Experts.random(E, D, I, device=device, seed=seed + i) for i in range(n_sets)]
-    with torch.no_grad():  # the stronger baseline: the same experts held as bf16 (2 bytes a weight, not 0.5)
-        bf16 = (
-            dequant_bf16(sets[0].w13_packed, sets[0].w13_scale),
-            dequant_bf16(sets[0].w2_packed, sets[0].w2_scale),
-        )
-    gate = Gate(args).to(device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        gate.weight.normal_(0, 1 / math.sqrt(D), generator=g)
-        gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+    sets, bf16 = _expert_sets(E, D, I, device, seed)
+    gate, g = _random_gate(args, device, seed)
     mode = mode_for(device)
     expert_bytes = 3 * I * D // 2 + 3 * I * D // 32 * 2  # packed words + bf16 scales of one expert
     rows = []
@@ -58,32 +48,12 @@ def bench_moe(
 
         it = tqdm(tokens, desc="moe_int4")
     for T in it:
-        x = torch.randn(T, D, device=device, generator=g).to(dt)
+        x = torch.randn(T, D, device=device, generator=g).to(dt)   # [T, D]
         with torch.no_grad():
-            w, ids = gate(x.float())
+            w, ids = gate(x.float())                                  # [T, top_k] each
         ids = ids.to(torch.int32)
         touched = int(torch.unique(ids).numel())
-        kern = [lambda s=s: s(x, w, ids) for s in sets]
-        base = [lambda s=s: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, s) for s in sets]
-        state, settled = None, 0.0
-        with torch.no_grad():
-            if mode == "events":  # GPU time of the whole call: graph replays
-                waits = []
-                t_k = measure(
-                    kern, repeats, "graph", warm_s=MOE_WARM_S, before=lambda: waits.append(settle_gpu(device))
-                ).median
-                settled = waits[0]
-                state = gpu_state(device)  # read right after the timing (the clock, any cap then active)
-            else:
-                t_k = measure(kern, repeats, mode).median
-            settled += settle_gpu(device)  # the baselines start from the same state (no-op on a CPU)
-            t_b = measure(base, max(3, repeats // 4), mode).median  # torch.unique syncs: eager
-            settled += settle_gpu(device)
-            t_bf = measure(
-                lambda: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[0], bf16),
-                max(3, repeats // 4),
-                mode,
-            ).median
+        t_k, t_b, t_bf, state, settled = _time_tokens(x, w, ids, sets, bf16, device, repeats, mode)
         row = {
             "tokens": T,
             "experts_touched": touched,
@@ -102,3 +72,60 @@ def bench_moe(
             row["frac_bandwidth"] = row["floor_s"] / t_k
         rows.append(row)
     return rows
+
+
+def _expert_sets(E: int, D: int, I: int, device, seed: int):
+    """(sets, bf16): random Int4Experts of E experts [D -> I -> D] (seeds seed, seed + 1, ...; two sets on
+    a GPU, rotated past L2 (a set is E * 3 * I * D / 2 bytes), one on a CPU) and the first set's weights
+    dequantized to bf16 (w13, w2): the stronger baseline, the same experts held at 2 bytes a weight, not
+    0.5."""
+    n_sets = 2 if str(device).startswith("cuda") else 1
+    sets = [Int4Experts.random(E, D, I, device=device, seed=seed + i) for i in range(n_sets)]
+    with torch.no_grad():
+        bf16 = (
+            dequant_bf16(sets[0].w13_packed, sets[0].w13_scale),
+            dequant_bf16(sets[0].w2_packed, sets[0].w2_scale),
+        )
+    return sets, bf16
+
+
+def _random_gate(args, device, seed: int):
+    """(gate, g): the model's Gate for `args` on `device` with random weights (std 1/sqrt(hidden)) and
+    score correction bias (std 0.01), drawn from g, a generator seeded with `seed` that the caller draws on
+    after."""
+    gate = Gate(args).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.normal_(0, 1 / math.sqrt(args.hidden_size), generator=g)
+        gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+    return gate, g
+
+
+def _time_tokens(x, w, ids, sets, bf16, device, repeats: int, mode: str):
+    """One token count's timings of `bench_moe`: (kernel_s, baseline_s, bf16_experts_s, gpu_state, settle_s).
+    x [T, D], w / ids [T, top_k] the routing. The kernel over `sets` in turn (graph replays after MOE_WARM_S
+    when mode is "events", gpu_state read right after; `mode` otherwise), then moe_bf16_baseline over the sets
+    and over the bf16 experts (eager, max(3, repeats // 4) calls each), each part once settle_gpu returns;
+    settle_s sums its waits."""
+    kern = [lambda s=s: s(x, w, ids) for s in sets]
+    base = [lambda s=s: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, s) for s in sets]
+    state, settled = None, 0.0
+    with torch.no_grad():
+        if mode == "events":  # GPU time of the whole call: graph replays
+            waits = []
+            t_k = measure(
+                kern, repeats, "graph", warm_s=MOE_WARM_S, before=lambda: waits.append(settle_gpu(device))
+            ).median
+            settled = waits[0]
+            state = gpu_state(device)  # read right after the timing (the clock, any cap then active)
+        else:
+            t_k = measure(kern, repeats, mode).median
+        settled += settle_gpu(device)  # the baselines start from the same state (no-op on a CPU)
+        t_b = measure(base, max(3, repeats // 4), mode).median  # torch.unique syncs: eager
+        settled += settle_gpu(device)
+        t_bf = measure(
+            lambda: moe_bf16_baseline(x.to(torch.bfloat16), ids, w, sets[0], bf16),
+            max(3, repeats // 4),
+            mode,
+        ).median
+    return t_k, t_b, t_bf, state, settled

@@ -47,46 +47,71 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     and build stages stay empty), as an AR hold serves it. batch: that many requests of the prompt (seeds
     0 ...; at most the engine's max_batch), each added with `add` (add_request keywords, e.g.
     synthetic_context), so the round runs at that batch bucket."""
-    from torch.profiler import ProfilerActivity, record_function
-
-    from .profiling import profile
     if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= engine.max_batch:
         raise ValueError(f"batch={batch!r}: expected an int in [1, {engine.max_batch}] (max_batch)")
-    phases = None
-    if engine.auto is not None:
-        names = [p.name for p in engine.plans]
-        trees = [p.name for p in engine.plans if p.kind == "tree"]
-        name = trees[-1] if plan is None else plan
-        if name not in trees and not (name == "AR" and names[0] == "AR"):
-            raise ValueError(f"plan={plan!r}: expected 'AR' or one of the engine's tree plans {trees}")
-        i = names.index(name)
-        phases = (engine.auto.build(engine.bucket(batch), i), engine.plans[i])
-    elif plan is not None:
-        raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
+    phases = _plan_phases(engine, plan, batch)
     room = engine.max_len - len(prompt) - engine.lookahead - int(add.get("synthetic_context", 0) or 0)
     for s in range(batch):
         engine.add_request(prompt, max(1, min(3 * engine.max_accept + 2, room)), seed=s, **add)
     engine.step()
     engine.step()
     order = list(STAGES)
+    prof = _profile_rounds(engine, phases, order, rounds)
+    out = _stage_table(prof, order, rounds, top_kernels)
+    if phases is not None:
+        out.update(plan=phases[1].name, build_nodes=phases[0])
+    engine.run()
+    return out
 
-    gpu = engine.device.type == "cuda"
-    mark = (lambda: torch.cuda._sleep(1)) if gpu else (lambda: None)   # MARK_KERNEL on the stream
 
-    class Marks:  # clock for Runner.round: closes each stage's profiler range at its end, opens the next
-        def __init__(self):
-            mark()
-            self.i, self.cur = 0, record_function("stage:" + order[0])
+def _plan_phases(engine: Engine, plan: str | None, batch: int):
+    """(build nodes of the plan's front phase at `batch`'s bucket (None for the AR plan), the plan) of plan
+    name `plan` on a budget="auto" engine (None: its largest tree plan); None on any other engine, which
+    takes no plan. ValueError for a plan the engine does not have."""
+    if engine.auto is None:
+        if plan is not None:
+            raise ValueError(f"plan={plan!r}: only a budget='auto' engine takes a plan")
+        return None
+    names = [p.name for p in engine.plans]
+    trees = [p.name for p in engine.plans if p.kind == "tree"]
+    name = trees[-1] if plan is None else plan
+    if name not in trees and not (name == "AR" and names[0] == "AR"):
+        raise ValueError(f"plan={plan!r}: expected 'AR' or one of the engine's tree plans {trees}")
+    i = names.index(name)
+    return engine.auto.build(engine.bucket(batch), i), engine.plans[i]
+
+
+class _Marks:
+    """The clock `Runner.round` takes while profiling: made, it launches a marker (`mark`) and opens the
+    profiler range "stage:<first of order>"; each call(stage) closes the open range, launches a marker and
+    opens the next stage's range (none after the last)."""
+
+    def __init__(self, order, mark):
+        from torch.profiler import record_function
+        self.order, self.mark, self.range = order, mark, record_function
+        mark()
+        self.i, self.cur = 0, record_function("stage:" + order[0])
+        self.cur.__enter__()
+
+    def __call__(self, stage):
+        self.cur.__exit__(None, None, None)
+        self.mark()
+        self.i += 1
+        if self.i < len(self.order):
+            self.cur = self.range("stage:" + self.order[self.i])
             self.cur.__enter__()
 
-        def __call__(self, stage):
-            self.cur.__exit__(None, None, None)
-            mark()
-            self.i += 1
-            if self.i < len(order):
-                self.cur = record_function("stage:" + order[self.i])
-                self.cur.__enter__()
 
+def _profile_rounds(engine: Engine, phases, order, rounds: int):
+    """torch.profiler (CPU and CUDA) over `rounds` rounds of the engine's active requests, each run from the
+    same state (the engine's lens, root and policy pend_n restored before each round and after the last),
+    every stage of `order` in a "stage:<name>" range opened by a MARK_KERNEL on a GPU (`_Marks`). phases:
+    `_plan_phases`'s (build nodes, plan), or None for the engine's own round."""
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
+    gpu = engine.device.type == "cuda"
+    mark = (lambda: torch.cuda._sleep(1)) if gpu else (lambda: None)   # MARK_KERNEL on the stream
     b = engine.bucket(len(engine.active))
     state = [t for t in (engine.lens, engine.root, getattr(engine.policy, "pend_n", None)) if t is not None]
     snapshot = [t.clone() for t in state]
@@ -97,25 +122,40 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):  # the same round repeated from the same state
             restore()
-            if phases is None:
-                engine.runner.round(b, False, Marks())
-            elif phases[0] is None:   # the AR plan: no front, its stages empty
-                marks = Marks()
-                marks("draft")
-                marks("build")
-                engine.runner.round(b, False, marks, plan=phases[1])
-            else:   # one Marks over both phases: draft, build in the front; verify, walk, commit after
-                marks = Marks()
-                engine.policy.front(b, phases[0], marks)
-                engine.runner.round(b, False, marks, plan=phases[1])
+            _one_round(engine, b, phases, _Marks(order, mark))
         _sync()
     restore()
+    return prof
 
-    def kernels(ev):
-        ks = [(k.duration, k.name) for k in ev.kernels]
-        for c in ev.cpu_children:
-            ks += kernels(c)
-        return ks
+
+def _one_round(engine: Engine, b: int, phases, marks: _Marks) -> None:
+    """One round at bucket b with clock `marks`: the engine's own round (phases None), the AR plan's round
+    with its draft and build stages empty (no front), or one clock over both phases of a tree plan: draft,
+    build in the front; verify, walk, commit after."""
+    if phases is None:
+        engine.runner.round(b, False, marks)
+    elif phases[0] is None:   # the AR plan: no front, its stages empty
+        marks("draft")
+        marks("build")
+        engine.runner.round(b, False, marks, plan=phases[1])
+    else:
+        engine.policy.front(b, phases[0], marks)
+        engine.runner.round(b, False, marks, plan=phases[1])
+
+
+def _op_kernels(ev) -> list[tuple[float, str]]:
+    """[(duration, name)] of the kernels of profiler event `ev` and of its CPU children, recursively."""
+    ks = [(k.duration, k.name) for k in ev.kernels]
+    for c in ev.cpu_children:
+        ks += _op_kernels(c)
+    return ks
+
+
+def _stage_table(prof, order, rounds: int, top_kernels: int) -> dict:
+    """`stage_kernels`' record from the profile of `rounds` rounds (`_profile_rounds`), per round: each stage
+    of `order`'s {"kernels", "gpu_s", "ops"}, "top_kernels", "total" and "attributed" ("markers" where
+    `stage_by_markers` splits the GPU kernels, else "ops": the kernels of the torch ops in each stage's
+    range, Memcpy / Memset left out)."""
     out = {s: {"kernels": 0, "gpu_s": 0.0, "ops": 0} for s in order}
     by_name: dict = {}
     cuda = [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in prof.events()
@@ -128,7 +168,7 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
         if ev.name.startswith("stage:") and ev.device_type == torch.autograd.DeviceType.CPU:
             out[ev.name[6:]]["ops"] += len(ev.cpu_children) / rounds   # torch ops the host called in it
             if attributed == "ops":
-                staged += [(ev.name[6:], dur, name) for dur, name in kernels(ev)
+                staged += [(ev.name[6:], dur, name) for dur, name in _op_kernels(ev)
                            if not name.startswith(("Memcpy", "Memset"))]
     for st, dur, name in staged:
         row = out[st]
@@ -142,9 +182,6 @@ def stage_kernels(engine: Engine, prompt, rounds: int = 5, top_kernels: int = 25
     stages = [out[st] for st in order]
     out["total"] = {"kernels": sum(r["kernels"] for r in stages), "gpu_s": sum(r["gpu_s"] for r in stages)}
     out["attributed"] = attributed
-    if phases is not None:
-        out.update(plan=phases[1].name, build_nodes=phases[0])
-    engine.run()
     return out
 
 
