@@ -131,40 +131,41 @@ def _check_backend(backend: str, model: Transformer) -> str:
     return backend
 
 
-def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
-               stop_tokens=(), temperature: float = 0.0, seed: int = 0, backend: str = "golden",
-               budget: int | None = None) -> GenerationResult:
-    backend = _check_backend(backend, model)
-    prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
-    temperature = check_temperature(temperature)
-    gen = torch.Generator(device=model.device).manual_seed(check_seed(seed))
-    layers = tuple(drafter.target_layer_ids)
-    res = _result(mode)
-    clock = _Clock(res.stage_times, model.device)
-    t0 = time.perf_counter()
-    stop = check_stop(stop_tokens)
-    cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
-    session = drafter.session(cache.max_len)
+class _Rounds:
+    """One speculative decode's state (the target's cache, the drafter's session, the stage clock, the result)
+    and its two round paths: `kernel` (the GPU tree steps) and `golden` (numpy tree steps)."""
 
-    def features(out, rows=None) -> torch.Tensor | None:
-        if not layers:
+    def __init__(self, model: Transformer, drafter, cache, res: GenerationResult, clock, gen,
+                 temperature: float):
+        self.model, self.cache, self.res, self.clock, self.gen = model, cache, res, clock, gen
+        self.session = drafter.session(cache.max_len)
+        self.layers = tuple(drafter.target_layer_ids)
+        self.temperature, self.max_accept = temperature, drafter.block_size
+
+    def features(self, out, rows=None) -> torch.Tensor | None:
+        if not self.layers:
             return None
-        f = torch.cat([out.hidden[i][0] for i in layers], dim=-1)  # [T, n_layers * D]
+        f = torch.cat([out.hidden[i][0] for i in self.layers], dim=-1)  # [T, n_layers * D]
         return f if rows is None else f[rows]
 
-    with clock("prefill"):
-        out = model(torch.tensor([prompt], device=model.device), cache, hidden_layers=layers)
-        first = int(_choose(out.logits[0, -1:], temperature, gen)[0])
-        if temperature == 0:
-            _check_finite(out.logits[0, -1:])
-        session.start(prompt, features(out))
-    res.target_forwards += 1
-    committed = prompt + [first]
-    done = finish(res.tokens, [first], max_new_tokens, stop)
-    while not done and backend == "kernel":
+    def prefill(self, prompt: list[int]) -> int:
+        """The prompt into the cache and the drafter's session; the first token."""
+        model, T = self.model, self.temperature
+        with self.clock("prefill"):
+            out = model(torch.tensor([prompt], device=model.device), self.cache, hidden_layers=self.layers)
+            first = int(_choose(out.logits[0, -1:], T, self.gen)[0])
+            if T == 0:
+                _check_finite(out.logits[0, -1:])
+            self.session.start(prompt, self.features(out))
+        self.res.target_forwards += 1
+        return first
+
+    def kernel(self, committed: list[int], budget: int | None) -> list[int]:
+        """One round through the GPU kernels (budget None: the DFlash chain); the tokens it emits."""
+        from . import kernels
+        model, clock, dev = self.model, self.clock, self.model.device
         with clock("draft"):
-            draft = session.propose(committed).to(model.device)  # [L, V]
-        dev = model.device
+            draft = self.session.propose(committed).to(dev)  # [L, V]
         with clock("tree_build"):
             root = torch.tensor([committed[-1]], dtype=torch.int32, device=dev)
             start = torch.tensor([len(committed) - 1], dtype=torch.int32, device=dev)
@@ -175,60 +176,80 @@ def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, 
                 positions = start + torch.arange(L + 1, dtype=torch.int32, device=dev)[None]
                 mask = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril()[None]
             else:
-                from . import kernels
                 tb = kernels.tree_build(draft[None].contiguous(), budget, root, start)
                 toks, parents, positions = tb.tokens, tb.parents, tb.positions
         with clock("tree_compile"):
             if budget is not None:
                 mask = tb.dense_mask()
         with clock("verify"):
-            out = model(toks.long(), cache, position_ids=positions[0], mask=mask, hidden_layers=layers)
-        res.target_forwards += 1
+            out = model(toks.long(), self.cache, position_ids=positions[0], mask=mask,
+                        hidden_layers=self.layers)
+        self.res.target_forwards += 1
         with clock("commit"):
-            from . import kernels
-            choice = _choose(out.logits[0], temperature, gen)[None]
+            choice = _choose(out.logits[0], self.temperature, self.gen)[None]
             # read after the sync
-            ok = torch.isfinite(out.logits[0]).all(dim=-1) if temperature == 0 else None
-            acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=drafter.block_size)
+            ok = torch.isfinite(out.logits[0]).all(dim=-1) if self.temperature == 0 else None
+            acc, acc_len, bonus = kernels.tree_walk(toks, parents, choice, max_accept=self.max_accept)
             n_acc = int(acc_len[0])  # the round's device-to-host sync: how many rows were accepted
             if ok is not None:
                 _check_finite(out.logits[0], ok)
             rows = acc[0, :n_acc].long()
             new = toks[0, rows[1:]].tolist() + [int(bonus[0])]
-            cache.compact_rows(acc, n_acc)
-            if layers:
-                session.accept(features(out, rows))
-            committed += new
-            res.accept_lengths.append(len(new))
-            res.tree_sizes.append(toks.shape[1])
-            done = finish(res.tokens, new, max_new_tokens, stop)
-    while not done:
+            self.cache.compact_rows(acc, n_acc)
+            if self.layers:
+                self.session.accept(self.features(out, rows))
+            self.res.tree_sizes.append(toks.shape[1])
+        return new
+
+    def golden(self, committed: list[int], build) -> list[int]:
+        """One round through the numpy tree steps (`build`: the draft's tree); the tokens it emits."""
+        model, clock, dev = self.model, self.clock, self.model.device
         with clock("draft"):
-            draft = session.propose(committed)  # [L, V]
+            draft = self.session.propose(committed)  # [L, V]
         with clock("tree_build"):
             tree = build(draft.float().cpu().numpy())
         with clock("tree_compile"):
             vb = golden.compile_tree(tree, committed[-1], len(committed) - 1)
-            toks = torch.from_numpy(vb.tokens)[None].to(model.device)
-            pos = torch.from_numpy(vb.positions).to(model.device)
-            mask = torch.from_numpy(vb.mask).to(model.device)
+            toks = torch.from_numpy(vb.tokens)[None].to(dev)
+            pos = torch.from_numpy(vb.positions).to(dev)
+            mask = torch.from_numpy(vb.mask).to(dev)
         with clock("verify"):
-            out = model(toks, cache, position_ids=pos, mask=mask, hidden_layers=layers)
-        res.target_forwards += 1
+            out = model(toks, self.cache, position_ids=pos, mask=mask, hidden_layers=self.layers)
+        self.res.target_forwards += 1
         with clock("commit"):
-            choice = _choose(out.logits[0], temperature, gen).cpu().numpy()
-            if temperature == 0:
+            choice = _choose(out.logits[0], self.temperature, self.gen).cpu().numpy()
+            if self.temperature == 0:
                 _check_finite(out.logits[0])
             accepted, bonus = golden.walk(vb.tokens, vb.parents, choice)
-            cache.compact(torch.from_numpy(accepted))
-            rows = torch.from_numpy(accepted).to(model.device)
-            if layers:
-                session.accept(features(out, rows))
+            self.cache.compact(torch.from_numpy(accepted))
+            rows = torch.from_numpy(accepted).to(dev)
+            if self.layers:
+                self.session.accept(self.features(out, rows))
             new = [int(t) for t in vb.tokens[accepted[1:]]] + [bonus]
-            committed += new
-            res.accept_lengths.append(len(new))
-            res.tree_sizes.append(vb.n)
-            done = finish(res.tokens, new, max_new_tokens, stop)
+            self.res.tree_sizes.append(vb.n)
+        return new
+
+
+def _speculate(model: Transformer, drafter, prompt, max_new_tokens: int, build, mode: str, lookahead: int,
+               stop_tokens=(), temperature: float = 0.0, seed: int = 0, backend: str = "golden",
+               budget: int | None = None) -> GenerationResult:
+    backend = _check_backend(backend, model)
+    prompt = _check_prompt(model, prompt, max_new_tokens, drafter.block_size)
+    temperature = check_temperature(temperature)
+    gen = torch.Generator(device=model.device).manual_seed(check_seed(seed))
+    res = _result(mode)
+    t0 = time.perf_counter()
+    stop = check_stop(stop_tokens)
+    cache = model.new_cache(len(prompt) + max_new_tokens + lookahead + 1)
+    rounds = _Rounds(model, drafter, cache, res, _Clock(res.stage_times, model.device), gen, temperature)
+    first = rounds.prefill(prompt)
+    committed = prompt + [first]
+    done = finish(res.tokens, [first], max_new_tokens, stop)
+    while not done:
+        new = rounds.kernel(committed, budget) if backend == "kernel" else rounds.golden(committed, build)
+        committed += new
+        res.accept_lengths.append(len(new))
+        done = finish(res.tokens, new, max_new_tokens, stop)
     res.wall_time = time.perf_counter() - t0
     return res
 
