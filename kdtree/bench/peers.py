@@ -216,6 +216,9 @@ def _sglang(api, x, H, ctx, N, b, scale, tree):
     return [lambda c=c: call(c) for c in x["caches"]]
 
 
+MERGE_HEADS = 16   # FlashInfer's merge_state: 32 x heads threads a block at head_dim 512 (at most 1,024)
+
+
 def _cascade(api, x, H, ctx, N, b, scale):
     """FlashInfer non-causal over the prefix, ours over the block's own pages (its mask), merge_state."""
     from ..ops.verify_attn import verify_attn
@@ -227,13 +230,28 @@ def _cascade(api, x, H, ctx, N, b, scale):
     def call(i, c):
         o_p, s_p = pre[i]()
         o_b, lse_b = verify_attn(x["q"], c, pt, seq, x["words"], scale, check_values=False)
-        o, _ = api["merge_state"](o_p, s_p, o_b.reshape(b * N, H, 512),
-                                  (lse_b / math.log(2)).reshape(b * N, H).contiguous())
-        return o
+        # merge_state launches a (512 / 16) x heads block per row: at most MERGE_HEADS heads a row
+        g = math.gcd(H, MERGE_HEADS)
+        o, _ = api["merge_state"](o_p.reshape(-1, g, 512), s_p.reshape(-1, g),
+                                  o_b.reshape(-1, g, 512), (lse_b / math.log(2)).reshape(-1, g).contiguous())
+        return o.view(b * N, H, 512)
     return [lambda i=i, c=c: call(i, c) for i, c in enumerate(x["caches"])]
 
 
 # ----------------------------------------------------------------------------- a cell, the run
+def _clear_cuda_error() -> None:
+    """A launch refused by the runtime (an invalid block, say) leaves the thread's last CUDA error set, and
+    the next side's launch check would report it as its own: read it off (cudaGetLastError, the runtime
+    torch loaded)."""
+    import ctypes
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
 def _golden_ok(x, out, ctx, N, scale) -> float:
     from ..ops.verify_attn_golden import mla_tree_attention
     c = x["caches"][0][: ctx + N].double().cpu().numpy()
@@ -276,6 +294,7 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
             row["time_s"][name] = measure(calls, repeats, queued=True, queue_cycles=QUEUE_CYCLES).median
         except Exception as e:  # a peer that cannot take the shape: the cell says why
             row["skipped"][name] = f"{type(e).__name__}: {e}"[:300]
+            _clear_cuda_error()
     peer_t = {k: v for k, v in row["time_s"].items() if k not in ("ours", "cascade")}
     if peer_t:
         best = min(peer_t, key=peer_t.get)
