@@ -32,13 +32,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def expert_bytes(experts) -> int:
-    """Bytes of one routed expert as the step reads it: an Int4Experts' share of `kernel_weights()`
-    (moe_int4's layout: w13, s13, w2, s2 of E experts, over E), or one MLP expert's parameters (a ModuleList
-    of MLP experts, as before `quantize_experts`)."""
+    """Bytes of one routed expert as the step reads it: an Int4Experts' share of moe_int4's layout (int32
+    words and bf16 scales of E experts, as many as the checkpoint layout's: `repack_moe` only reorders them;
+    read from the shapes, so meta or float32 scales count as the kernel reads them), or one MLP expert's
+    parameters (a ModuleList of MLP experts, as before `quantize_experts`)."""
     from ..model import MLP, Int4Experts
     if isinstance(experts, Int4Experts):
-        mw = experts.kernel_weights()
-        return sum(_nbytes(t) for t in (mw.w13, mw.s13, mw.w2, mw.s2)) // mw.E
+        words = experts.w13_packed.numel() + experts.w2_packed.numel()
+        scales = experts.w13_scale.numel() + experts.w2_scale.numel()
+        return (4 * words + 2 * scales) // experts.w13_packed.shape[0]
     mlp = next((m for m in experts if isinstance(m, MLP)), None)
     if mlp is None:
         raise ValueError("expert_bytes: no routed expert is held here")

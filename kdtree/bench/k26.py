@@ -19,7 +19,9 @@ requests of `max_new(batch)` tokens after their prefill of a short prompt; the l
 `tau_repeats` all); from batch 2 on, `queued`: the same engine serving `queue` x batch requests through its
 waiting queue (`measure_queue`: a warm-up run, then the median of `repeats`), whose full-batch rounds are a
 serving queue's steady state (a static batch ends on its slowest request). A top-level `targets` list (the
-static batch's and the queue's).
+static batch's and the queue's). Rows whose routing was measured carry
+`floor` (`kdtree.bench.floors`: the round's byte floor by part, its seconds at the copy rate measured in the
+run, its fraction of the median round's GPU span) and the DFlash row `drafter_floor` (the draft stage's).
 
 This module runs the sweep (`run`, `measure_routing`, `measure_queue`) and is its command (`main`); the
 cells' defaults, engine keywords, memory fit and argument checks are `kdtree.bench.k26_cells`', a sweep's
@@ -41,7 +43,9 @@ from .. import k26
 from ..engine import Engine
 from ..simulate import Profile
 from .clocks import gpu_state
+from .ceilings import copy_bandwidth
 from .e2e import _cell
+from .floors import round_floor, round_floor_parts
 from .k26_cells import (BUDGETS, CELLS, DECODE_PATHS, MAX_NEW, MIN_LAYERS, PROFILES, PROMPT,  # noqa: F401
                         _first_layers, _with_block, cell_bytes, cell_engine, cell_prompts, check_sweep,
                         fit_layers, max_new)
@@ -129,8 +133,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
            "weight_bytes": k26.weight_bytes(target),
            "cells": [], "targets": [], "layers": {}}
     weights = k26.weight_bytes(target) + k26.weight_bytes(drafter)
+    if gpu:   # the byte floors' divisor, measured in this run (`floors`)
+        rec["copy_bytes_per_s"] = copy_bandwidth()["bytes_per_s"]
     free_after = torch.cuda.mem_get_info()[0] + weights if gpu else 0
-    sweep = _Sweep(profiles, fitted, budgets, repeats, queue, rows, gpu, device, weights, run_id, decode_path)
+    sweep = _Sweep(profiles, fitted, budgets, repeats, queue, rows, gpu, device, weights, run_id, decode_path,
+                   rec.get("copy_bytes_per_s"))
     for context, batch in cells:
         n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
         rec["layers"][f"{context}:{batch}"] = n
@@ -157,6 +164,7 @@ class _Sweep:
     weights: int          # the built target's and drafter's weight bytes
     run_id: str           # each row's `run`
     decode_path: str      # the path taken: "fused" or "torch"
+    copy_bytes_per_s: float | None = None   # the copy rate measured in the run (GPU): the floors' divisor
 
 
 def _cell_rows(sweep: _Sweep, rec: dict, t, d, context: int, batch: int, n: int, on_engine,
@@ -218,6 +226,7 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
                  estimate_bytes=cell_bytes(ka, k26.drafter_args(ka), batch, context, sweep.rows, n))
     if gpu:   # the clock state at the engine's start and end (a power cap would slow later engines)
         c["gpu_state"] = [st0, gpu_state(sweep.device)]
+    _floors(c, sweep, t, dd, mode, context, batch)
     c.update(context=context, batch=batch, layers=n, mode=mode, budget=budget, run=sweep.run_id,
              profile=None if prof is None else prof.name,
              tau_chain=None if prof is None else prof.tau_chain,
@@ -225,6 +234,20 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
              fitted=sweep.fitted[spec_i], elapsed_s=time.perf_counter() - start,
              decode_path=sweep.decode_path)
     return c
+
+
+def _floors(c: dict, sweep: _Sweep, t, d, mode: str, context: int, batch: int) -> None:
+    """Row c's byte floors (`floors`), where its routing was measured: "floor", the round's (its fraction of
+    the median round's GPU span), and in a DFlash row whose stages were profiled, "drafter_floor", the
+    drafter's own weights, shared lm_head and context K/V against its draft stage's GPU seconds."""
+    if c.get("experts_touched") is None:
+        return
+    parts = round_floor_parts(t, d, mode, c["experts_touched"], context, batch)
+    c["floor"] = round_floor(parts, sweep.copy_bytes_per_s, c.get("round_gpu_span_median_s"))
+    draft_s = (c.get("stages") or {}).get("draft", {}).get("gpu_s")
+    if mode == "dflash":
+        own = {k: parts[k] if k in ("drafter", "drafter_kv") else 0 for k in parts}
+        c["drafter_floor"] = round_floor(own, sweep.copy_bytes_per_s, draft_s)
 
 
 def _after(sweep: _Sweep, prompts, context: int, batch: int, add: dict, mode: str, budget, first: bool):

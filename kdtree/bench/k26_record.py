@@ -73,6 +73,7 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
                              auto["tok_per_s"] / max(ar["tok_per_s"], dfl["tok_per_s"]), **where))
         if auto and ar and tau == 5.0 and batch == 1 and context == 4096:
             out.append(_goal("k26_auto_over_ar", auto["tok_per_s"] / ar["tok_per_s"], **where))
+        out += _floor_targets(ar, fixed, dfl, where)
         q = _queued
         qfixed = [c for c in fixed if q(c)]
         if auto and q(auto) and qfixed:
@@ -84,6 +85,23 @@ def _targets(cells, context: int, batch: int, n: int) -> list:
                              requests=auto["queued"]["requests"], **where))
     if len(ok) < len(cells):
         out.append(_goal("k26_cells_ran", len(ok) / len(cells), batch=batch, context=context))
+    return out
+
+
+def _floor_targets(ar, fixed, dfl, where: dict) -> list:
+    """The AR round's, the fastest fixed DDTree round's and the drafter's byte-floor fractions (`floors`),
+    where the rows carry them (a GPU run)."""
+    def frac(c, key="floor"):
+        return ((c or {}).get(key) or {}).get("fraction")
+    out = []
+    if frac(ar) is not None:
+        out.append(_goal("k26_ar_floor_fraction", frac(ar), **where))
+    measured = [c for c in fixed if frac(c) is not None]
+    if measured:
+        best = max(measured, key=lambda c: c["tok_per_s"])
+        out.append(_goal("k26_ddtree_floor_fraction", frac(best), budget=best["budget"], **where))
+    if frac(dfl, "drafter_floor") is not None:
+        out.append(_goal("k26_drafter_floor_fraction", frac(dfl, "drafter_floor"), **where))
     return out
 
 
