@@ -8,7 +8,12 @@ per kernel family, the engine-level benchmarks beside them.
   goals      goals.json: every goal of the lab, read by the benchmarks' targets and by the report
   tree, verify, moe, layer   the kernel families' benchmarks (notebook 01); suite: `python -m kdtree bench`
   engine     `python -m kdtree.bench.engine`: the engine against transformers, AR / DFlash / DDTree
-  e2e, k26   notebook 02's trained-pair and K2.6-shape sections; bridge: `python -m kdtree bench --bridge`
+             (engine_sections: its sections)
+  e2e, k26   notebook 02's trained-pair and K2.6-shape sections (k26_cells, k26_record, k26_figure);
+             bridge: `python -m kdtree bench --bridge`
+  decode     `python -m kdtree.bench.decode`: decode layers against their byte floor (decode_layers), skinny
+             GEMMs; floors: an engine round's byte floor by part
+  peers      `python -m kdtree.bench.peers`: our kernels beside FlashInfer's and SGLang's, same inputs
 """
 from . import goals
 from .baselines import dequant_bf16, moe_bf16_baseline, naive_verify, reference_tree_round, topk_only
