@@ -14,6 +14,7 @@ One layer's step over M rows (M <= ABSORB_ROWS; above, the absorbed products are
     router_scores, router_select          (MoE) sigmoid router, noaux_tc top-k
     gate+up GEMM, silu_mul, down GEMM     shared expert (MoE) or the dense MLP
     moe_int4 (1 launch for one row, 3 above)      routed INT4 experts
+    moe_bf16 (3 launches)  routed bf16 experts, where BF16_EXPERTS is set and the call fits (`moe_bf16.fits`)
 The MoE output (routed fp32 + shared) and the residual add fold into the next layer's first add_rmsnorm (the
 final norm's after the last layer), so a layer's output exists only as the next kernel's residual.
 
@@ -30,9 +31,11 @@ from .layers import _launch, apply_rope
 from .moe import MLP, Gate, Int4Experts, MoE
 from .ops import decode as dec
 from .ops import gemv
+from .ops import moe_bf16 as mbf
 
 ABSORB_ROWS = 32   # rows up to which q_absorb / uv_absorb replace the absorbed products' batched GEMMs
 GEMV_ROWS = 0      # rows up to which the projections take ops.gemv's kernel instead of cuBLAS (0: never)
+BF16_EXPERTS = False   # bf16 routed experts (a ModuleList of MLPs) through ops.moe_bf16 where the call fits
 
 
 def unsupported(model, meta: AttnMeta) -> str | None:
@@ -126,8 +129,9 @@ def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
     ("moe", routed fp32 [M, D], shared bf16 [M, D] or None)."""
     if isinstance(mlp, MLP):
         return ("delta", _mlp(mlp, y))
-    if (not isinstance(mlp, MoE) or not isinstance(mlp.experts, Int4Experts) or mlp._forward_hooks
-            or mlp._forward_pre_hooks):
+    stacked = _bf16_experts(mlp, y)
+    if (not isinstance(mlp, MoE) or not (isinstance(mlp.experts, Int4Experts) or stacked)
+            or mlp._forward_hooks or mlp._forward_pre_hooks):
         return ("delta", mlp(y, moe_path))
     gate, a = mlp.gate, mlp.args
     if (type(gate) is Gate and not gate._forward_hooks and a.n_routed_experts <= dec.SEL_MAX_E
@@ -137,9 +141,25 @@ def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
                         a.num_experts_per_tok, a.norm_topk_prob, float(a.routed_scaling_factor))
     else:
         w, ids = gate(y)
-    routed = mlp.experts(y, w, ids)                                                     # fp32 [M, D]
+    if stacked:
+        routed = _eager(mbf.moe_bf16, y, ids, w.float(), *stacked, check_values=False)   # fp32 [M, D]
+    else:
+        routed = mlp.experts(y, w, ids)                                                 # fp32 [M, D]
     shared = _mlp(mlp.shared_experts, y) if mlp.shared_experts is not None else None
     return ("moe", routed, shared)
+
+
+def _bf16_experts(mlp, y: torch.Tensor) -> tuple | None:
+    """(w13 [E, 2I, D], w2 [E, D, I]) where mlp's routed experts are bf16 MLPs that ops.moe_bf16 takes for
+    y's rows (BF16_EXPERTS set, every expert on this rank, no hooks), else None."""
+    if not (BF16_EXPERTS and isinstance(mlp, MoE) and isinstance(mlp.experts, torch.nn.ModuleList)
+            and len(mlp.experts) == mlp.args.n_routed_experts and not mlp.experts._forward_hooks
+            and all(isinstance(m, MLP) and not m._forward_hooks for m in mlp.experts)):
+        return None
+    w13, w2 = mlp.grouped()
+    if w13.dtype != torch.bfloat16 or not mbf.fits(y.shape[0], mlp.args.num_experts_per_tok, w13, w2):
+        return None
+    return w13, w2
 
 
 def _add_norm(x: torch.Tensor, pend, norm) -> tuple[torch.Tensor, torch.Tensor]:

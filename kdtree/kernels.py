@@ -8,6 +8,7 @@
                      lse fp32 [b, N, H]); pack_mask(bool [b, N, N]) -> int32 words
     ops.moe_int4     repack_moe(w13, s13, w2, s2) -> MoeWeights; moe_int4(x, topk_ids, topk_weights, weights)
                      -> fp32 [T, D]; group_pairs
+    ops.moe_bf16     moe_bf16(x, topk_ids, topk_weights, w13, w2) -> fp32 [T, D] (bf16 experts, few pairs)
     ops.plan_estimates  plan_estimates(scores, depths, chain_lp, ...) -> fp32 [b, plans] (budget="auto")
     ops.loader       _launch, _empty, _p, _i, _need, _on_one_gpu, compile_defines, cuda_source_dir, ...
 
@@ -26,6 +27,7 @@ from .ops.loader import (PAGE_SIZE, POISON, _check_pages, _clear_compiled, _cupy
 from .ops.moe_int4 import (FUSED_BLOCKS_PER_SM, FUSED_MAX_PAIRS, MAX_GROUP_EXPERTS, MOE_TILE_TOKENS,
                            _FUSED_SYNC, _fused_sync, _group_pairs_kernel, _group_pairs_torch, _moe_fused,
                            MoeWeights, group_pairs, moe_int4, repack_int4_mma, repack_moe)
+from .ops.moe_bf16 import moe_bf16
 from .ops.plan_estimates import plan_estimates
 from .ops.tree import (MAX_BUDGET, MAX_CANDIDATES, MAX_CHUNK, MAX_DEPTH, MAX_VOCAB, TOPK_BLOCK_FIXED_S,
                        TOPK_COLUMN_S, TOPK_SMALL_K, TOPK_SMALL_MAX_K, TREE_REG_SLOTS, TREE_SMEM_LIMIT,
@@ -51,6 +53,8 @@ __all__ = [
     # ops.moe_int4
     "FUSED_BLOCKS_PER_SM", "FUSED_MAX_PAIRS", "MAX_GROUP_EXPERTS", "MOE_TILE_TOKENS", "MoeWeights",
     "group_pairs", "moe_int4", "repack_int4_mma", "repack_moe",
+    # ops.moe_bf16
+    "moe_bf16",
     # ops.plan_estimates
     "plan_estimates",
 ]

@@ -6,6 +6,7 @@ each with its numpy golden twin beside it:
     walk         tree_walk, kv_compact                           (tree_walk.cu)    twin: walk_golden
     verify_attn  verify_attn (+ combine), pack_mask              (verify_attn.cu)  twin: verify_attn_golden
     moe_int4     repack_moe -> MoeWeights, moe_int4, group_pairs (moe_int4.cu)     twin: moe_int4_golden
+    moe_bf16     moe_bf16: bf16 experts, a few pairs a call      (moe_bf16.cu)     twin: moe_bf16_golden
     plan_estimates  plan_estimates (budget="auto")     (plan_estimates.cu)  twin: plan_estimates_golden
     (kdtree.bridge launches sglang_tree.cu)                                         twin: sglang_golden
 

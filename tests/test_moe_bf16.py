@@ -1,0 +1,154 @@
+"""cuda/moe_bf16.cu against golden.moe_bf16 (the GPU cases carry the marker gpu: skipped with a reason where
+no GPU is present), its wrapper's argument checks, and the fused path taking it for bf16 experts."""
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from kdtree import golden
+from kdtree.ops import moe_bf16 as mbf
+
+gpu = pytest.mark.gpu
+
+
+@dataclass
+class Case:
+    T: int
+    D: int
+    I: int
+    E: int
+    k: int
+    skew: bool = False   # most tokens on expert 0: more than one pass of PC pairs
+
+
+CASES = [Case(1, 2048, 512, 32, 4), Case(1, 64, 32, 4, 1), Case(5, 256, 72, 8, 2), Case(16, 512, 128, 16, 8),
+         Case(40, 264, 96, 8, 2, skew=True), Case(3, 7168, 256, 4, 2)]
+
+
+def _case(p: Case, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(p.E, 2 * p.I, p.D, generator=g) / p.D ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(p.E, p.D, p.I, generator=g) / p.I ** 0.5).to(torch.bfloat16)
+    x = torch.randn(p.T, p.D, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(p.E, generator=g)[:p.k] for _ in range(p.T)]).to(torch.int64)
+    if p.skew:
+        ids[: p.T * 3 // 4, 0] = 0
+        ids[: p.T * 3 // 4, 1:] = torch.randint(1, p.E, (p.T * 3 // 4, p.k - 1), generator=g)
+    wts = torch.rand(p.T, p.k, generator=g)
+    return [t.to(device) for t in (x, ids, wts, w13, w2)]
+
+
+def rel_err(got: torch.Tensor, ref: np.ndarray) -> float:
+    got = got.double().cpu().numpy()
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def _golden(x, ids, wts, w13, w2):
+    return golden.moe_bf16(x.float().cpu().numpy(), ids.cpu().numpy(), wts.cpu().numpy(),
+                           w13.float().cpu().numpy(), w2.float().cpu().numpy())
+
+
+def test_the_checker_fails_on_a_wrong_answer():
+    x, ids, wts, w13, w2 = _case(Case(3, 64, 32, 4, 2), 0)
+    ref = _golden(x, ids, wts, w13, w2)
+    wrong = torch.from_numpy(ref).clone()
+    wrong[1, 5] += 0.5 * np.abs(ref).max()
+    assert rel_err(torch.from_numpy(ref), ref) == 0.0
+    assert rel_err(wrong, ref) > 1e-2
+    assert rel_err(torch.full_like(wrong, float("nan")), ref) == float("inf")   # poisoned, never written
+
+
+@gpu
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("p", CASES, ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' * p.skew}")
+def test_moe_bf16_matches_golden(p, ids_dtype):
+    for seed in (1, 2):
+        x, ids, wts, w13, w2 = _case(p, seed, "cuda")
+        out = mbf.moe_bf16(x, ids.to(ids_dtype), wts, w13, w2)
+        err = rel_err(out, _golden(x, ids, wts, w13, w2))
+        assert err <= 1e-2, err   # bf16 workspace, fp32 accumulation
+
+
+@gpu
+def test_moe_bf16_replays_in_a_graph():
+    x, ids, wts, w13, w2 = _case(Case(2, 256, 64, 8, 4), 3, "cuda")
+    mbf.moe_bf16(x, ids, wts, w13, w2, check_values=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mbf.moe_bf16(x, ids, wts, w13, w2, check_values=False)
+    x2, ids2, wts2, _, _ = _case(Case(2, 256, 64, 8, 4), 4, "cuda")
+    x.copy_(x2)
+    ids.copy_(ids2)
+    wts.copy_(wts2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _golden(x, ids, wts, w13, w2)) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 9)])
+def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatch, B, T):
+    """forward_paged with BF16_EXPERTS (moe_bf16 for the routed experts) against Block.forward (model.fused
+    False) on a bf16 model whose experts stay bf16: logits within bf16 rounding; the kernel ran."""
+    from kdtree import fused, golden
+    from kdtree.model import AttnMeta, build_model
+    from kdtree.validate import tiny_kernel_args
+    args = tiny_kernel_args().replace(q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                      topk_group=2, moe_intermediate_size=64)
+    m = build_model(args, seed=5, attn_impl="kernel", dtype=torch.float32, device="cpu")
+    m = m.to(device="cuda", dtype=torch.bfloat16).prepare_paged("grouped")
+    calls = []
+    real = mbf.moe_bf16
+    monkeypatch.setattr(mbf, "moe_bf16", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused, "BF16_EXPERTS", True)
+    L, dev, ctx = m.args.num_hidden_layers, "cuda", 100
+    rng = np.random.default_rng(T)
+    pages = -(-(ctx + T) // 64) + 1
+    pool = (torch.randn(L, B * pages * 64, 576, device=dev) * 0.5).to(torch.bfloat16)
+    table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+    cache_len = torch.tensor([ctx - 13 * b for b in range(B)], device=dev)
+    tree = golden.ddtree(rng.standard_normal((8, 16)).astype(np.float32) * 2, T - 1) if T > 1 else None
+    mask = (torch.from_numpy(golden.compile_tree(tree, 0, 0).mask) if tree is not None
+            else torch.ones(1, 1, dtype=torch.bool)).to(dev)[None].expand(B, T, T).contiguous()
+    meta = AttnMeta.build(table, cache_len, cache_len[:, None] + (mask.sum(-1) - 1), mask, 64, "kernel",
+                          "grouped")
+    assert fused.unsupported(m, meta) is None
+    tokens = torch.from_numpy(rng.integers(0, m.args.vocab_size, (B, T))).to(dev)
+    logits = {}
+    for f in (True, False):
+        m.fused = f
+        logits[f] = m.forward_paged(tokens, pool.clone(), meta).logits
+    assert calls
+    rel = (logits[True] - logits[False]).double().norm() / logits[False].double().norm()
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(x=lambda x: x.float()), "x: expected dtype torch.bfloat16"),
+    (dict(w13=lambda w: w[:, :-1]), "w13: expected"),
+    (dict(w2=lambda w: w[:, :, :-8]), "w2: expected"),
+    (dict(x=lambda x: x[:, :-8]), "x: expected"),
+    (dict(ids=lambda i: i[:, :0]), "topk_ids: expected shape"),
+    (dict(wts=lambda w: w.double()), "topk_weights: expected dtype torch.float32"),
+    (dict(ids=lambda i: i.float()), "topk_ids: expected dtype"),
+])
+def test_bad_arguments_are_named_before_any_launch(change, needle):
+    x, ids, wts, w13, w2 = _case(Case(2, 64, 32, 4, 2), 0)
+    got = dict(x=x, ids=ids, wts=wts, w13=w13, w2=w2)
+    for k, f in change.items():
+        got[k] = f(got[k])
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        mbf.moe_bf16(got["x"], got["ids"], got["wts"], got["w13"], got["w2"])
+
+
+def test_too_many_pairs_are_refused_and_fits_says_so():
+    x, ids, wts, w13, w2 = _case(Case(2, 64, 32, 4, 2), 0)
+    assert mbf.fits(2, 2, w13, w2) and not mbf.fits(mbf.MAX_PAIRS + 1, 1, w13, w2)
+    big = torch.zeros(mbf.MAX_PAIRS + 1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="pairs"):
+        mbf.moe_bf16(x[:1].expand(mbf.MAX_PAIRS + 1, -1).contiguous(), big, torch.ones(big.shape), w13, w2)
