@@ -18,81 +18,43 @@ AGREE) and ours with the float64 golden twin on request 0 (contexts up to GOLDEN
 Then the engine's AR at batch 1 on the trained target against transformers' compiled static-cache generate
 (same checkpoint, bf16, tokens compared; `ar_section`).
 
+Then the sections of bench.peers_sections (each optional: --no-moe, --no-topk, --no-gemm; --no-attention
+leaves out the cells above): INT4 routed experts against SGLang's Triton fused MoE (bench.peers_moe), the
+draft's per-position top-k against torch and FlashInfer, bf16 GEMMs (bench.decode.gemm_table: cuBLAS, ours).
+
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
-{side: agreement}), the AR section and `targets` (ours against the best peer; a tree's fused kernel against
-the cascade; the engine's AR against transformers' compiled generate).
+{side: agreement}), the AR section, the sections' rows ("moe", "topk", "gemm") and `targets` (ours against
+the best peer; a tree's fused kernel against the cascade; the engine's AR against transformers' compiled
+generate; each section's family).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import math
-import os
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import goals
+from .peers_common import AGREE, QUEUE_CYCLES, SGLANG_FILES, rel_diff  # noqa: F401  (re-exported)
+from .peers_common import clear_cuda_error as _clear_cuda_error
+from .peers_common import sglang_stubs as _sglang_stubs
+from .peers_common import version as _version
 from .timer import input_sets, measure
 
-AGREE = 1e-2               # a peer's output agrees with ours within this (bf16 outputs)
 GOLDEN_MAX_KEYS = 8448     # ours is checked against the float64 twin on request 0 up to this many keys
-QUEUE_CYCLES = 2_000_000   # GPU spin before each timed call (longer than any side's host work)
 SCALE = 0.1352             # softmax scale of the random inputs (1 / sqrt(192) x YaRN's mscale, K2.6-like)
 CELLS = tuple((H, ctx, N, b, kind) for H in (64, 8) for ctx in (4096, 32768) for N, b, kind in (
     (1, 1, "decode"), (1, 8, "decode"), (1, 32, "decode"), (8, 1, "chain"), (16, 1, "chain"),
     (16, 1, "tree"), (64, 1, "tree"), (128, 1, "tree")))
 QUICK_CELLS = ((64, 4096, 1, 1, "decode"), (64, 4096, 1, 8, "decode"), (64, 4096, 16, 1, "chain"),
                (64, 4096, 64, 1, "tree"))
-SGLANG_FILES = "kernels/ops/attention"
 
 
 # ----------------------------------------------------------------------------- finding the peers
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _sglang_stubs() -> None:
-    """Bare package modules for sglang's folders (their __init__ files never run) and stubs for the runtime
-    utilities its attention kernels import (device predicates, environment flags)."""
-    spec = importlib.util.find_spec("sglang")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    for name, sub in (("sglang", ""), ("sglang.kernels", "kernels"), ("sglang.kernels.ops", "kernels/ops"),
-                      ("sglang.kernels.ops.attention", SGLANG_FILES)):
-        if name not in sys.modules:
-            m = types.ModuleType(name)
-            m.__path__ = [str(root / sub)]
-            sys.modules[name] = m
-    utils = types.ModuleType("sglang.srt.utils")
-    utils.is_cuda = lambda: torch.cuda.is_available() and torch.version.hip is None
-    utils.is_hip = lambda: False
-    utils.is_gfx95_supported = utils.is_gfx1250_supported = lambda: False
-    utils.get_device_core_count = lambda i=0: torch.cuda.get_device_properties(i).multi_processor_count
-
-    class _Flag:
-        def __init__(self, name):
-            self.name = name
-
-        def get(self):
-            v = os.environ.get(self.name)
-            return False if v is None else v.lower() in ("1", "true", "yes")
-
-    environ = types.ModuleType("sglang.srt.environ")
-    environ.envs = type("Envs", (), {"__getattr__": lambda self, name: _Flag(name)})()
-    srt = types.ModuleType("sglang.srt")
-    srt.__path__ = []
-    for m in (srt, utils, environ):
-        sys.modules.setdefault(m.__name__, m)
-
-
 def find_peers() -> dict:
     """{name: {"available", "version", "reason"?, "api"?}}: each peer loaded (its entry points in "api", not
     serialized) or the reason it is not."""
@@ -147,11 +109,6 @@ def cell_inputs(H: int, ctx: int, N: int, b: int, kind: str, seed: int = 0) -> d
     return {"caches": caches, "q": q, "mask": mask, "words": pack_mask(mask), "pages": pages,
             "page_table": torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages),
             "seq_len": torch.full((b,), S, device="cuda", dtype=torch.int32)}
-
-
-def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.float(), ref.float()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -239,19 +196,6 @@ def _cascade(api, x, H, ctx, N, b, scale):
 
 
 # ----------------------------------------------------------------------------- a cell, the run
-def _clear_cuda_error() -> None:
-    """A launch refused by the runtime (an invalid block, say) leaves the thread's last CUDA error set, and
-    the next side's launch check would report it as its own: read it off (cudaGetLastError, the runtime
-    torch loaded)."""
-    import ctypes
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
-
-
 def _golden_ok(x, out, ctx, N, scale) -> float:
     from ..ops.verify_attn_golden import mla_tree_attention
     c = x["caches"][0][: ctx + N].double().cpu().numpy()
@@ -354,35 +298,40 @@ def build_targets(rows: list[dict], ar: dict | None = None) -> list[dict]:
 
 
 def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress: bool = True,
-        ar: bool = True) -> dict:
-    """Every cell into out/peers.json (written after each cell), then the AR section (`ar_section`) where ar;
-    returns the record. On a machine without a CUDA GPU the record holds only the peers found and says why
-    nothing ran."""
+        ar: bool = True, attention: bool = True, **sections) -> dict:
+    """Every attention cell (where attention) into out/peers.json, then the AR section (`ar_section`) where
+    ar, then the sections of bench.peers_sections that `sections` (moe=, topk=, gemm=; default on) leaves
+    on; the record is written after each row, its targets recomputed; returns it. On a machine without a
+    CUDA GPU the record holds only the peers found and says why nothing ran."""
+    from . import peers_sections
     out = Path(out)
-    peers = find_peers()
+    peers = {**find_peers(), **peers_sections.find_peers()}
     rec = {"bench": "peers", "torch": torch.__version__, "quick": quick, "agree_tolerance": AGREE,
            "peers": {k: {kk: vv for kk, vv in v.items() if kk != "api"} for k, v in peers.items()},
            "attention": [], "targets": []}
+    peers_sections.start(rec, **sections)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "peers.json"
+
+    def save():
+        rec["targets"] = build_targets(rec["attention"], rec.get("ar")) + peers_sections.build_targets(rec)
+        path.write_text(json.dumps(rec, indent=1) + "\n")
     if not torch.cuda.is_available():
         rec["skipped"] = "no CUDA GPU on this machine: no cell ran"
-        path.write_text(json.dumps(rec, indent=1) + "\n")
+        save()
         return rec
     rec["device"] = torch.cuda.get_device_name()
-    todo = list(cells or (QUICK_CELLS if quick else CELLS))
-    if progress:
+    todo = list(cells or (QUICK_CELLS if quick else CELLS)) if attention else []
+    if progress and todo:
         from ..progress import tqdm
         todo = tqdm(todo, desc="peers")
     for cell in todo:
         rec["attention"].append(run_cell(peers, *cell, repeats=repeats))
-        rec["targets"] = build_targets(rec["attention"])
-        path.write_text(json.dumps(rec, indent=1) + "\n")
+        save()
     if ar:
         rec["ar"] = ar_section(n_prompts=2 if quick else 4, max_new=32 if quick else 64)
-        rec["targets"] = build_targets(rec["attention"], rec["ar"])
-        path.write_text(json.dumps(rec, indent=1) + "\n")
-    return rec
+        save()
+    return peers_sections.run_sections(rec, peers, save, quick, repeats, progress)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -403,18 +352,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_CELLS)} cells instead of {len(CELLS)}")
     ap.add_argument("--repeats", type=int, default=30, help="timed calls a side (median)")
     ap.add_argument("--no-ar", action="store_true", help="leave out the AR section (engine vs transformers)")
+    from . import peers_sections
+    peers_sections.add_arguments(ap)
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats {a.repeats}: expected a positive int")
+    on = peers_sections.chosen(a)
+    if a.no_ar and not any(on.values()):
+        ap.error("every section is left out (--no-ar, " + ", ".join(f"--no-{s}" for s in on)
+                 + "): nothing to run")
     from ..lab import output_dir
     out = Path(a.out) if a.out else output_dir("cuda" if torch.cuda.is_available() else "cpu")
-    rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar)
+    rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar, **on)
     for name, p in rec["peers"].items():
         print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))
     if rec.get("skipped"):
         print(rec["skipped"])
     else:
-        print(format_rows(rec["attention"]))
+        att = format_rows(rec["attention"]) if rec["attention"] else ""
+        print("\n".join(p for p in (att, peers_sections.format_sections(rec)) if p))
         if "engine_over_hf_compiled" in rec.get("ar", {}):
             a_ = rec["ar"]
             print(f"AR b1: engine {a_['engine']['tok_per_s']:.1f} tok/s, transformers compiled "

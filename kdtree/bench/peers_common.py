@@ -1,0 +1,135 @@
+"""What every section of `python -m kdtree.bench.peers` shares: the agreement tolerance, finding an
+installed distribution's version, the stub modules SGLang's kernel files are loaded under (its package
+__init__ files and server never run), the relative difference of two outputs, and the timing of one side
+(`time_calls`) and of a row's sides (`run_sides`: each side's output checked before its time counts; a side
+that fails or disagrees is skipped with its reason)."""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from .timer import measure
+
+AGREE = 1e-2               # a peer's output agrees with ours within this (bf16 outputs)
+QUEUE_CYCLES = 2_000_000   # GPU spin before each timed eager call (longer than any side's host work)
+SGLANG_FILES = "kernels/ops/attention"
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def bare_package(name: str, path: Path | None) -> types.ModuleType:
+    """sys.modules[name], made where absent: a package module whose submodules are found in `path` (None:
+    none) and whose __init__ never runs; its spec says so (importlib.util.find_spec answers it)."""
+    if name not in sys.modules:
+        m = types.ModuleType(name)
+        m.__path__ = [str(path)] if path is not None else []
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        m.__spec__.submodule_search_locations = m.__path__
+        sys.modules[name] = m
+    return sys.modules[name]
+
+
+def sglang_stubs() -> Path:
+    """Bare package modules for sglang's folders (`bare_package`: their __init__ files never run) and stubs
+    for the runtime utilities its attention kernels import (device predicates, environment flags); returns
+    the installed package's folder. Calling it again keeps what is there."""
+    spec = importlib.util.find_spec("sglang")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    for name, sub in (("sglang", ""), ("sglang.kernels", "kernels"), ("sglang.kernels.ops", "kernels/ops"),
+                      ("sglang.kernels.ops.attention", SGLANG_FILES)):
+        bare_package(name, root / sub)
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_cuda = lambda: torch.cuda.is_available() and torch.version.hip is None
+    utils.is_hip = lambda: False
+    utils.is_gfx95_supported = utils.is_gfx1250_supported = lambda: False
+    utils.get_device_core_count = lambda i=0: torch.cuda.get_device_properties(i).multi_processor_count
+
+    class _Flag:
+        def __init__(self, name):
+            self.name = name
+
+        def get(self):
+            v = os.environ.get(self.name)
+            return False if v is None else v.lower() in ("1", "true", "yes")
+
+    environ = types.ModuleType("sglang.srt.environ")
+    environ.envs = type("Envs", (), {"__getattr__": lambda self, name: _Flag(name)})()
+    bare_package("sglang.srt", None)
+    for m in (utils, environ):
+        sys.modules.setdefault(m.__name__, m)
+    return root
+
+
+def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| in float32 (ref all zero: over 1e-30)."""
+    a, ref = a.float(), ref.float()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def clear_cuda_error() -> None:
+    """A launch refused by the runtime (an invalid block, say) leaves the thread's last CUDA error set, and
+    the next side's launch check would report it as its own: read it off (cudaGetLastError, the runtime
+    torch loaded)."""
+    import ctypes
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def time_calls(calls, repeats: int) -> tuple[float, str]:
+    """(median seconds, how): `calls` (one callable per input set, rotated) as CUDA-graph replays timed by
+    CUDA events behind a GPU spin (timer.measure "graph", how "graph"); where capture fails, as eager calls
+    timed by CUDA events behind a spin of QUEUE_CYCLES (how "events")."""
+    try:
+        return measure(calls, repeats, "graph").median, "graph"
+    except Exception:  # noqa: BLE001 - a side that cannot be captured is timed eagerly
+        clear_cuda_error()
+        torch.cuda.synchronize()
+        return measure(calls, repeats, queued=True, queue_cycles=QUEUE_CYCLES).median, "events"
+
+
+def run_sides(row: dict, sides: dict, check, repeats: int, timer=time_calls) -> dict:
+    """Each side of `sides` ({name: make}, make() -> callables, one per input set) into `row`: its first
+    call's output goes to check(name, out) -> (agreement, why), agreement kept in row["agree"][name]; a
+    side with a reason `why` (its output disagrees) or whose make / call / timing raises lands in
+    row["skipped"][name] with the reason, else timer(calls, repeats) -> (seconds, how) in row["time_s"] and
+    row["timing"]. Returns row."""
+    for name, make in sides.items():
+        try:
+            calls = make()
+            value, why = check(name, calls[0]())
+            row["agree"][name] = value
+            if why:
+                row["skipped"][name] = why
+                continue
+            row["time_s"][name], row["timing"][name] = timer(calls, repeats)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot take the shape: the row says why
+            row["skipped"][name] = f"{type(e).__name__}: {e}"[:300]
+            if torch.cuda.is_available():
+                clear_cuda_error()
+    return row
+
+
+def best_peer(row: dict, exclude=("ours",)) -> dict:
+    """row["best_peer"] (the fastest timed side not in `exclude`) and row["ours_over_best_peer"] (its time /
+    ours: above 1 ours is faster), where both were timed. Returns row."""
+    peer_t = {k: v for k, v in row["time_s"].items() if k not in exclude}
+    if peer_t and row["time_s"].get("ours"):
+        best = min(peer_t, key=peer_t.get)
+        row["best_peer"], row["ours_over_best_peer"] = best, peer_t[best] / row["time_s"]["ours"]
+    return row
