@@ -14,6 +14,7 @@ per kernel family, the engine-level benchmarks beside them.
   decode     `python -m kdtree.bench.decode`: decode layers against their byte floor (decode_layers), skinny
              GEMMs; floors: an engine round's byte floor by part
   peers      `python -m kdtree.bench.peers`: our kernels beside FlashInfer's and SGLang's, same inputs
+             (peers_common: loading and timing the sides; peers_moe: INT4 MoE; peers_sections: top-k, GEMMs)
 """
 from . import goals
 from .baselines import dequant_bf16, moe_bf16_baseline, naive_verify, reference_tree_round, topk_only
