@@ -102,6 +102,7 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
         "layer_batches": Param(POSITIVE_INTS, [1, 8, 32], "one layer's verify: batch sizes"),
         "n_layers": Param(POS, 61, "layers of the whole-model projections"),
         "repeats": Param(POS, 20, "timed repeats per measurement"),
+        "peers": Param(SMOKE, "auto", "section 5c, the field's kernels beside ours (auto: on a GPU)"),
         "out_dir": Param(OUT_DIR, "../outputs", "where the record goes (the runner's --out-dir)"),
     },
     "02_end_to_end": {

@@ -239,6 +239,52 @@ def auto_figure(auto: dict, block_size: int, path=None):
     return fig
 
 
+def peers_figure(rec: dict, path=None):
+    """Notebook 01's figure of a `python -m kdtree.bench.peers` record: the attention cells' times per side
+    (ours, each peer; log scale, one group of bars a cell), and every target of the record as its measured
+    ratio (a peer's time over ours, or ours over theirs as the target says: above 1 ours is faster) against
+    the goal line at 1. A panel is drawn only where its data is recorded; legends sit under the axes. Saved at
+    `path` when given; returns the figure (None when the record holds neither)."""
+    _, plt = _plt()
+    cells = [c for c in rec.get("attention", []) if c.get("time_s")]
+    targets = [t for t in rec.get("targets", []) if t.get("measured") is not None]
+    panels = ["attention"] * bool(cells) + ["targets"] * bool(targets)
+    if not panels:
+        return None
+    fig = plt.figure(layout="constrained", figsize=(7.0 * len(panels), 5.0))
+    axes = dict(zip(panels, fig.subplots(1, len(panels), squeeze=False)[0]))
+    if "attention" in axes:
+        ax = axes["attention"]
+        sides = sorted({s for c in cells for s in c["time_s"]}, key=lambda s: (s != "ours", s))
+        width = 0.8 / len(sides)
+        for j, side in enumerate(sides):
+            xs = [i + j * width for i, c in enumerate(cells) if side in c["time_s"]]
+            ys = [c["time_s"][side] * 1e6 for c in cells if side in c["time_s"]]
+            ax.bar(xs, ys, width, label=side)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+        ax.set_xticklabels([f"{c['kind']} N={c['nodes']}\nb={c['batch']} {c['context'] // 1024}K "
+                            f"H={c['heads']}" for c in cells], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("us per call (median)")
+        ax.set_title("MLA attention: ours and the peers")
+        legend_below(ax, ncols=min(4, len(sides)))
+    if "targets" in axes:
+        ax = axes["targets"]
+        keys = sorted({t["key"] for t in targets})
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, t in enumerate(targets):
+            ax.barh(i, t["measured"], color=colors[keys.index(t["key"]) % len(colors)])
+        ax.axvline(1.0, color="k", lw=1, ls="--")
+        ax.set_yticks(range(len(targets)))
+        ax.set_yticklabels([t["name"][:60] for t in targets], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("measured ratio (above 1: ours is faster)")
+        ax.set_title("targets against the peers")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
 def layout_faults(fig) -> list[str]:
     """What breaks this module's figure contract in a drawn figure, one line each ([] for none): an axes
     without a drawn point (an empty panel: a line of no points counts as none), a legend over an axes (a

@@ -67,3 +67,19 @@ def test_the_layout_checker_can_fail():
     for want in ("empty axes", "legend over an axes", "cut at the figure's edge"):
         assert any(f.startswith(want) for f in faults), (want, faults)
     plt.close(fig)
+
+
+def test_peers_figure_keeps_the_contract(tmp_path):
+    import json
+    from pathlib import Path
+    record = Path(__file__).resolve().parent.parent / "outputs/h100/peers/peers_quick.json"
+    rec = json.loads(record.read_text())
+    fig = plots.peers_figure(rec, tmp_path / "peers.png")
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    assert len(fig.axes) == 2 and plots.layout_faults(fig) == []
+    plt.close(fig)
+    only = plots.peers_figure({"targets": rec["targets"]})
+    assert len(only.axes) == 1 and only.axes[0].get_title() == "targets against the peers"
+    plt.close(only)
+    unmeasured = {"attention": [], "targets": [{"key": "k", "name": "n", "measured": None}]}
+    assert plots.peers_figure(unmeasured) is None
