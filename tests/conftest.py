@@ -54,3 +54,30 @@ def nvcc():
     if path is None:
         pytest.skip("nvcc not on PATH")
     return path
+
+
+@pytest.fixture
+def paged_block():
+    """make(model, B, T, ctx, moe) -> (pool, meta, tokens): a GPU verify step's inputs for `model` (attn_impl
+    'kernel'): a random bf16 latent pool of B requests whose caches hold ctx - 13 b rows, T appended rows each
+    (T = 1: decode; else a DDTree block's ancestor mask), random tokens."""
+    import numpy as np
+
+    from kdtree import golden
+    from kdtree.model import AttnMeta
+
+    def make(m, B: int, T: int, ctx: int, moe: str = "loop"):
+        L, dev = m.args.num_hidden_layers, "cuda"
+        rng = np.random.default_rng(B * T)
+        pages = -(-(ctx + T) // 64) + 1
+        pool = (torch.randn(L, B * pages * 64, 576, device=dev) * 0.5).to(torch.bfloat16)
+        table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+        cache_len = torch.tensor([ctx - 13 * b for b in range(B)], device=dev)
+        tree = golden.ddtree(rng.standard_normal((8, 16)).astype(np.float32) * 2, T - 1) if T > 1 else None
+        mask = (torch.from_numpy(golden.compile_tree(tree, 0, 0).mask) if tree is not None
+                else torch.ones(1, 1, dtype=torch.bool)).to(dev)[None].expand(B, T, T).contiguous()
+        pos = cache_len[:, None] + (mask.sum(-1) - 1)
+        meta = AttnMeta.build(table, cache_len, pos, mask, 64, "kernel", moe)
+        tokens = torch.from_numpy(rng.integers(0, m.args.vocab_size, (B, T))).to(dev)
+        return pool, meta, tokens
+    return make

@@ -279,26 +279,15 @@ def _fused_model():
 
 @gpu
 @pytest.mark.parametrize("B,T,ctx", [(1, 1, 300), (2, 9, 130), (4, 9, 70)])
-def test_fused_forward_matches_the_torch_path(B, T, ctx):
+def test_fused_forward_matches_the_torch_path(B, T, ctx, paged_block):
     """forward_paged's fused layers against Block.forward (model.fused False): logits, the requested hidden
     states and the latent rows written, for decode, a tree block, and more rows than the absorb kernels
     take."""
-    from kdtree import fused, golden
-    from kdtree.model import AttnMeta
+    from kdtree import fused
     m = _fused_model()
-    L, dev = m.args.num_hidden_layers, "cuda"
-    rng = np.random.default_rng(B * T)
-    pages = -(-(ctx + T) // 64) + 1
-    pool = (torch.randn(L, B * pages * 64, 576, device=dev) * 0.5).to(torch.bfloat16)
-    table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
-    cache_len = torch.tensor([ctx - 13 * b for b in range(B)], device=dev)
-    tree = golden.ddtree(rng.standard_normal((8, 16)).astype(np.float32) * 2, T - 1) if T > 1 else None
-    mask = (torch.from_numpy(golden.compile_tree(tree, 0, 0).mask) if tree is not None
-            else torch.ones(1, 1, dtype=torch.bool)).to(dev)[None].expand(B, T, T).contiguous()
-    pos = cache_len[:, None] + (mask.sum(-1) - 1)
-    meta = AttnMeta.build(table, cache_len, pos, mask, 64, "kernel", "loop")
+    L = m.args.num_hidden_layers
+    pool, meta, tokens = paged_block(m, B, T, ctx)
     assert fused.unsupported(m, meta) is None
-    tokens = torch.from_numpy(rng.integers(0, m.args.vocab_size, (B, T))).to(dev)
     outs = {}
     for f in (True, False):
         m.fused = f

@@ -92,11 +92,11 @@ def test_moe_bf16_replays_in_a_graph():
 
 @gpu
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 9)])
-def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatch, B, T):
+def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatch, B, T, paged_block):
     """forward_paged with BF16_EXPERTS (moe_bf16 for the routed experts) against Block.forward (model.fused
     False) on a bf16 model whose experts stay bf16: logits within bf16 rounding; the kernel ran."""
-    from kdtree import fused, golden
-    from kdtree.model import AttnMeta, build_model
+    from kdtree import fused
+    from kdtree.model import build_model
     from kdtree.validate import tiny_kernel_args
     args = tiny_kernel_args().replace(q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                       topk_group=2, moe_intermediate_size=64)
@@ -106,19 +106,8 @@ def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatc
     real = mbf.moe_bf16
     monkeypatch.setattr(mbf, "moe_bf16", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(fused, "BF16_EXPERTS", True)
-    L, dev, ctx = m.args.num_hidden_layers, "cuda", 100
-    rng = np.random.default_rng(T)
-    pages = -(-(ctx + T) // 64) + 1
-    pool = (torch.randn(L, B * pages * 64, 576, device=dev) * 0.5).to(torch.bfloat16)
-    table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
-    cache_len = torch.tensor([ctx - 13 * b for b in range(B)], device=dev)
-    tree = golden.ddtree(rng.standard_normal((8, 16)).astype(np.float32) * 2, T - 1) if T > 1 else None
-    mask = (torch.from_numpy(golden.compile_tree(tree, 0, 0).mask) if tree is not None
-            else torch.ones(1, 1, dtype=torch.bool)).to(dev)[None].expand(B, T, T).contiguous()
-    meta = AttnMeta.build(table, cache_len, cache_len[:, None] + (mask.sum(-1) - 1), mask, 64, "kernel",
-                          "grouped")
+    pool, meta, tokens = paged_block(m, B, T, 100, "grouped")
     assert fused.unsupported(m, meta) is None
-    tokens = torch.from_numpy(rng.integers(0, m.args.vocab_size, (B, T))).to(dev)
     logits = {}
     for f in (True, False):
         m.fused = f

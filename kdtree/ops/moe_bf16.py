@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p
-from .moe_int4 import MAX_GROUP_EXPERTS, group_pairs
+from .moe_int4 import MAX_GROUP_EXPERTS, check_ids, check_routing, group_pairs
 
 MAX_PAIRS = 256   # past this many pairs a grouped GEMM reads each expert's rows fewer times
 WARPS = 8         # moe_bf16.cu: rows a block (one per warp)
@@ -37,26 +37,16 @@ def moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"w13: expected [E, 2I, D] with I and D multiples of 8, got {tuple(w13.shape)}")
     I = I2 // 2
     _need("w2", w2, (torch.bfloat16,), shape=(E, D, I))
-    _need("x", x, (torch.bfloat16,), ndim=2)
-    T = x.shape[0]
-    if T == 0 or x.shape[1] != D:
-        raise ValueError(f"x: expected [T, {D}] with T > 0 (the experts' hidden size), got {tuple(x.shape)}")
-    _need("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2, contiguous=False)
-    if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
-        raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
+    T, k = check_routing(x, topk_ids, topk_weights, D)
     if T * k > MAX_PAIRS or E > MAX_GROUP_EXPERTS:
         raise ValueError(f"moe_bf16: {T} x {k} pairs over {E} experts: expected at most {MAX_PAIRS} pairs "
                          f"and {MAX_GROUP_EXPERTS} experts (fits() says which calls it takes)")
-    _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: expected a 16-byte aligned tensor (the kernel reads 16 bytes a lane)")
     _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2)
     if check_values:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= E:
-            raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
+        check_ids(topk_ids, E)
     pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
     slots = active.shape[0]
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)

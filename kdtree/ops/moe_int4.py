@@ -154,6 +154,28 @@ def repack_moe(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: tor
     return MoeWeights(w13, s13, w2, s2, E, D, I)
 
 
+def check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, D: int) -> tuple:
+    """(T, k) of a routed-experts call: x bf16 [T, D] with T > 0, topk_ids int32 / int64 [T, k] with k >= 1,
+    topk_weights float32 [T, k]; ValueError naming the argument otherwise (reads no device memory)."""
+    _need("x", x, (torch.bfloat16,), ndim=2)
+    T = x.shape[0]
+    if T == 0 or x.shape[1] != D:
+        raise ValueError(f"x: expected [T, {D}] with T > 0 (the experts' hidden size), got {tuple(x.shape)}")
+    _need("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2, contiguous=False)
+    if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
+        raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
+    return T, k
+
+
+def check_ids(topk_ids: torch.Tensor, E: int) -> None:
+    """Every expert id in [0, E) (reads the ids: not under graph capture)."""
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= E:
+        raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
+
+
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
              check_values: bool = True, tile_tokens: int | None = None,
              fused: bool | None = None) -> torch.Tensor:
@@ -175,25 +197,15 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, "
                          f"got {type(weights).__name__}")
     E, D, I = weights.E, weights.D, weights.I
-    _need("x", x, (torch.bfloat16,), ndim=2)
-    T = x.shape[0]
-    if T == 0 or x.shape[1] != D:
-        raise ValueError(f"x: expected [T, {D}] with T > 0 (the experts' hidden size), got {tuple(x.shape)}")
-    _need("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2, contiguous=False)
-    if topk_ids.shape[0] != T or topk_ids.shape[1] == 0:
-        raise ValueError(f"topk_ids: expected shape ({T}, k) with k >= 1, got {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
+    T, k = check_routing(x, topk_ids, topk_weights, D)
     P = T * k
     if fused and P > FUSED_MAX_PAIRS:
         raise ValueError(f"fused=True: expected T * k <= {FUSED_MAX_PAIRS} token-expert pairs, "
                          f"got {T} x {k} = {P}")
-    _need("topk_weights", topk_weights, (torch.float32,), shape=(T, k), contiguous=False)
     _on_one_gpu(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=weights.w13, s13=weights.s13,
                 w2=weights.w2, s2=weights.s2)
     if check_values:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= E:
-            raise ValueError(f"topk_ids: expected expert ids in [0, {E}), got values in [{lo}, {hi}]")
+        check_ids(topk_ids, E)
     if fused is None:
         fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens != 16
     if fused:
