@@ -15,7 +15,7 @@
 // [expert_off[e], expert_off[e+1]) belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
 // moe_fused_t8 groups them itself.
 //
-// moe_gate_up_t{8,16}   grid (I / 16, S), block 256 (8 warps), static smem 8 KB (t8) / 16 KB (t16),
+// moe_gate_up_t{8,16,32}   grid (I / 16, S), block 256 (8 warps), static smem 8 / 16 / 32 KB,
 //               <= 80 registers at t8 (three blocks per SM), <= 128 at t16 (two)
 //   x         bf16 [T, D] (as uint16)            pair_tok int32 [P]     expert_off int32 [E + 1]
 //   active    int32 [S]                          S = min(E, P) expert slots: the experts with pairs first
@@ -24,7 +24,7 @@
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
 //   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
 //   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared
-//   memory. Pairs go 8 (t8: one n8 tile) or 16 (t16: two) at a time through mma.sync m16n8k16 (bf16 in,
+//   memory. Pairs go 8 (t8: one n8 tile), 16 (t16: two) or 32 (t32: four) at a time through mma.sync m16n8k16 (bf16 in,
 //   fp32 out); the wrapper takes t8 when experts hold few pairs (decode, small trees) so no mma or register
 //   is spent on empty token columns. A fragments are
 //   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
@@ -32,7 +32,7 @@
 //   fragments serves both tiles; U groups' A loads go out together (t8: 4, down 3; t16: 2), bypassing L1, and
 //   each group's B rows (L1 hits) are loaded as it is used. Each lane walks its words with immediate offsets;
 //   rows past a pass's last pair repeat a valid row (computed, not stored).
-// moe_down_t{8,16}   grid (D / 32, S), block 256, static smem 8 / 16 KB; a block owns two 16-row tiles
+// moe_down_t{8,16,32}   grid (D / 32, S), block 256, static smem 8 / 16 / 32 KB; a block owns two 16-row tiles
 //   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
 //   (the wrapper zeroes it; fp32 atomics, so the summation order of a token's experts may vary).
@@ -333,6 +333,7 @@ __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const 
 #endif
 MOE_GEMMS(t8, 1, MOE_T8_U, MOE_T8_UD, MOE_T8_MINB)
 MOE_GEMMS(t16, 2, 2, 2, 2)
+MOE_GEMMS(t32, 4, 2, 2, 1)  // 148 registers: one block per SM; every pair of an expert with up to 32 in one pass
 
 // ------------------------------------------------------------------------------------ pair grouping
 // One block: counts per expert (shared atomics), one exclusive scan that carries both the pair offset (high

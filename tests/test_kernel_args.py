@@ -191,9 +191,9 @@ def test_golden_group_pairs_is_the_torch_grouping():
 
 
 def test_moe_int4_rejects_an_unknown_tile():
-    with pytest.raises(ValueError, match="tile_tokens=32"):
+    with pytest.raises(ValueError, match="tile_tokens=64"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
-                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=32)
+                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=64)
 
 
 def test_moe_int4_rejects_fused_beyond_its_limits():
@@ -201,6 +201,9 @@ def test_moe_int4_rejects_fused_beyond_its_limits():
     with pytest.raises(ValueError, match="fused=True runs 8-pair passes"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
                    torch.ones(1, 1), mw, tile_tokens=16, fused=True)
+    with pytest.raises(ValueError, match="fused=True runs 8-pair passes"):
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 1), mw, tile_tokens=32, fused=True)
     T, k = 9, 8
     with pytest.raises(ValueError,
                        match=r"fused=True: expected T \* k <= 64 token-expert pairs, got 9 x 8 = 72"):

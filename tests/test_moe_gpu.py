@@ -49,9 +49,9 @@ def _check_golden(out, x, ids, wts, p13, s13, p2, s2):
     assert err <= 1e-2, err  # bf16 activations and workspace, fp32 accumulation
 
 
-# (tile_tokens, fused): 8- and 16-pair passes of the grouped path, the one-launch path (small cases), the
+# (tile_tokens, fused): 8-, 16- and 32-pair passes of the grouped path, the one-launch path (small cases), the
 # default
-MODES = [(8, False), (16, False), (8, True), (None, None)]
+MODES = [(8, False), (16, False), (32, False), (8, True), (None, None)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"tile{m[0]}-fused{m[1]}")

@@ -24,7 +24,7 @@ import torch
 
 from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p, _sm_count
 
-MOE_TILE_TOKENS = (8, 16)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 / moe_*_t16)
+MOE_TILE_TOKENS = (8, 16, 32)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 .. _t32)
 FUSED_MAX_PAIRS = 64       # moe_fused_t8_*: the whole call in one launch up to this many token-expert pairs
 FUSED_BLOCKS_PER_SM = 4    # moe_fused_t8_*'s persistent grid (moe_int4.cu's MOE_FUSED_MINB: its registers)
 _FUSED_SYNC: dict = {}     # (device, stream) -> int32 [4 + FUSED_MAX_PAIRS] counters, zero between calls
@@ -184,14 +184,15 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
     Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
     launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. tile_tokens (MOE_TILE_TOKENS):
-    pairs per pass of one expert; default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else 16.
-    fused: the whole call in one launch (moe_fused_t8_*: grouping, zeroing, gate+up and down in a persistent
-    grid of FUSED_BLOCKS_PER_SM blocks per SM) for at most FUSED_MAX_PAIRS pairs; default: for one token
-    (T == 1) unless tile_tokens is 16. check_values=True reads topk_ids to check them in [0, E) (not for graph
-    capture)."""
+    pairs per pass of one expert (a pass streams the expert's rows once; 32 reads an expert holding up to 32
+    pairs once, at one block an SM); default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else
+    16. fused: the whole call in one launch (moe_fused_t8_*: grouping, zeroing, gate+up and down in a
+    persistent grid of FUSED_BLOCKS_PER_SM blocks per SM) for at most FUSED_MAX_PAIRS pairs; default: for one
+    token (T == 1) unless tile_tokens is 16 or 32. check_values=True reads topk_ids to check them in [0, E)
+    (not for graph capture)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
-    if fused and tile_tokens == 16:
+    if fused and tile_tokens in (16, 32):
         raise ValueError("fused=True runs 8-pair passes: expected tile_tokens None or 8")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, "
@@ -207,7 +208,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if check_values:
         check_ids(topk_ids, E)
     if fused is None:
-        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens != 16
+        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens in (None, 8)
     if fused:
         return _moe_fused(x, topk_ids, topk_weights, weights)
     pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
