@@ -12,6 +12,9 @@ from .baselines import dequant_bf16, moe_bf16_baseline
 from .clocks import gpu_state, settle_gpu
 from .timer import measure, mode_for
 
+ROUTINGS = ("uniform", "concentrated")
+CONCENTRATED_NOISE = 0.1   # "concentrated": rows c + 0.1 n share c's direction, so the router picks alike
+
 # Seconds of untimed replays before each kernel timing: the first timing right after the process freed
 # memory, or right after a burst of back-to-back replays capped the clock, reads high.
 MOE_WARM_S = 0.5
@@ -189,4 +192,64 @@ def bench_moe_bf16(config: str = "data/configs/mid.json", tokens=(1, 4, 16, 64),
         rows.append({"tokens": T, "pairs": T * k, "experts_touched": touched, "moe_bf16_s": t_o,
                      "grouped_s": t_b, "speedup": t_b / t_o, "floor_s": floor,
                      "moe_bf16_floor_fraction": floor / t_o, "rel_diff": rel})
+    return rows
+
+
+def moe_routing(args, T: int, routing: str, device="cuda", seed: int = 0):
+    """(x bf16 [T, D], w fp32 [T, k], ids int32 [T, k]): random rows and their routing by the model's router
+    with random weights (bench.moe._random_gate): "uniform" through kdtree.k26.HashedGate (every row its own
+    experts), "concentrated" over rows c + CONCENTRATED_NOISE n sharing one random direction c (the router
+    picks nearly the same experts for all)."""
+    from ..k26 import HashedGate
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing={routing!r}: expected one of {ROUTINGS}")
+    gate, g = _random_gate(args, device, seed)
+    x = torch.randn(T, args.hidden_size, device=device, generator=g)
+    if routing == "uniform":
+        gate.__class__ = HashedGate   # the same parameters, hashed scores
+    else:
+        x = torch.randn(1, args.hidden_size, device=device, generator=g) + CONCENTRATED_NOISE * x
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        w, ids = gate(x.float())
+    return x, w.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+def bench_moe_tiles(config: str = "kimi-k2.6", tokens=(1, 9, 17, 33, 65, 129), routings=ROUTINGS,
+                    tiles=(8, 16, 32), repeats: int = 30, bandwidth: float | None = None,
+                    seed: int = 0) -> list[dict]:
+    """moe_int4's grouped path per pass size (`tile_tokens`) at the config's shape, both routings
+    (`moe_routing`), as CUDA-graph replays over two expert sets (rotated past L2), each output checked against
+    tile 8's first: per (tokens, routing) {tokens, routing, experts_touched, max_pairs (the most pairs one
+    expert holds), tile_s {tile: s}, best_tile, floor_s (the touched experts' bytes over `bandwidth`, default
+    the copy rate measured here), fraction {tile: floor_s / s}, rel_diff {tile}}. GPU only."""
+    from .ceilings import copy_bandwidth
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_moe_tiles needs a CUDA GPU")
+    args = load_config(config)
+    D, I, E = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+    bw = bandwidth or copy_bandwidth()["bytes_per_s"]
+    from .. import kernels
+    sets = [Int4Experts.random_kernel_only(E, D, I, device="cuda", seed=seed + i).kernel_weights()
+            for i in range(2)]
+    per_expert = 3 * I * D // 2 + 3 * I * D // 32 * 2            # int4 words and bf16 scales
+    rows = []
+    for routing in routings:
+        for T in tokens:
+            x, w, ids = moe_routing(args, T, routing, "cuda", seed + T)
+            counts = torch.bincount(ids.flatten().long(), minlength=E)
+            row = {"tokens": T, "routing": routing, "experts_touched": int((counts > 0).sum()),
+                   "max_pairs": int(counts.max()), "tile_s": {}, "fraction": {}, "rel_diff": {}}
+            row["floor_s"] = row["experts_touched"] * per_expert / bw
+            ref = None
+            for tile in tiles:
+                calls = [lambda s=s, t=tile: kernels.moe_int4(x, ids, w, s, check_values=False, tile_tokens=t,
+                                                               fused=False) for s in sets]
+                out = calls[0]()
+                ref = out if ref is None else ref
+                row["rel_diff"][tile] = float((out - ref).norm() / ref.norm())
+                row["tile_s"][tile] = measure(calls, repeats, "graph", warm_s=MOE_WARM_S).median
+                row["fraction"][tile] = row["floor_s"] / row["tile_s"][tile]
+            row["best_tile"] = min(row["tile_s"], key=row["tile_s"].get)
+            rows.append(row)
     return rows

@@ -32,14 +32,13 @@ import types
 import torch
 
 from . import goals
+from .moe import CONCENTRATED_NOISE, ROUTINGS, moe_routing  # noqa: F401
 from ..quant import GROUP, Int4Weight
 from .peers_common import (AGREE, bare_package, best_peer, rel_diff, run_sides, sglang_stubs, time_calls,
                            version)
 
 MOE_TOKENS = (1, 8, 16, 64, 128)
 QUICK_MOE_TOKENS = (1, 64)
-ROUTINGS = ("uniform", "concentrated")
-CONCENTRATED_NOISE = 0.1   # "concentrated": rows c + 0.1 n share c's direction, so the router picks alike
 # SGLang's block configs tried at each cell (no tuned int4_w4a16 file for E=384, N=2048 on H100 / H200 ships
 # in the wheel): its get_default_config for M <= E first, then wider N / K tiles and larger M for more tokens
 MOE_CONFIGS = (
@@ -239,27 +238,6 @@ def sglang_moe_call(api: dict, x, w, ids, weights, config: dict, align: bool = T
 
 
 # ----------------------------------------------------------------------------- a cell, the section
-def moe_routing(args, T: int, routing: str, device="cuda", seed: int = 0):
-    """(x bf16 [T, D], w fp32 [T, k], ids int32 [T, k]): random rows and their routing by the model's router
-    with random weights (bench.moe._random_gate): "uniform" through kdtree.k26.HashedGate (every row its own
-    experts), "concentrated" over rows c + CONCENTRATED_NOISE n sharing one random direction c (the router
-    picks nearly the same experts for all)."""
-    from ..k26 import HashedGate
-    from .moe import _random_gate
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing={routing!r}: expected one of {ROUTINGS}")
-    gate, g = _random_gate(args, device, seed)
-    x = torch.randn(T, args.hidden_size, device=device, generator=g)
-    if routing == "uniform":
-        gate.__class__ = HashedGate   # the same parameters, hashed scores
-    else:
-        x = torch.randn(1, args.hidden_size, device=device, generator=g) + CONCENTRATED_NOISE * x
-    x = x.to(torch.bfloat16)
-    with torch.no_grad():
-        w, ids = gate(x.float())
-    return x, w.float().contiguous(), ids.to(torch.int32).contiguous()
-
-
 def _agree(out, ref):
     d = rel_diff(out, ref)
     return d, None if d <= AGREE else f"output differs from ours by {d:.3g} (> {AGREE})"
