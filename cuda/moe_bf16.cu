@@ -18,6 +18,7 @@
 //   (fp32 atomics: the wrapper zeroes out first; the summation order of a token's experts may vary).
 // Shapes: D % 8 == 0, I % 8 == 0, rows 16-byte aligned (checked by the wrapper); lane l reads elements
 // [8 l + 256 i, 8 l + 256 i + 8) of a row.
+#include <cuda_bf16.h>
 #include "common.cuh"
 
 #define WARPS 8
@@ -51,9 +52,9 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ uint16_t to_bf16(float v) {  // round to nearest even (finite v)
-    const uint32_t u = __float_as_uint(v);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+__device__ __forceinline__ uint16_t to_bf16(float v) {  // round to nearest even; NaN stays NaN
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    return *reinterpret_cast<const uint16_t*>(&b);
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_bf16_gate_up(

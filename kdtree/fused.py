@@ -14,7 +14,7 @@ One layer's step over M rows (M <= ABSORB_ROWS; above, the absorbed products are
     router_scores, router_select          (MoE) sigmoid router, noaux_tc top-k
     gate+up GEMM, silu_mul, down GEMM     shared expert (MoE) or the dense MLP
     moe_int4 (1 launch for one row, 3 above)      routed INT4 experts
-    moe_bf16 (3 launches)  routed bf16 experts, where BF16_EXPERTS is set and the call fits (`moe_bf16.fits`)
+    moe_bf16 (3 launches)  routed bf16 experts on moe 'grouped' where BF16_EXPERTS is set and the call fits
 The MoE output (routed fp32 + shared) and the residual add fold into the next layer's first add_rmsnorm (the
 final norm's after the last layer), so a layer's output exists only as the next kernel's residual.
 
@@ -129,7 +129,7 @@ def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
     ("moe", routed fp32 [M, D], shared bf16 [M, D] or None)."""
     if isinstance(mlp, MLP):
         return ("delta", _mlp(mlp, y))
-    stacked = _bf16_experts(mlp, y)
+    stacked = _bf16_experts(mlp, y) if moe_path == "grouped" else None   # its kernel form, its weights
     if (not isinstance(mlp, MoE) or not (isinstance(mlp.experts, Int4Experts) or stacked)
             or mlp._forward_hooks or mlp._forward_pre_hooks):
         return ("delta", mlp(y, moe_path))
@@ -150,11 +150,14 @@ def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
 
 
 def _bf16_experts(mlp, y: torch.Tensor) -> tuple | None:
-    """(w13 [E, 2I, D], w2 [E, D, I]) where mlp's routed experts are bf16 MLPs that ops.moe_bf16 takes for
-    y's rows (BF16_EXPERTS set, every expert on this rank, no hooks), else None."""
+    """(w13 [E, 2I, D], w2 [E, D, I]): the grouped path's weights (`MoE.grouped`, which prepare_paged
+    refreshes for moe 'grouped') where mlp's routed experts are bf16 MLPs that ops.moe_bf16 takes for y's rows
+    (BF16_EXPERTS set, every expert on this rank, no hooks), else None."""
+    def hooked(m) -> bool:
+        return bool(m._forward_hooks or m._forward_pre_hooks)
     if not (BF16_EXPERTS and isinstance(mlp, MoE) and isinstance(mlp.experts, torch.nn.ModuleList)
-            and len(mlp.experts) == mlp.args.n_routed_experts and not mlp.experts._forward_hooks
-            and all(isinstance(m, MLP) and not m._forward_hooks for m in mlp.experts)):
+            and len(mlp.experts) == mlp.args.n_routed_experts and not hooked(mlp.experts)
+            and all(isinstance(m, MLP) and not hooked(m) for m in mlp.experts)):
         return None
     w13, w2 = mlp.grouped()
     if w13.dtype != torch.bfloat16 or not mbf.fits(y.shape[0], mlp.args.num_experts_per_tok, w13, w2):

@@ -43,6 +43,16 @@ def test_parts_follow_the_routing_the_context_and_the_mode(pair):
     assert dd["drafter_kv"] == 2 * 96 * len(d.layers) * 2 * da.num_key_value_heads * da.head_dim * 4
 
 
+def test_the_draft_stage_reads_the_drafter_but_its_context_projection(pair):
+    from kdtree.bench.floors import draft_stage_parts
+    t, d = pair
+    parts = round_floor_parts(t, d, "dflash", 2.0, 64, 1)
+    own = draft_stage_parts(parts, d)
+    fc = sum(p.numel() * p.element_size() for p in list(d.fc.parameters()) + list(d.hidden_norm.parameters()))
+    assert own["drafter"] == parts["drafter"] - fc > 0 and own["drafter_kv"] == parts["drafter_kv"]
+    assert all(own[k] == 0 for k in ("weights", "experts", "kv", "head"))
+
+
 def test_the_floor_and_its_fraction(pair):
     parts = round_floor_parts(pair[0], pair[1], "dflash", 1.0, 64, 1)
     f = round_floor(parts, 2e9, 4e-3)

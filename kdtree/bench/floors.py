@@ -54,6 +54,14 @@ def round_floor_parts(target, drafter, mode: str, experts_touched: float, contex
     return parts
 
 
+def draft_stage_parts(parts: dict, drafter) -> dict:
+    """The part of a round's floor (`round_floor_parts`) that the engine's draft stage reads: the drafter's
+    weights but its context projection (fc and hidden_norm run in the commit stage, on the accepted rows),
+    the shared lm_head, and its context K/V; the target's parts zero."""
+    proj = sum(_nbytes(p) for p in list(drafter.fc.parameters()) + list(drafter.hidden_norm.parameters()))
+    return {k: (parts[k] - proj if k == "drafter" else parts[k] if k == "drafter_kv" else 0) for k in parts}
+
+
 def _itemsize(dtype) -> int:
     import torch
     return torch.empty(0, dtype=dtype).element_size()

@@ -45,7 +45,7 @@ from ..simulate import Profile
 from .clocks import gpu_state
 from .ceilings import copy_bandwidth
 from .e2e import _cell
-from .floors import round_floor, round_floor_parts
+from .floors import draft_stage_parts, round_floor, round_floor_parts
 from .k26_cells import (BUDGETS, CELLS, DECODE_PATHS, MAX_NEW, MIN_LAYERS, PROFILES, PROMPT,  # noqa: F401
                         _first_layers, _with_block, cell_bytes, cell_engine, cell_prompts, check_sweep,
                         fit_layers, max_new)
@@ -238,16 +238,16 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
 
 def _floors(c: dict, sweep: _Sweep, t, d, mode: str, context: int, batch: int) -> None:
     """Row c's byte floors (`floors`), where its routing was measured: "floor", the round's (its fraction of
-    the median round's GPU span), and in a DFlash row whose stages were profiled, "drafter_floor", the
-    drafter's own weights, shared lm_head and context K/V against its draft stage's GPU seconds."""
+    the median round's GPU span, the cell's context for every request: the rows a request adds while it runs
+    are left out), and in a DFlash row whose stages were profiled, "drafter_floor" (`draft_stage_parts`)
+    against its draft stage's GPU seconds."""
     if c.get("experts_touched") is None:
         return
     parts = round_floor_parts(t, d, mode, c["experts_touched"], context, batch)
     c["floor"] = round_floor(parts, sweep.copy_bytes_per_s, c.get("round_gpu_span_median_s"))
     draft_s = (c.get("stages") or {}).get("draft", {}).get("gpu_s")
     if mode == "dflash":
-        own = {k: parts[k] if k in ("drafter", "drafter_kv") else 0 for k in parts}
-        c["drafter_floor"] = round_floor(own, sweep.copy_bytes_per_s, draft_s)
+        c["drafter_floor"] = round_floor(draft_stage_parts(parts, d), sweep.copy_bytes_per_s, draft_s)
 
 
 def _after(sweep: _Sweep, prompts, context: int, batch: int, add: dict, mode: str, budget, first: bool):

@@ -23,8 +23,8 @@ WARPS = 8         # moe_bf16.cu: rows a block (one per warp)
 def fits(T: int, k: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether moe_bf16 takes T tokens of k experts over these weights."""
     E, I2, D = w13.shape
-    return (T * k <= MAX_PAIRS and E <= MAX_GROUP_EXPERTS and D % 8 == 0 and I2 % 16 == 0
-            and tuple(w2.shape) == (E, D, I2 // 2))
+    return (T * k <= MAX_PAIRS and 0 < E <= MAX_GROUP_EXPERTS and D > 0 and D % 8 == 0 and I2 > 0
+            and I2 % 16 == 0 and tuple(w2.shape) == (E, D, I2 // 2))
 
 
 def moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
@@ -33,8 +33,9 @@ def moe_bf16(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     [0, E) (not for graph capture)."""
     _need("w13", w13, (torch.bfloat16,), ndim=3)
     E, I2, D = w13.shape
-    if I2 == 0 or I2 % 16 or D % 8:
-        raise ValueError(f"w13: expected [E, 2I, D] with I and D multiples of 8, got {tuple(w13.shape)}")
+    if 0 in (E, I2, D) or I2 % 16 or D % 8:
+        raise ValueError(f"w13: expected [E, 2I, D] with E > 0 and I, D positive multiples of 8, got "
+                         f"{tuple(w13.shape)}")
     I = I2 // 2
     _need("w2", w2, (torch.bfloat16,), shape=(E, D, I))
     T, k = check_routing(x, topk_ids, topk_weights, D)
