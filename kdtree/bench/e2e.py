@@ -72,7 +72,8 @@ def _cell(make, prompts, max_new: int, repeats: int, add: dict | None = None, af
            "per_user_tok_per_s": statistics.median(tps) / len(prompts), "tau": mid["tau"],
            "tau_repeats": [r["tau"] for r in runs],
            "rounds": mid["rounds"], "round_wall_median_s": mid["round_wall_median_s"],
-           "round_gpu_span_median_s": mid["round_gpu_span_median_s"], "build_s": build_s,
+           "round_gpu_span_median_s": mid["round_gpu_span_median_s"],
+           "full_round_gpu_span_median_s": mid.get("full_round_gpu_span_median_s"), "build_s": build_s,
            "warmup_s": e.warmup_s, "graphs": len(e.graphs), "capture_retries": e.capture_retries,
            "outputs": mid["outputs"]}
     if "round_wall_by_plan" in mid:

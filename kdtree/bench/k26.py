@@ -237,14 +237,16 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
 
 
 def _floors(c: dict, sweep: _Sweep, t, d, mode: str, context: int, batch: int) -> None:
-    """Row c's byte floors (`floors`), where its routing was measured: "floor", the round's (its fraction of
-    the median round's GPU span, the cell's context for every request: the rows a request adds while it runs
-    are left out), and in a DFlash row whose stages were profiled, "drafter_floor" (`draft_stage_parts`)
-    against its draft stage's GPU seconds."""
+    """Row c's byte floors (`floors`), where its routing was measured: "floor", the round's at the cell's
+    batch (its fraction of the median GPU span of the rounds with every slot live, else of all rounds; the
+    cell's context for every request: the rows a request adds while it runs are left out), and in a DFlash
+    row whose stages were profiled, "drafter_floor" (`draft_stage_parts`) against its draft stage's GPU
+    seconds."""
     if c.get("experts_touched") is None:
         return
     parts = round_floor_parts(t, d, mode, c["experts_touched"], context, batch)
-    c["floor"] = round_floor(parts, sweep.copy_bytes_per_s, c.get("round_gpu_span_median_s"))
+    span = c.get("full_round_gpu_span_median_s") or c.get("round_gpu_span_median_s")
+    c["floor"] = round_floor(parts, sweep.copy_bytes_per_s, span)
     draft_s = (c.get("stages") or {}).get("draft", {}).get("gpu_s")
     if mode == "dflash":
         c["drafter_floor"] = round_floor(draft_stage_parts(parts, d), sweep.copy_bytes_per_s, draft_s)

@@ -22,7 +22,8 @@ def _sync():
 def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, seed0: int = 0,
                steps: list | None = None, **add) -> dict:
     """Every prompt through the engine at once (the engine batches up to max_batch); wall time of the whole
-    run and of each round (median), GPU span per round (median), tokens, tau, outputs; prefill_s (the engine's
+    run and of each round (median), GPU span per round (median; `full_round_gpu_span_median_s`: of the rounds
+    with every slot of max_batch live), tokens, tau, outputs; prefill_s (the engine's
     prefill wall time in the run), prefill_forwards / prefill_replays (of them, graph replays: a chunk shape
     seen before) and decode_tok_per_s (tokens after each request's first, over the wall time outside prefill);
     request_rounds: each request's target forwards (its rounds). Rounds overlap (`Engine.step(overlap=True)`,
@@ -39,7 +40,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
     one). steps: a list that takes each step's {"s": wall less its prefill and fill, "prefill_s", "plan"
     (of the round it landed; None: none landed, or not budget="auto"), "catchup" (the drafter's deferred
     context caught up in the round it launched)} (`bench.steps`)."""
-    rounds, spans, by_plan = [], [], {}
+    rounds, spans, full_spans, by_plan = [], [], [], {}
     full_tok, full_s, n_full = 0, 0.0, 0
     ids = [engine.add_request(p, max_new, temperature, seed=seed0 + i, **add) for i, p in enumerate(prompts)]
     _sync()
@@ -69,6 +70,8 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
                 by_plan.setdefault(lr["plan"], []).append(lr["round"])
             if "gpu_span" in lr:
                 spans.append(lr["gpu_span"])
+                if lr["batch"] == engine.max_batch:
+                    full_spans.append(lr["gpu_span"])
     _sync()
     synthetic = engine.synthetic_s - s0
     wall = time.perf_counter() - t0 - synthetic
@@ -87,6 +90,7 @@ def run_engine(engine: Engine, prompts, max_new: int, temperature: float = 0.0, 
             "full_tok_per_s": full_tok / full_s if full_s > 0 else None, "full_rounds": n_full,
             "rounds": len(rounds), "round_wall_median_s": statistics.median(rounds) if rounds else None,
             "round_gpu_span_median_s": statistics.median(spans) if spans else None,
+            "full_round_gpu_span_median_s": statistics.median(full_spans) if full_spans else None,
             "tau": float(np.mean(acc)) if acc else None, "overlap": engine.overlap,
             "request_rounds": [r.target_forwards for r in outs],
             **({"round_wall_by_plan": {k: [statistics.median(v), len(v)] for k, v in by_plan.items()}}
