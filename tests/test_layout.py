@@ -208,3 +208,17 @@ def test_the_engine_holds_few_attributes_and_steps_in_fifteen_lines():
     assert step_body_lines((PKG / "engine" / "engine.py").read_text()) <= 15
     long_step = "class Engine:\n    def step(self):\n        '''doc'''\n" + "        x = 1\n" * 16
     assert step_body_lines(long_step) == 16
+
+
+def test_benchmark_modules_run_as_commands_without_a_second_import():
+    """The benchmark package hands its names on lazily, so `python -m kdtree.bench.<module>` runs a module the
+    package's import has not loaded (runpy warns, and the module would exist twice, where it had)."""
+    import subprocess
+    import sys
+
+    import kdtree.bench as bench
+    assert sorted(bench.__all__) == sorted(bench._HOMES)
+    for mod in ("moe", "verify"):
+        cmd = [sys.executable, "-W", "error::RuntimeWarning", "-m", f"kdtree.bench.{mod}", "--help"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0 and "RuntimeWarning" not in r.stderr, (mod, r.stderr[-500:])

@@ -16,16 +16,32 @@ per kernel family, the engine-level benchmarks beside them.
   peers      `python -m kdtree.bench.peers`: our kernels beside FlashInfer's and SGLang's, same inputs
              (peers_common: loading and timing the sides; peers_moe: INT4 MoE; peers_sections: top-k, GEMMs)
 """
-from . import goals
-from .baselines import dequant_bf16, moe_bf16_baseline, naive_verify, reference_tree_round, topk_only
-from .ceilings import copy_bandwidth, matmul_rate, measure_ceilings
-from .clocks import CAP_REASONS, gpu_state, parse_gpu_state, settle_gpu
-from .layer import bench_layer, layer_model
-from .moe import MOE_WARM_S, bench_moe
-from .suite import run, summary
-from .timer import L2_BYTES, Times, input_sets, measure
-from .tree import bench_tree, bench_tree_reference, bench_walk
-from .verify import VERIFY_ABLATIONS, bench_attn, bench_verify_ablation, verify_smem_model
+import importlib
+
+# each name of __all__ and its home module, imported on first use (so `python -m kdtree.bench.<module>` runs
+# a module no import of this package has loaded yet)
+_NAMES = {   # home module: the names this package hands on from it
+    "baselines": ("dequant_bf16", "moe_bf16_baseline", "naive_verify", "reference_tree_round", "topk_only"),
+    "ceilings": ("copy_bandwidth", "matmul_rate", "measure_ceilings"),
+    "clocks": ("CAP_REASONS", "gpu_state", "parse_gpu_state", "settle_gpu"),
+    "goals": ("goals",),
+    "layer": ("bench_layer", "layer_model"),
+    "moe": ("MOE_WARM_S", "bench_moe"),
+    "suite": ("run", "summary"),
+    "timer": ("L2_BYTES", "Times", "input_sets", "measure"),
+    "tree": ("bench_tree", "bench_tree_reference", "bench_walk"),
+    "verify": ("VERIFY_ABLATIONS", "bench_attn", "bench_verify_ablation", "verify_smem_model"),
+}
+_HOMES = {name: home for home, names in _NAMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    mod = importlib.import_module(f".{home}", __name__)
+    return mod if home == name else getattr(mod, name)
+
 
 __all__ = ["CAP_REASONS", "L2_BYTES", "MOE_WARM_S", "VERIFY_ABLATIONS", "Times", "bench_attn", "bench_layer",
            "bench_moe", "bench_tree", "bench_tree_reference", "bench_verify_ablation", "bench_walk",

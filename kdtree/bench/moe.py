@@ -1,8 +1,14 @@
-"""The routed INT4 experts at a config's shape: the moe_int4 kernel against the dequantize-then-grouped-matmul
-baseline and against experts held in bf16 (bench.baselines.moe_bf16_baseline), with the bytes floor."""
+"""The routed experts at a config's shape, with the bytes floor: the moe_int4 kernel against the
+dequantize-then-grouped-matmul baseline and against experts held in bf16 (`bench_moe`, notebook 01), its pass
+sizes under both routings (`bench_moe_tiles`), and the bf16 experts' moe_bf16 against the torch path's grouped
+GEMMs (`bench_moe_bf16`). `python -m kdtree.bench.moe [--tiles] [--bf16] [--out DIR]` writes the last two to
+DIR/bench_moe.json (GPU only)."""
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -253,3 +259,42 @@ def bench_moe_tiles(config: str = "kimi-k2.6", tokens=(1, 9, 17, 33, 65, 129), r
             row["best_tile"] = min(row["tile_s"], key=row["tile_s"].get)
             rows.append(row)
     return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.bench.moe", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="record folder (default: outputs/<gpu>/)")
+    ap.add_argument("--tiles", action="store_true", help="moe_int4 per pass size (bench_moe_tiles)")
+    ap.add_argument("--bf16", action="store_true", help="moe_bf16 against the grouped GEMMs (bench_moe_bf16)")
+    ap.add_argument("--repeats", type=int, default=30)
+    a = ap.parse_args(argv)
+    if not (a.tiles or a.bf16):
+        ap.error("nothing to run: pass --tiles, --bf16 or both")
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: expected a positive int")
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m kdtree.bench.moe needs a CUDA GPU: none is visible on this machine")
+    from ..lab import output_dir
+    out = Path(a.out) if a.out else output_dir("cuda")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_moe.json"
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if a.tiles:
+        rec["tiles"] = bench_moe_tiles(repeats=a.repeats)
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+        for r in rec["tiles"]:
+            print(f"{r['routing']:12s} T={r['tokens']:4d} max pairs {r['max_pairs']:4d}: " + "  ".join(
+                f"t{t} {s * 1e6:7.1f} us ({r['fraction'][t]:.2f})" for t, s in r["tile_s"].items()))
+    if a.bf16:
+        rec["bf16"] = bench_moe_bf16(repeats=a.repeats)
+        path.write_text(json.dumps(rec, indent=1) + "\n")
+        for r in rec["bf16"]:
+            print(f"bf16 T={r['tokens']:3d}: moe_bf16 {r['moe_bf16_s'] * 1e6:7.1f} us, grouped "
+                  f"{r['grouped_s'] * 1e6:7.1f} us ({r['speedup']:.2f}x), floor fraction "
+                  f"{r['moe_bf16_floor_fraction']:.2f}, rel diff {r['rel_diff']:.1e}")
+    print(path)
+    return rec
+
+
+if __name__ == "__main__":
+    main()
