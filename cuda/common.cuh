@@ -19,6 +19,20 @@ typedef unsigned long long uint64_t;
 // bf16 bits (the low 16 bits of v16) -> fp32, exactly.
 __device__ __forceinline__ float bf16f(uint32_t v16) { return __uint_as_float(v16 << 16); }
 
+// Eight bf16 (16 bytes, the lower index in each word's low half) -> fp32, exactly.
+__device__ __forceinline__ void unpack8(const uint4& q, float* f) {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) { f[2 * i] = bf16f(w[i] & 0xffffu); f[2 * i + 1] = bf16f(w[i] >> 16); }
+}
+
+// The sum of v over the warp's 32 lanes, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // c[0..3] += A (16 x 16, row-major bf16 fragment a[0..3]) x B (16 x 8, col-major bf16 fragment b0, b1), fp32
 // accumulate: mma.sync m16n8k16 (sm_80 and later).
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {

@@ -50,22 +50,11 @@ __device__ __forceinline__ float rb(float v) { return __bfloat162float(__float2b
 __device__ __forceinline__ uint16_t f2b(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float b2f(uint16_t v) { return bf16f(v); }
 
-__device__ __forceinline__ void unpack8(const uint4& q, float* f) {
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) { f[2 * i] = bf16f(w[i] & 0xffffu); f[2 * i + 1] = bf16f(w[i] >> 16); }
-}
 __device__ __forceinline__ uint4 pack8(const float* f) {
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) w[i] = (uint32_t)f2b(f[2 * i]) | ((uint32_t)f2b(f[2 * i + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 // Sums of a and b over the block (blockDim.x a multiple of 32, <= 1024); every thread gets both.

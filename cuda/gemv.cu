@@ -15,11 +15,6 @@
 #define GEMV_ROWS 8       // rows of x a block (ops.gemv.GEMV_ROWS)
 #define GEMV_CHUNK 2048   // columns of x staged at a time (ops.gemv.GEMV_CHUNK)
 
-__device__ __forceinline__ void gv_unpack8(const uint4& q, float* f) {
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) { f[2 * i] = bf16f(w[i] & 0xffffu); f[2 * i + 1] = bf16f(w[i] >> 16); }
-}
 
 extern "C" __global__ void gemv_bf16(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int M, int N,
                                      int K, uint16_t* __restrict__ y) {
@@ -43,12 +38,12 @@ extern "C" __global__ void gemv_bf16(const uint16_t* __restrict__ x, const uint1
 #pragma unroll 4
             for (int v = lane; v < kc; v += 32) {
                 float wv[8];
-                gv_unpack8(__ldg(wr + k0 / 8 + v), wv);
+                unpack8(__ldg(wr + k0 / 8 + v), wv);
 #pragma unroll
                 for (int j = 0; j < GEMV_ROWS; j++) {
                     if (j < rows) {
                         float xv[8];
-                        gv_unpack8(xs[j * (GEMV_CHUNK / 8) + v], xv);
+                        unpack8(xs[j * (GEMV_CHUNK / 8) + v], xv);
 #pragma unroll
                         for (int c = 0; c < 8; c++) acc[j] += xv[c] * wv[c];
                     }
@@ -59,9 +54,7 @@ extern "C" __global__ void gemv_bf16(const uint16_t* __restrict__ x, const uint1
     if (n >= N) return;
 #pragma unroll
     for (int j = 0; j < GEMV_ROWS; j++) {
-        float s = acc[j];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float s = warp_sum(acc[j]);
         if (lane == 0 && j < rows) y[(size_t)(m0 + j) * N + n] = __bfloat16_as_ushort(__float2bfloat16_rn(s));
     }
 }

@@ -35,21 +35,14 @@ __device__ __forceinline__ uint4 ld_row(const uint16_t* p) {
 
 __device__ __forceinline__ uint4 ld_act(const uint16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// acc += the dot product of 8 bf16 pairs (a word's low half is the lower index)
+// acc += the dot product of two runs of 8 bf16 (fp32 products and sums, in index order)
 __device__ __forceinline__ float dot8(const uint4 a, const uint4 b, float acc) {
-    const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+    float fa[8], fb[8];
+    unpack8(a, fa);
+    unpack8(b, fb);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc = fmaf(bf16f(wa[i] & 0xffffu), bf16f(wb[i] & 0xffffu), acc);
-        acc = fmaf(bf16f(wa[i] >> 16), bf16f(wb[i] >> 16), acc);
-    }
+    for (int i = 0; i < 8; ++i) acc = fmaf(fa[i], fb[i], acc);
     return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 __device__ __forceinline__ uint16_t to_bf16(float v) {  // round to nearest even; NaN stays NaN

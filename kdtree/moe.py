@@ -257,6 +257,23 @@ class Int4Experts(nn.Module):
         return y
 
 
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+    """The routed experts of MoE._grouped for given routing (capturable, no host reads): the (token, expert)
+    pairs sorted by expert, two torch._grouped_mm over stacked experts w13 [E, 2I, D] and w2 [E, D, I], each
+    token's k rows weighted and summed. x [N, D], weights / idx [N, k] -> [N, D] in x's dtype."""
+    N, k = idx.shape
+    I = w2.shape[2]
+    flat = idx.flatten()                                           # [N k]
+    order = flat.argsort(stable=True)                              # pairs by expert
+    counts = (flat[:, None] == torch.arange(w13.shape[0], device=x.device)).sum(0)   # [E]
+    offs = counts.cumsum(0).to(torch.int32)
+    gu = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)           # [N k, 2I]
+    h = F.silu(gu[:, :I]) * gu[:, I:] * weights.flatten()[order, None].to(x.dtype)
+    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                         # [N k, D]
+    return torch.empty_like(ys).index_copy_(0, order, ys).view(N, k, -1).sum(1)
+
+
 def _repack_chunks(block, E: int, chunk: int):
     """kernels.MoeWeights of E experts from block(lo, hi) -> release-format (w13, s13, w2, s2) of experts
     [lo, hi), repacked `chunk` at a time into the kept tensors (repack_moe is per expert)."""
@@ -365,17 +382,8 @@ class MoE(nn.Module):
         N, k = x.shape[0], self.args.num_experts_per_tok
         if N * k <= GATHER_PAIRS_MAX and torch.compiler.is_compiling():
             return self._gathered(x)
-        w13, w2 = self.grouped()
-        I = w2.shape[2]
         weights, idx = self.gate.route(x)                              # [N, k]
-        flat = idx.flatten()                                           # [N k]
-        order = flat.argsort(stable=True)                              # pairs by expert
-        counts = (flat[:, None] == torch.arange(w13.shape[0], device=x.device)).sum(0)   # [E]
-        offs = counts.cumsum(0).to(torch.int32)
-        gu = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)           # [N k, 2I]
-        h = F.silu(gu[:, :I]) * gu[:, I:] * weights.flatten()[order, None].to(x.dtype)
-        ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                         # [N k, D]
-        y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, k, -1).sum(1)
+        y = grouped_experts(x, weights, idx, *self.grouped())
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from ..config import load_config
 from ..model import Gate, Int4Experts
+from ..moe import grouped_experts
 from .baselines import dequant_bf16, moe_bf16_baseline
 from .clocks import gpu_state, settle_gpu
 from .timer import measure, mode_for
@@ -140,29 +141,12 @@ def _time_tokens(x, w, ids, sets, bf16, device, repeats: int, mode: str):
     return t_k, t_b, t_bf, state, settled
 
 
-def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor) -> torch.Tensor:
-    """The routed experts as the torch path's MoE._grouped computes them for given routing (capturable):
-    pairs sorted by expert, two torch._grouped_mm over the stacked bf16 experts, the weighted combine. x bf16
-    [T, D], ids [T, k], w fp32 [T, k] -> bf16 [T, D]."""
-    T, k = ids.shape
-    I = w2.shape[2]
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = (flat[:, None] == torch.arange(w13.shape[0], device=x.device)).sum(0)
-    offs = counts.cumsum(0).to(torch.int32)
-    gu = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)                # [T k, 2I]
-    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:] * w.flatten()[order, None].to(x.dtype)
-    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)                              # [T k, D]
-    return torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1).sum(1)
-
-
 def bench_moe_bf16(config: str = "data/configs/mid.json", tokens=(1, 4, 16, 64), repeats: int = 30,
                    bandwidth: float | None = None, seed: int = 0) -> list[dict]:
     """Routed bf16 experts at the config's shape, routing from a random router (the model's Gate):
-    ops.moe_bf16 (pair grouping included) against the torch path's grouped GEMMs (`grouped_bf16`), both as
-    CUDA-graph replays over weight sets rotated past L2, outputs compared first. Per token count {tokens,
-    pairs, experts_touched, moe_bf16_s, grouped_s, speedup, floor_s (the touched experts' bytes over
+    ops.moe_bf16 (pair grouping included) against the torch path's grouped GEMMs (`moe.grouped_experts`),
+    both as CUDA-graph replays over weight sets rotated past L2, outputs compared first. Per token count
+    {tokens, pairs, experts_touched, moe_bf16_s, grouped_s, speedup, floor_s (the touched experts' bytes over
     `bandwidth`, default the copy rate measured here), moe_bf16_floor_fraction, rel_diff}. Token counts past
     ops.moe_bf16.MAX_PAIRS pairs are left out. GPU only."""
     from ..ops import moe_bf16 as mbf
@@ -188,7 +172,7 @@ def bench_moe_bf16(config: str = "data/configs/mid.json", tokens=(1, 4, 16, 64),
             w, ids = gate(x.float())
         w = w.float().contiguous()
         ours = [lambda s=s: mbf.moe_bf16(x, ids, w, *s, check_values=False) for s in sets]
-        base = [lambda s=s: grouped_bf16(x, ids, w, *s) for s in sets]
+        base = [lambda s=s: grouped_experts(x, w, ids, *s) for s in sets]
         ref = base[0]().float()
         rel = float((ours[0]() - ref).norm() / ref.norm())
         t_o = measure(ours, repeats, "graph", warm_s=MOE_WARM_S).median
