@@ -81,3 +81,24 @@ def paged_block():
         tokens = torch.from_numpy(rng.integers(0, m.args.vocab_size, (B, T))).to(dev)
         return pool, meta, tokens
     return make
+
+
+@pytest.fixture
+def fused_model():
+    """make(seed, int4=True, moe="loop") -> a small bf16 GPU model the fused decode path takes (tiny kernel
+    shapes, 16 routed experts, top 4 in 4 groups), its queries scaled by 0.3 so bf16 rounding moves its
+    logits little (validate.kernel_model's reason); routed experts INT4 (int4) or kept bf16; prepared paged
+    for `moe`."""
+    from kdtree.validate import tiny_kernel_args
+
+    def make(seed: int, int4: bool = True, moe: str = "loop"):
+        args = tiny_kernel_args().replace(q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4,
+                                          n_group=4, topk_group=2, moe_intermediate_size=64)
+        m = build_model(args, seed=seed, attn_impl="kernel", dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.self_attn.q_b_proj.weight.mul_(0.3)
+        if int4:
+            m.quantize_experts()
+        return m.to(device="cuda", dtype=torch.bfloat16).prepare_paged(moe)
+    return make

@@ -264,27 +264,14 @@ def test_silu_mul_kernel_matches_twin(dec_gpu, M, I, fused):
 
 
 # ----------------------------------------------------------------------------- fused forward vs torch (GPU)
-def _fused_model():
-    from kdtree.model import build_model
-    from kdtree.validate import tiny_kernel_args
-    args = tiny_kernel_args().replace(q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                                      topk_group=2, moe_intermediate_size=64)
-    m = build_model(args, seed=3, attn_impl="kernel", dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.q_b_proj.weight.mul_(0.3)
-    m.quantize_experts()
-    return m.to(device="cuda", dtype=torch.bfloat16).prepare_paged("loop")
-
-
 @gpu
 @pytest.mark.parametrize("B,T,ctx", [(1, 1, 300), (2, 9, 130), (4, 9, 70)])
-def test_fused_forward_matches_the_torch_path(B, T, ctx, paged_block):
+def test_fused_forward_matches_the_torch_path(B, T, ctx, paged_block, fused_model):
     """forward_paged's fused layers against Block.forward (model.fused False): logits, the requested hidden
     states and the latent rows written, for decode, a tree block, and more rows than the absorb kernels
     take."""
     from kdtree import fused
-    m = _fused_model()
+    m = fused_model(3)
     L = m.args.num_hidden_layers
     pool, meta, tokens = paged_block(m, B, T, ctx)
     assert fused.unsupported(m, meta) is None

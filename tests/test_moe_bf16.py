@@ -108,21 +108,14 @@ def test_moe_bf16_replays_in_a_graph():
 
 @gpu
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 9)])
-def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatch, B, T, paged_block):
+def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatch, B, T, paged_block,
+                                                                       fused_model):
     """forward_paged's fused layers with BF16_EXPERTS (moe_bf16 for the routed experts) against the same
     fused layers without it (the torch grouped path for the experts) and against Block.forward (model.fused
     False), on a bf16 model whose experts stay bf16 (queries scaled as validate.kernel_model does, so bf16
     rounding moves the logits little): the kernel ran, logits within bf16 rounding."""
     from kdtree import fused
-    from kdtree.model import build_model
-    from kdtree.validate import tiny_kernel_args
-    args = tiny_kernel_args().replace(q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                                      topk_group=2, moe_intermediate_size=64)
-    m = build_model(args, seed=5, attn_impl="kernel", dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.q_b_proj.weight.mul_(0.3)
-    m = m.to(device="cuda", dtype=torch.bfloat16).prepare_paged("grouped")
+    m = fused_model(5, int4=False, moe="grouped")
     calls = []
     real = mbf.moe_bf16
     monkeypatch.setattr(mbf, "moe_bf16", lambda *a, **k: calls.append(1) or real(*a, **k))
