@@ -23,9 +23,9 @@ leaves out the cells above): INT4 routed experts against SGLang's Triton fused M
 draft's per-position top-k against torch and FlashInfer, bf16 GEMMs (bench.decode.gemm_table: cuBLAS, ours).
 
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
-{side: agreement}), the AR section, the sections' rows ("moe", "topk", "gemm") and `targets` (ours against
-the best peer; a tree's fused kernel against the cascade; the engine's AR against transformers' compiled
-generate; each section's family).
+{side: agreement}, FlashInfer's plan() host seconds), the AR section, the sections' rows ("moe", "topk",
+"gemm") and `targets` (ours against the best peer; a tree's fused kernel against the cascade; the engine's AR
+against transformers' compiled generate; each section's family).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import argparse
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ from .peers_common import sglang_stubs as _sglang_stubs
 from .peers_common import version as _version
 from .timer import input_sets, measure
 
+PLAN_REPEATS = 20          # FlashInfer plan() calls timed a cell and backend
 GOLDEN_MAX_KEYS = 8448     # ours is checked against the float64 twin on request 0 up to this many keys
 SCALE = 0.1352             # softmax scale of the random inputs (1 / sqrt(192) x YaRN's mscale, K2.6-like)
 CELLS = tuple((H, ctx, N, b, kind) for H in (64, 8) for ctx in (4096, 32768) for N, b, kind in (
@@ -118,10 +120,12 @@ def _ours(x, scale):
     return [lambda c=c: verify_attn(q, c, pt, seq, words, scale, check_values=False)[0] for c in x["caches"]]
 
 
-def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False):
+def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=None):
     """FlashInfer's MLA over each cache set (split into its ckv / kpe page layout): the whole context with a
     causal block (prefix_only False), or the prefix alone with every query row seeing all of it (True);
-    callables returning (out [b N, H, 512], lse base 2 [b N, H])."""
+    callables returning (out [b N, H, 512], lse base 2 [b N, H]). plan_s: a list given gets the host seconds
+    of one plan() (median of PLAN_REPEATS, the device synchronized after each), the call that must precede
+    every round's run() with that round's kv lengths on the host."""
     pages = ctx // 64 if prefix_only else x["pages"]
     kv_len = ctx if prefix_only else ctx + N
     dev = x["q"].device
@@ -130,10 +134,20 @@ def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False):
     per = x["pages"]
     idx = (torch.arange(b, device=dev, dtype=torch.int32)[:, None] * per
            + torch.arange(pages, device=dev, dtype=torch.int32)[None]).reshape(-1)
-    w.plan(torch.arange(0, b * N + 1, N, device=dev, dtype=torch.int32),
-           torch.arange(0, b * pages + 1, pages, device=dev, dtype=torch.int32), idx,
-           torch.full((b,), kv_len, device=dev, dtype=torch.int32), H, 512, 64, 64,
-           not prefix_only and N > 1, scale, torch.bfloat16, torch.bfloat16)
+    plan_args = (torch.arange(0, b * N + 1, N, device=dev, dtype=torch.int32),
+                 torch.arange(0, b * pages + 1, pages, device=dev, dtype=torch.int32), idx,
+                 torch.full((b,), kv_len, device=dev, dtype=torch.int32), H, 512, 64, 64,
+                 not prefix_only and N > 1, scale, torch.bfloat16, torch.bfloat16)
+    w.plan(*plan_args)
+    if plan_s is not None:
+        times = []
+        for _ in range(PLAN_REPEATS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            w.plan(*plan_args)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        plan_s.append(float(np.median(times)))
     q = x["q"].reshape(b * N, H, 576)
     qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
     sets = [(c.view(-1, 64, 576)[..., :512].contiguous(), c.view(-1, 64, 576)[..., 512:].contiguous())
@@ -216,13 +230,14 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
     small = ctx + N <= GOLDEN_MAX_KEYS
     row["golden"] = _golden_ok(x, ref.view(b, N, H, 512), ctx, N, SCALE) if small else None
     row["time_s"]["ours"] = measure(ours, repeats, queued=True, queue_cycles=QUEUE_CYCLES).median
-    sides = {}
+    sides, plans = {}, {}
     if peers["flashinfer"]["available"]:
         api = peers["flashinfer"]["api"]
         if kind != "tree":
             for backend in ("fa3", "fa2"):
                 sides[f"flashinfer_{backend}"] = lambda be=backend: [
-                    (lambda f=f: f()[0]) for f in _flashinfer(api, x, H, ctx, N, b, be, SCALE)]
+                    (lambda f=f: f()[0]) for f in _flashinfer(
+                        api, x, H, ctx, N, b, be, SCALE, plan_s=plans.setdefault(f"flashinfer_{be}", []))]
         else:
             sides["cascade"] = lambda: _cascade(api, x, H, ctx, N, b, SCALE)
     if peers["sglang"]["available"]:
@@ -239,6 +254,8 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
         except Exception as e:  # a peer that cannot take the shape: the cell says why
             row["skipped"][name] = f"{type(e).__name__}: {e}"[:300]
             _clear_cuda_error()
+    # host seconds of the plan() each FlashInfer round needs first (with the round's lengths on the host)
+    row["plan_s"] = {k: v[0] for k, v in plans.items() if v and k in row["time_s"]}
     peer_t = {k: v for k, v in row["time_s"].items() if k not in ("ours", "cascade")}
     if peer_t:
         best = min(peer_t, key=peer_t.get)
