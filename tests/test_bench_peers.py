@@ -101,6 +101,22 @@ def test_the_ar_target_is_the_engine_over_transformers_compiled():
     assert peers.build_targets([], {"skipped": "transformers is not installed"}) == []
 
 
+def test_flashinfer_in_engine_weighs_the_kernels_gain_against_plan_and_lost_overlap():
+    def row(kind, ours, fa3, fa2=None, plan=20e-6, N=1):
+        t = {"ours": ours, "flashinfer_fa3": fa3, **({"flashinfer_fa2": fa2} if fa2 else {})}
+        return {"heads": 64, "context": 4096, "nodes": N, "batch": 1, "kind": kind, "time_s": t,
+                "plan_s": {k: plan for k in t if k != "ours"}}
+    rows = [row("decode", 23e-6, 21e-6), row("decode", 20e-6, 25e-6, 30e-6), row("tree", 50e-6, 1e-6, N=64),
+            row("chain", 45e-6, 36e-6, 35e-6, plan=30e-6, N=16)]
+    got = peers.flashinfer_in_engine(rows, {"overlap_gain_s": 40e-6})
+    assert len(got) == 3   # trees are the cascade's: left out
+    assert got[0]["backend"] == "flashinfer_fa3" and got[0]["layers_to_pay"] == 30     # 60 us / 2 us
+    assert got[1]["gain_per_layer_s"] < 0 and got[1]["layers_to_pay"] is None          # FlashInfer slower
+    assert got[2]["backend"] == "flashinfer_fa2" and got[2]["layers_to_pay"] == 7      # 70 us / 10 us
+    # without the AR section, only plan() is charged
+    assert peers.flashinfer_in_engine(rows[:1])[0]["layers_to_pay"] == 10
+
+
 # ----------------------------------------------------------------------------- the sections: moe, top-k, gemm
 
 

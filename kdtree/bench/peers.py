@@ -23,7 +23,8 @@ leaves out the cells above): INT4 routed experts against SGLang's Triton fused M
 draft's per-position top-k against torch and FlashInfer, bf16 GEMMs (bench.decode.gemm_table: cuBLAS, ours).
 
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
-{side: agreement}, FlashInfer's plan() host seconds), the AR section, the sections' rows ("moe", "topk",
+{side: agreement}, FlashInfer's plan() host seconds), the AR section, `flashinfer_in_engine` (what taking
+FlashInfer for the engine's non-tree rounds would gain and cost a round), the sections' rows ("moe", "topk",
 "gemm") and `targets` (ours against the best peer; a tree's fused kernel against the cascade; the engine's AR
 against transformers' compiled generate; each section's family).
 """
@@ -271,12 +272,13 @@ def ar_section(ckpt: str = "data/trained", n_prompts: int = 4, prompt_len: int =
                max_new: int = 64) -> dict:
     """The engine's AR at batch 1 (graphed, bf16) on the trained target against transformers' compiled
     static-cache generate on the same checkpoint and dtype: {engine, hf_compiled (tok/s, wall), tokens_equal,
-    engine_over_hf_compiled}; {"skipped": why} where transformers is absent."""
+    engine_over_hf_compiled}, the same engine's rounds without overlap ("engine_serial") and the round wall
+    time the overlap saves ("overlap_gain_s"); {"skipped": why} where transformers is absent."""
     from .. import weights
     from ..data import heldout_prompts
     from ..engine import Engine
     from .baselines import hf_generate
-    from .serve import run_engine
+    from .serve import run_engine, serial
     try:
         import transformers
     except ImportError as e:
@@ -287,16 +289,41 @@ def ar_section(ckpt: str = "data/trained", n_prompts: int = 4, prompt_len: int =
     e = Engine(target, mode="ar", max_batch=1, max_len=max_len, graph_sampling=False)
     run_engine(e, prompts[:1], 8)
     eng = run_engine(e, prompts, max_new)
+    ser = serial(e, prompts, max_new, eng["outputs"])   # rounds that land before the next launches
     del e, target
     torch.cuda.empty_cache()
     hf = hf_generate(Path(ckpt) / "target", torch.bfloat16, prompts, max_new, compiled=True)
     rec = {"checkpoint": str(ckpt), "transformers": transformers.__version__, "prompts": n_prompts,
            "prompt_len": prompt_len, "max_new_tokens": max_new,
            "engine": {k: eng[k] for k in ("tok_per_s", "tokens", "round_wall_median_s")},
+           "engine_serial": ser,
+           "overlap_gain_s": ser["round_wall_median_s"] - eng["round_wall_median_s"],
            "hf_compiled": {k: v for k, v in hf.items() if k != "outputs"},
            "tokens_equal": hf["outputs"] == eng["outputs"]}
     rec["engine_over_hf_compiled"] = eng["tok_per_s"] / hf["tok_per_s"]
     return rec
+
+
+def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]:
+    """Whether the engine would gain by taking FlashInfer's MLA for its non-tree rounds (decode and chains),
+    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best backend), its
+    plan() host seconds (one a round, with the round's kv lengths read back to the host) and the overlap the
+    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
+    before the gain covers both costs (None where FlashInfer is not faster)."""
+    lost = (ar or {}).get("overlap_gain_s")
+    out = []
+    for r in rows:
+        fi = {k: v for k, v in r["time_s"].items() if k.startswith("flashinfer_")}
+        if r["kind"] == "tree" or not fi:
+            continue
+        best = min(fi, key=fi.get)
+        gain = r["time_s"]["ours"] - fi[best]
+        plan = r.get("plan_s", {}).get(best)
+        cost = None if plan is None else plan + max(lost or 0.0, 0.0)
+        out.append({"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
+                    "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
+                    "layers_to_pay": (math.ceil(cost / gain) if gain > 0 and cost is not None else None)})
+    return out
 
 
 def build_targets(rows: list[dict], ar: dict | None = None) -> list[dict]:
@@ -331,6 +358,7 @@ def run(out: Path, quick: bool = False, repeats: int = 30, cells=None, progress:
     path = out / "peers.json"
 
     def save():
+        rec["flashinfer_in_engine"] = flashinfer_in_engine(rec["attention"], rec.get("ar"))
         rec["targets"] = build_targets(rec["attention"], rec.get("ar")) + peers_sections.build_targets(rec)
         path.write_text(json.dumps(rec, indent=1) + "\n")
     if not torch.cuda.is_available():
