@@ -153,6 +153,8 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
         "k26_queue": Param(Int(0), 2, "section 6: from batch 2 on, queued requests per batch slot"),
         "k26_from": Param(Maybe(File()), None, "section 6: an e2e_k26.json of python -m kdtree.bench.k26 to "
                           "show instead"),
+        "k26_before": Param(Maybe(File()), None, "section 6: the same card's sweep on an earlier decode path "
+                            "(an e2e_k26.json), shown beside as a before / after table"),
         "stage": Param(OneOf("all", "pair", "auto", "k26"), "all", "one part only, merged into the record"),
         "seed": Param(SEED, 0, "seed of the prompts"),
         "out_dir": Param(OUT_DIR, "../outputs", "where the record goes (the runner's --out-dir)"),

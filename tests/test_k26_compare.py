@@ -81,3 +81,10 @@ def test_refusals_write_nothing(tmp_path):
         kc.load(tmp_path / "y.json")
     with pytest.raises(ValueError, match="expected an e2e_k26.json"):
         kc.load(tmp_path / "missing.json")
+
+
+def test_a_record_without_its_card_is_compared_as_unknown():
+    # notebook 02 compares its own section (written without the card's name) with a bench record
+    cmp = kc.compare(BEFORE, {k: v for k, v in AFTER.items() if k != "device"})
+    assert cmp["devices"] == ["NVIDIA H200", None] and len(cmp["rows"]) == 5
+    assert "NVIDIA H200 / None" in kc.markdown(cmp)

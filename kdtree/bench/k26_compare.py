@@ -9,7 +9,7 @@ on either side is listed under "unmatched". Per matched row: the round's GPU spa
 side reaches, tok/s, the speed-up (before span / after span) and the kernels a round of the profiled stages
 where a side profiled them. Per (context, batch, chain tau): DDTree's best fixed budget / AR, auto / AR and
 auto / best fixed on each side. Both records should come from one run on one card (the table says which
-cards); a mix is refused unless --mixed.
+cards); two named cards that differ are refused unless --mixed.
 
 Writes DIR/k26_compare.json, DIR/k26_compare.md and DIR/k26_compare.png (round time against the floor, a
 panel per cell); nothing is written before both records have been read and matched.
@@ -101,7 +101,7 @@ def compare(before: dict, after: dict, labels=("before", "after"), mixed: bool =
             and all(isinstance(s, str) for s in labels)):
         raise ValueError(f"labels={labels!r}: expected two strings")
     devs = (before.get("device"), after.get("device"))
-    if devs[0] != devs[1] and not mixed:
+    if None not in devs and devs[0] != devs[1] and not mixed:
         raise ValueError(f"records from different cards ({devs[0]!r}, {devs[1]!r}): a before / after ratio "
                          "compares one run on one card (mixed=True to show them anyway)")
     b = {_key(c): c for c in before["cells"] if _ok(c)}
