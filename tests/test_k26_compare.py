@@ -8,7 +8,7 @@ from kdtree.bench import k26_compare as kc
 
 def _row(mode, budget, tps, span, floor_s=None, kernels=None, tau=5.0, ctx=4096, batch=1, **kw):
     c = {"context": ctx, "batch": batch, "tau_chain": tau, "mode": mode, "budget": budget, "tok_per_s": tps,
-         "round_gpu_span_median_s": span, **kw}
+         "round_gpu_span_median_s": span, "layers": 12, **kw}
     if floor_s is not None:
         c["floor"] = {"bytes": 1, "parts": {}, "s": floor_s, "fraction": floor_s / span}
     if kernels is not None:
@@ -71,6 +71,8 @@ def test_refusals_write_nothing(tmp_path):
     kc.main([str(b), str(a), "--mixed"])   # shown when asked
     with pytest.raises(ValueError, match="share no measured row"):
         kc.compare(BEFORE, _rec([_row("ar", None, 1.0, 1.0, ctx=32768)]))
+    with pytest.raises(ValueError, match="share no measured row"):   # the same cell built with 6 layers
+        kc.compare(BEFORE, _rec([_row("ar", None, 400.0, 2.5e-3, layers=6)]))
     with pytest.raises(ValueError, match="labels"):
         kc.compare(BEFORE, AFTER, ("one",))
     with pytest.raises(ValueError, match="expected a K2.6 sweep"):

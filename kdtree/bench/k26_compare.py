@@ -3,13 +3,13 @@
     python -m kdtree.bench.k26_compare BEFORE AFTER [--labels torch fused] [--out DIR]
 
 BEFORE and AFTER are records of `python -m kdtree.bench.k26` (an e2e_k26.json) or notebook 02's e2e.json
-(its "k26" section). Rows are matched by (context, batch, chain tau, mode, budget); a row missing or failed
-on either side is listed under "unmatched". Per matched row: the round's GPU span (median), its byte floor
-(`kdtree.bench.floors`, each record's own: bytes over its run's copy rate) and the fraction of the floor each
-side reaches, tok/s, the speed-up (before span / after span) and the kernels a round of the profiled stages
-where a side profiled them. Per (context, batch, chain tau): DDTree's best fixed budget / AR, auto / AR and
-auto / best fixed on each side. Both records should come from one run on one card (the table says which
-cards); two named cards that differ are refused unless --mixed.
+(its "k26" section). Rows are matched by (context, batch, chain tau, mode, budget, layers built); a row
+missing or failed on either side is listed under "unmatched". Per matched row: the round's GPU span
+(median), its byte floor (`kdtree.bench.floors`, each record's own: bytes over its run's copy rate) and the
+fraction of the floor each side reaches, tok/s, the speed-up (before span / after span) and the kernels a
+round of the profiled stages where a side profiled them. Per (context, batch, chain tau): DDTree's best
+fixed budget / AR, auto / AR and auto / best fixed on each side. Both records should come from one run on
+one card (the table says which cards); two named cards that differ are refused unless --mixed.
 
 Writes DIR/k26_compare.json, DIR/k26_compare.md and DIR/k26_compare.png (round time against the floor, a
 panel per cell); nothing is written before both records have been read and matched.
@@ -41,7 +41,7 @@ def load(path) -> dict:
 
 
 def _key(c: dict) -> tuple:
-    return (c["context"], c["batch"], c.get("tau_chain"), c["mode"], str(c.get("budget")))
+    return (c["context"], c["batch"], c.get("tau_chain"), c["mode"], str(c.get("budget")), c.get("layers"))
 
 
 def _ok(c: dict) -> bool:
@@ -62,7 +62,7 @@ def _floor(c: dict, key: str = "floor"):
 
 def row(before: dict, after: dict) -> dict:
     """One matched row: both sides' round span, floor and fraction, tok/s, kernels; the speed-up."""
-    out = {k: after[k] for k in ("context", "batch", "tau_chain", "mode")}
+    out = {k: after.get(k) for k in ("context", "batch", "tau_chain", "mode", "layers")}
     out["budget"] = after.get("budget")
     for side, c in (("before", before), ("after", after)):
         floor_s, frac = _floor(c)
@@ -108,10 +108,11 @@ def compare(before: dict, after: dict, labels=("before", "after"), mixed: bool =
     a = {_key(c): c for c in after["cells"] if _ok(c)}
     both = [k for k in a if k in b]
     if not both:
-        raise ValueError("the two records share no measured row (context, batch, chain tau, mode, budget)")
+        raise ValueError("the two records share no measured row (context, batch, chain tau, mode, budget, "
+                         "layers)")
     order = {"ar": 0, "dflash": 1, "ddtree": 2}
     both.sort(key=lambda k: (k[0], k[1], -1 if k[2] is None else k[2], order.get(k[3], 9),
-                             math.inf if k[4] in ("auto", "None") else int(k[4]), k[4]))
+                             math.inf if k[4] in ("auto", "None") else int(k[4]), k[4], str(k[5])))
     rows = [row(b[k], a[k]) for k in both]
     cells = []
     for ctx, bat, tau in dict.fromkeys((r["context"], r["batch"], r["tau_chain"]) for r in rows):
@@ -134,7 +135,9 @@ def markdown(cmp: dict) -> str:
     lb, la = cmp["labels"]
     devs = cmp["devices"]
     dev = devs[1] if devs[0] == devs[1] else " / ".join(map(str, devs))
-    lines = [f"K2.6 shape, {lb} -> {la}, {dev}; rows matched by context, batch, chain tau, mode, budget.", "",
+    layers = sorted({str(r["layers"]) for r in cmp["rows"]})
+    lines = [f"K2.6 shape ({', '.join(layers)} MoE layers), {lb} -> {la}, {dev}; rows matched by context, batch, "
+             "chain tau, mode, budget.", "",
              f"| context | batch | tau | mode | B | floor ms | {lb} ms | {la} ms | speed-up | {lb} % floor | "
              f"{la} % floor | {lb} tok/s | {la} tok/s | kernels {lb} -> {la} |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
