@@ -136,8 +136,8 @@ def markdown(cmp: dict) -> str:
     devs = cmp["devices"]
     dev = devs[1] if devs[0] == devs[1] else " / ".join(map(str, devs))
     layers = sorted({str(r["layers"]) for r in cmp["rows"]})
-    lines = [f"K2.6 shape ({', '.join(layers)} MoE layers), {lb} -> {la}, {dev}; rows matched by context, batch, "
-             "chain tau, mode, budget.", "",
+    lines = [f"K2.6 shape ({', '.join(layers)} MoE layers), {lb} -> {la}, {dev}; rows matched by context, "
+             "batch, chain tau, mode, budget.", "",
              f"| context | batch | tau | mode | B | floor ms | {lb} ms | {la} ms | speed-up | {lb} % floor | "
              f"{la} % floor | {lb} tok/s | {la} tok/s | kernels {lb} -> {la} |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
