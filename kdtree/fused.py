@@ -15,6 +15,7 @@ One layer's step over M rows (M <= ABSORB_ROWS; above, the absorbed products are
     gate+up GEMM, silu_mul, down GEMM     shared expert (MoE) or the dense MLP
     moe_int4 (1 launch for one row, 3 above)      routed INT4 experts
     moe_bf16 (3 launches)  routed bf16 experts on moe 'grouped' where BF16_EXPERTS is set and the call fits
+                           (at most BF16_EXPERTS_MAX_PAIRS token-expert pairs)
 The MoE output (routed fp32 + shared) and the residual add fold into the next layer's first add_rmsnorm (the
 final norm's after the last layer), so a layer's output exists only as the next kernel's residual.
 
@@ -35,7 +36,8 @@ from .ops import moe_bf16 as mbf
 
 ABSORB_ROWS = 32   # rows up to which q_absorb / uv_absorb replace the absorbed products' batched GEMMs
 GEMV_ROWS = 0      # rows up to which the projections take ops.gemv's kernel instead of cuBLAS (0: never)
-BF16_EXPERTS = False   # bf16 routed experts (a ModuleList of MLPs) through ops.moe_bf16 where the call fits
+BF16_EXPERTS = True    # bf16 routed experts (a ModuleList of MLPs) through ops.moe_bf16 where the call fits
+BF16_EXPERTS_MAX_PAIRS = 64   # ... and has at most this many token-expert pairs (beyond: the grouped GEMMs)
 
 
 def unsupported(model, meta: AttnMeta) -> str | None:
@@ -152,15 +154,19 @@ def _ffn(mlp, y: torch.Tensor, moe_path: str) -> tuple:
 def _bf16_experts(mlp, y: torch.Tensor) -> tuple | None:
     """(w13 [E, 2I, D], w2 [E, D, I]): the grouped path's weights (`MoE.grouped`, which prepare_paged
     refreshes for moe 'grouped') where mlp's routed experts are bf16 MLPs that ops.moe_bf16 takes for y's rows
-    (BF16_EXPERTS set, every expert on this rank, no hooks), else None."""
+    (BF16_EXPERTS set, at most BF16_EXPERTS_MAX_PAIRS token-expert pairs, every expert on this rank, no
+    hooks), else None."""
     def hooked(m) -> bool:
         return bool(m._forward_hooks or m._forward_pre_hooks)
     if not (BF16_EXPERTS and isinstance(mlp, MoE) and isinstance(mlp.experts, torch.nn.ModuleList)
             and len(mlp.experts) == mlp.args.n_routed_experts and not hooked(mlp.experts)
             and all(isinstance(m, MLP) and not hooked(m) for m in mlp.experts)):
         return None
+    k = mlp.args.num_experts_per_tok
+    if y.shape[0] * k > BF16_EXPERTS_MAX_PAIRS:
+        return None
     w13, w2 = mlp.grouped()
-    if w13.dtype != torch.bfloat16 or not mbf.fits(y.shape[0], mlp.args.num_experts_per_tok, w13, w2):
+    if w13.dtype != torch.bfloat16 or not mbf.fits(y.shape[0], k, w13, w2):
         return None
     return w13, w2
 

@@ -169,3 +169,23 @@ def test_too_many_pairs_are_refused_and_fits_says_so():
     big = torch.zeros(mbf.MAX_PAIRS + 1, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="pairs"):
         mbf.moe_bf16(x[:1].expand(mbf.MAX_PAIRS + 1, -1).contiguous(), big, torch.ones(big.shape), w13, w2)
+
+
+def test_the_fused_layer_takes_moe_bf16_up_to_its_pair_cap(monkeypatch):
+    """fused._bf16_experts (the dispatch, on the CPU): a bf16 MoE's experts go to moe_bf16 by default while
+    rows x top-k <= BF16_EXPERTS_MAX_PAIRS, to the grouped GEMMs beyond and whenever BF16_EXPERTS is off."""
+    from kdtree import fused
+    from kdtree.model import build_model
+    from kdtree.validate import tiny_kernel_args
+    args = tiny_kernel_args().replace(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                      moe_intermediate_size=64)
+    m = build_model(args, seed=0, dtype=torch.bfloat16, device="cpu")
+    mlp = next(layer.mlp for layer in m.model.layers if hasattr(layer.mlp, "experts"))
+    D, k, cap = args.hidden_size, args.num_experts_per_tok, fused.BF16_EXPERTS_MAX_PAIRS
+    assert fused.BF16_EXPERTS and cap == 64
+    y = torch.randn(cap // k, D, dtype=torch.bfloat16)
+    got = fused._bf16_experts(mlp, y)
+    assert got is not None and got[0].shape == (16, 128, D)
+    assert fused._bf16_experts(mlp, torch.randn(cap // k + 1, D, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(fused, "BF16_EXPERTS", False)
+    assert fused._bf16_experts(mlp, y) is None
