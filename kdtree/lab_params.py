@@ -100,6 +100,9 @@ NOTEBOOKS: dict[str, dict[str, Param]] = {
         "layer_nodes": Param(POSITIVE_INTS, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                              "one layer's verify: tree nodes"),
         "layer_batches": Param(POSITIVE_INTS, [1, 8, 32], "one layer's verify: batch sizes"),
+        "layer_path": Param(OneOf("auto", "torch", "fused"), "auto",
+                            "one layer's verify: the decode path timed (auto: fused on a GPU, as the engine "
+                            "runs, torch elsewhere)"),
         "n_layers": Param(POS, 61, "layers of the whole-model projections"),
         "repeats": Param(POS, 20, "timed repeats per measurement"),
         "peers": Param(SMOKE, "auto", "section 5c, the field's kernels beside ours (auto: on a GPU)"),

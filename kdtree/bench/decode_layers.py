@@ -121,10 +121,13 @@ def _engine_bits(model):
         return "grouped", lambda device, rows: contextlib.nullcontext()
 
 
-def paged_inputs(model, context: int, batch: int = 1, nodes: int = 1, moe: str = "grouped", seed: int = 0):
+def paged_inputs(model, context: int, batch: int = 1, nodes: int = 1, moe: str = "grouped", seed: int = 0,
+                 mask=None):
     """The inputs of one paged decode step of `model`'s layers: (pool bf16 [layers, pages * PAGE_SIZE, R + P]
     random, x [batch, nodes, D] random in the model's dtype, cos, sin [batch, nodes, P/2], meta) with each
-    request's context + nodes rows on pages of a shuffled page table, a causal block mask over the nodes."""
+    request's context + nodes rows on pages of a shuffled page table; over the nodes a causal block mask, or
+    `mask` (bool [nodes, nodes], row i sees row j, diagonal set: a tree's ancestor mask, its rows' positions
+    context + depth) for every request."""
     a, dev = model.args, model.device
     g = torch.Generator(device=dev).manual_seed(seed)
     P = -(-(context + nodes) // PAGE_SIZE)
@@ -134,8 +137,16 @@ def paged_inputs(model, context: int, batch: int = 1, nodes: int = 1, moe: str =
     pool.normal_(0, 0.5, generator=g)
     page_table = torch.randperm(batch * P, device=dev, generator=g).to(torch.int32).view(batch, P)
     cache_len = torch.full((batch,), context, dtype=torch.int64, device=dev)
-    positions = (context + torch.arange(nodes, device=dev))[None].expand(batch, nodes).contiguous()
-    mask = torch.ones(nodes, nodes, dtype=torch.bool, device=dev).tril()[None].expand(batch, nodes, nodes)
+    if mask is None:
+        mask = torch.ones(nodes, nodes, dtype=torch.bool, device=dev).tril()
+    else:
+        mask = torch.as_tensor(mask, dtype=torch.bool).to(dev)
+        if mask.shape != (nodes, nodes) or not bool(mask.diagonal().all()):
+            raise ValueError(f"mask: expected bool [{nodes}, {nodes}] with its diagonal set, got shape "
+                             f"{tuple(mask.shape)}")
+    depth = mask.sum(-1) - 1                                                              # [nodes]
+    positions = (context + depth)[None].expand(batch, nodes).contiguous()
+    mask = mask[None].expand(batch, nodes, nodes)
     meta = _build_meta(page_table, cache_len, positions, mask.contiguous(), model.attn_impl, moe)
     x = torch.randn(batch, nodes, a.hidden_size, device=dev, generator=g).to(model.dtype)
     cos, sin = model.rope(positions, x.dtype)

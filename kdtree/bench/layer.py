@@ -103,6 +103,17 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     return out | ({"moe_kernel_s": kern / calls} if kern > 0 else {})
 
 
+LAYER_PATHS = ("torch", "fused")
+
+
+def _tree_mask(rng, N: int) -> np.ndarray:
+    """A DDTree's ancestor mask over N nodes (root first; [[True]] for one node)."""
+    if N == 1:
+        return np.ones((1, 1), bool)
+    return golden.compile_tree(golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1),
+                               0, 0).mask
+
+
 def bench_layer(
     model,
     contexts=(4096, 32768),
@@ -111,13 +122,20 @@ def bench_layer(
     repeats: int = 10,
     progress: bool = True,
     seed: int = 0,
+    path: str = "torch",
 ) -> list[dict]:
     """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
-    context of C cached tokens (random latent rows), per (layer, context, N, batch). On a GPU each step is
-    timed as CUDA-graph replays (`timing` "graph"), or with events around eager calls where capture fails.
-    MoE rows also carry `routed`'s experts_touched and (GPU) moe_kernel_s: the routed kernels' share of
-    time_s on these rows' random routing (its profiler pass follows the row's timing; the rows after the
-    first are timed with the profiler's CUDA tracing set up but idle)."""
+    context of C cached tokens (random latent rows), per (layer, context, N, batch). path "torch": the
+    layer's Block.forward over a per-request cache; "fused" (a GPU): the layer through kdtree.fused over a
+    paged pool, as the engine runs it (`bench_layer_fused`). On a GPU each step is timed as CUDA-graph
+    replays (`timing` "graph"), or with events around eager calls where capture fails. MoE rows also carry
+    `routed`'s experts_touched and (GPU) moe_kernel_s: the routed kernels' share of time_s on these rows'
+    random routing (its profiler pass follows the row's timing; the rows after the first are timed with the
+    profiler's CUDA tracing set up but idle). Every row says its "path"."""
+    if path not in LAYER_PATHS:
+        raise ValueError(f"path={path!r}: expected one of {LAYER_PATHS}")
+    if path == "fused":
+        return bench_layer_fused(model, contexts, nodes, batches, repeats, progress, seed)
     dev = model.device
     args = model.args
     mode = mode_for(dev)
@@ -133,10 +151,7 @@ def bench_layer(
         with torch.no_grad():
             cache.latent.normal_(0, 0.5)
         cache.length = C
-        tree = golden.ddtree(rng.standard_normal((15, 64)).astype(np.float32) * 2, N - 1) if N > 1 else None
-        m = torch.from_numpy(
-            golden.compile_tree(tree, 0, C).mask if tree is not None else np.ones((1, 1), bool)
-        )
+        m = torch.from_numpy(_tree_mask(rng, N))
         mask = m.to(dev)[None].expand(B, N, N).contiguous()
         depth = mask.sum(-1) - 1  # [B, N]
         pos = (C + depth).to(torch.int64)
@@ -166,9 +181,69 @@ def bench_layer(
                 "time_s": t,
                 "timing": how,
                 "device": str(dev),
+                "path": "torch",
             }
             if isinstance(layer.mlp, MoE):
                 row.update(routed(layer.mlp, step, dev))
             rows.append(row)
         del step, cache   # the closure holds a view of the cache
     return rows
+
+
+def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                      batches=(1, 8), repeats: int = 10, progress: bool = True, seed: int = 0) -> list[dict]:
+    """bench_layer's rows for the fused decode path: each layer alone through kdtree.fused
+    (`decode_layers.fused_layer_step`, the engine's MoE path and BLAS library) over a paged pool
+    (`decode_layers.paged_inputs`) with the same DDTree-shaped masks, timed as CUDA-graph replays (events
+    where capture fails). MoE rows carry experts_touched (counted on the layer's torch step: the fused router
+    calls no gate module) and, on a GPU, moe_kernel_s (the fused step's moe_* kernels, torch.profiler).
+    ValueError where the fused path does not apply to the model (`fused.unsupported`, e.g. on a CPU)."""
+    from . import decode_layers as dl
+    dev = model.device
+    moe, blas = dl._engine_bits(model)
+    model.prepare_paged(moe)
+    rng = np.random.default_rng(seed)
+    rows = []
+    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
+    if progress:
+        from ..progress import tqdm
+
+        it = tqdm(it, desc="layer verify (fused)")
+    for C, B, N in it:
+        pool, x, cos, sin, meta = dl.paged_inputs(model, C, B, N, moe, seed, mask=_tree_mask(rng, N))
+        for i, layer in enumerate(model.model.layers):
+            step = dl.fused_layer_step(model, i, x, cos, sin, pool, meta)
+            how = "wall" if mode_for(dev) == "wall" else "graph"
+            with torch.no_grad(), blas(dev, B * N):
+                if how == "graph":
+                    try:
+                        t = measure(step, repeats, "graph").median
+                    except RuntimeError:
+                        how, t = "events", measure(step, repeats).median
+                else:
+                    t = measure(step, repeats, "wall").median
+                row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "context": C,
+                       "batch": B, "nodes": N, "time_s": t, "timing": how, "device": str(dev),
+                       "path": "fused", "moe": moe}
+                if isinstance(layer.mlp, MoE):
+                    row["experts_touched"] = experts_touched(
+                        layer.mlp, lambda layer=layer, lat=pool[i]: layer(x, cos, sin, lat, meta))
+                    if torch.device(dev).type == "cuda":
+                        row.update(_fused_moe_kernel_s(step, dev))
+            rows.append(row)
+        del pool, step
+    return rows
+
+
+def _fused_moe_kernel_s(step, device, calls: int = 3) -> dict:
+    """{"moe_kernel_s": seconds a step of the routed experts' kernels (moe_*)} over `calls` eager steps
+    (torch.profiler), or {} where none ran."""
+    from torch.profiler import ProfilerActivity
+
+    from .profiling import profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize(device)
+    kern = routed_kernel_s(prof)
+    return {"moe_kernel_s": kern / calls} if kern > 0 else {}
