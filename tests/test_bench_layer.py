@@ -55,6 +55,8 @@ def test_the_fused_layer_rows_have_bench_layers_shape(tiny_b, monkeypatch):
     batch, nodes, layer), marked fused, MoE rows with their distinct experts."""
     from kdtree.bench import decode_layers as dl
     from kdtree.bench.layer import bench_layer
+    from kdtree import fused
+    monkeypatch.setattr(fused, "unsupported", lambda model, meta: None)
     monkeypatch.setattr(dl, "fused_layer_step", lambda model, i, x, cos, sin, pool, meta: (
         lambda: model.model.layers[i](x, cos, sin, pool[i], meta)))
     rows = bench_layer(tiny_b, contexts=(64,), nodes=(1, 8), batches=(1, 2), repeats=2, progress=False,

@@ -113,8 +113,11 @@ def test_flashinfer_in_engine_weighs_the_kernels_gain_against_plan_and_lost_over
     assert got[0]["backend"] == "flashinfer_fa3" and got[0]["layers_to_pay"] == 30     # 60 us / 2 us
     assert got[1]["gain_per_layer_s"] < 0 and got[1]["layers_to_pay"] is None          # FlashInfer slower
     assert got[2]["backend"] == "flashinfer_fa2" and got[2]["layers_to_pay"] == 7      # 70 us / 10 us
-    # without the AR section, only plan() is charged
+    assert "not faster" in got[1]["why"]
+    # without the AR section, only plan() is charged; a record without plan_s says so
     assert peers.flashinfer_in_engine(rows[:1])[0]["layers_to_pay"] == 10
+    old = [{k: v for k, v in rows[0].items() if k != "plan_s"}]
+    assert "not timed" in peers.flashinfer_in_engine(old)[0]["why"]
 
 
 # ----------------------------------------------------------------------------- the sections: moe, top-k, gemm

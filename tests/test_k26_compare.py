@@ -90,3 +90,20 @@ def test_a_record_without_its_card_is_compared_as_unknown():
     cmp = kc.compare(BEFORE, {k: v for k, v in AFTER.items() if k != "device"})
     assert cmp["devices"] == ["NVIDIA H200", None] and len(cmp["rows"]) == 5
     assert "NVIDIA H200 / None" in kc.markdown(cmp)
+
+
+def test_each_sides_ratios_come_from_its_own_rows_and_spans_are_the_full_batch_rounds():
+    # B=64 measured only after (it failed before): after's best fixed budget is still B=64
+    after = _rec([*AFTER["cells"][:5], _row("ddtree", 64, 700.0, 9e-3)])
+    after["cells"][0]["full_round_gpu_span_median_s"] = 2e-3    # AR: its rounds with every slot live
+    cmp = kc.compare(BEFORE, after)
+    (cell,) = cmp["cells"]
+    assert cell["after"]["best_fixed_budget"] == 64
+    assert cell["after"]["best_fixed_over_ar"] == pytest.approx(1.75)
+    assert cell["before"]["best_fixed_budget"] == 8
+    ar = cmp["rows"][0]
+    assert ar["after"]["round_s"] == 2e-3 and ar["speedup"] == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="different routings"):
+        kc.compare(BEFORE, {**AFTER, "routing": "uniform"})
+    assert kc.compare({**BEFORE, "cells": [_row("ddtree", 16.0, 1.0, 1.0)]},
+                      {**AFTER, "cells": [_row("ddtree", 16.0, 2.0, 0.5)]})["rows"][0]["speedup"] == 2.0

@@ -57,6 +57,7 @@ BAD = [  # (notebook, name, value, what the message says is expected)
     ("02", "ckpt_dir", "../no/such/pair", "a folder holding target/ and drafter/"),
     ("02", "k26_from", "no_such_record.json", "None or an existing file"),
     ("02", "k26_before", "no_such_record.json", "None or an existing file"),
+    ("01", "layer_path", "eager", "one of"),
     ("03", "stage", "bogus", "one of ['all', 'target', 'drafter', 'measure']"),
     ("03", "corpus", ["perl"], "each one of ['stdlib', 'torch', 'numpy']"),
     ("03", "target_kw", {"hiden_size": 64}, "ModelArgs fields"),
@@ -142,7 +143,8 @@ def _first_check_lines(nb: Path) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("nb,name,value,want", [b for b in BAD if b[1] not in ("ckpt_dir", "k26_from", "k26_before")])
+@pytest.mark.parametrize("nb,name,value,want",
+                         [b for b in BAD if b[1] not in ("ckpt_dir", "k26_from", "k26_before")])
 def test_each_notebook_checks_its_parameters_with_the_same_declaration(nb, name, value, want, monkeypatch):
     """The first code cell calls lab_params.check(NN, globals()): a papermill or Jupyter user gets the
     runner's message (as name=value)."""

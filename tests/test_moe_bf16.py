@@ -115,6 +115,7 @@ def test_the_fused_path_takes_bf16_experts_and_matches_the_torch_path(monkeypatc
     False), on a bf16 model whose experts stay bf16 (queries scaled as validate.kernel_model does, so bf16
     rounding moves the logits little): the kernel ran, logits within bf16 rounding."""
     from kdtree import fused
+    monkeypatch.setattr(fused, "BF16_EXPERTS_MAX_PAIRS", mbf.MAX_PAIRS)   # (2, 9): 72 pairs, past the default
     m = fused_model(5, int4=False, moe="grouped")
     calls = []
     real = mbf.moe_bf16

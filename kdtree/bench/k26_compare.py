@@ -44,15 +44,28 @@ def _key(c: dict) -> tuple:
     return (c["context"], c["batch"], c.get("tau_chain"), c["mode"], str(c.get("budget")), c.get("layers"))
 
 
+def _span(c: dict):
+    """The row's round time: the median GPU span of its rounds with every slot live (the span its byte floor
+    is a fraction of), else of all its rounds."""
+    return c.get("full_round_gpu_span_median_s") or c.get("round_gpu_span_median_s")
+
+
 def _ok(c: dict) -> bool:
-    return not c.get("error") and c.get("tok_per_s") and c.get("round_gpu_span_median_s")
+    return not c.get("error") and bool(c.get("tok_per_s")) and bool(_span(c))
 
 
 def _kernels(c: dict):
     st = c.get("stages")
-    if not st:
+    if not isinstance(st, dict) or not st:
         return None
-    return round(sum(st[k]["kernels"] for k in STAGE_KEYS if k in st))
+    return round(sum((st.get(k) or {}).get("kernels", 0) for k in STAGE_KEYS))
+
+
+def _budget_order(b: str) -> float:
+    try:
+        return float(b)
+    except ValueError:   # "auto", "None"
+        return math.inf
 
 
 def _floor(c: dict, key: str = "floor"):
@@ -66,22 +79,23 @@ def row(before: dict, after: dict) -> dict:
     out["budget"] = after.get("budget")
     for side, c in (("before", before), ("after", after)):
         floor_s, frac = _floor(c)
-        out[side] = {"round_s": c["round_gpu_span_median_s"], "tok_per_s": c["tok_per_s"], "floor_s": floor_s,
+        out[side] = {"round_s": _span(c), "tok_per_s": c["tok_per_s"], "floor_s": floor_s,
                      "floor_fraction": frac, "kernels": _kernels(c), "tau": c.get("tau")}
         d_s, d_frac = _floor(c, "drafter_floor")
         if d_frac is not None:
             out[side]["drafter_floor_fraction"] = d_frac
-    out["speedup"] = before["round_gpu_span_median_s"] / after["round_gpu_span_median_s"]
+    out["speedup"] = _span(before) / _span(after)
     return out
 
 
-def _ratios(rows: list[dict], side: str) -> dict:
-    """DDTree's best fixed budget / AR, auto / AR, auto / best fixed (tok/s) among one cell's rows."""
+def _ratios(rows: list[dict]) -> dict:
+    """DDTree's best fixed budget / AR, auto / AR, auto / best fixed (tok/s) among one side's measured rows
+    of one cell (each side's own rows: a budget that failed on the other side still counts here)."""
     def tps(r):
-        return r[side]["tok_per_s"]
+        return r["tok_per_s"]
     ar = next((r for r in rows if r["mode"] == "ar"), None)
-    fixed = [r for r in rows if r["mode"] == "ddtree" and str(r["budget"]) != "auto"]
-    auto = next((r for r in rows if r["mode"] == "ddtree" and str(r["budget"]) == "auto"), None)
+    fixed = [r for r in rows if r["mode"] == "ddtree" and str(r.get("budget")) != "auto"]
+    auto = next((r for r in rows if r["mode"] == "ddtree" and str(r.get("budget")) == "auto"), None)
     best = max(fixed, key=tps) if fixed else None
     out = {}
     if best and ar:
@@ -104,6 +118,10 @@ def compare(before: dict, after: dict, labels=("before", "after"), mixed: bool =
     if None not in devs and devs[0] != devs[1] and not mixed:
         raise ValueError(f"records from different cards ({devs[0]!r}, {devs[1]!r}): a before / after ratio "
                          "compares one run on one card (mixed=True to show them anyway)")
+    routes = (before.get("routing", "model"), after.get("routing", "model"))
+    if routes[0] != routes[1]:
+        raise ValueError(f"records of different routings ({routes[0]!r}, {routes[1]!r}): compare sweeps of "
+                         "one router")
     b = {_key(c): c for c in before["cells"] if _ok(c)}
     a = {_key(c): c for c in after["cells"] if _ok(c)}
     both = [k for k in a if k in b]
@@ -112,13 +130,14 @@ def compare(before: dict, after: dict, labels=("before", "after"), mixed: bool =
                          "layers)")
     order = {"ar": 0, "dflash": 1, "ddtree": 2}
     both.sort(key=lambda k: (k[0], k[1], -1 if k[2] is None else k[2], order.get(k[3], 9),
-                             math.inf if k[4] in ("auto", "None") else int(k[4]), k[4], str(k[5])))
+                             _budget_order(k[4]), k[4], str(k[5])))
     rows = [row(b[k], a[k]) for k in both]
     cells = []
     for ctx, bat, tau in dict.fromkeys((r["context"], r["batch"], r["tau_chain"]) for r in rows):
-        mine = [r for r in rows if (r["context"], r["batch"], r["tau_chain"]) == (ctx, bat, tau)]
+        def own(side: dict) -> list:
+            return [c for k, c in side.items() if (k[0], k[1], k[2]) == (ctx, bat, tau)]
         cells.append({"context": ctx, "batch": bat, "tau_chain": tau,
-                      "before": _ratios(mine, "before"), "after": _ratios(mine, "after")})
+                      "before": _ratios(own(b)), "after": _ratios(own(a))})
     unmatched = sorted({str(k) for k in set(a) ^ set(b)})
     return {"bench": "k26_compare", "labels": list(labels), "devices": list(devs),
             "layers": [before.get("layers"), after.get("layers")],
@@ -137,7 +156,8 @@ def markdown(cmp: dict) -> str:
     dev = devs[1] if devs[0] == devs[1] else " / ".join(map(str, devs))
     layers = sorted({str(r["layers"]) for r in cmp["rows"]})
     lines = [f"K2.6 shape ({', '.join(layers)} MoE layers), {lb} -> {la}, {dev}; rows matched by context, "
-             "batch, chain tau, mode, budget.", "",
+             "batch, chain tau, mode, budget, layers; round times are median GPU spans of the rounds with "
+             "every slot live.", "",
              f"| context | batch | tau | mode | B | floor ms | {lb} ms | {la} ms | speed-up | {lb} % floor | "
              f"{la} % floor | {lb} tok/s | {la} tok/s | kernels {lb} -> {la} |",
              "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -166,10 +186,9 @@ def markdown(cmp: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(cmp: dict, path) -> None:
-    """Round GPU span before / after per row, the floor as a tick, a panel per (context, batch, tau)."""
-    import matplotlib
-    matplotlib.use("Agg")
+def plot(cmp: dict, path=None):
+    """Round GPU span before / after per row, the floor as a tick, a panel per (context, batch, tau); saved
+    at `path` when given; returns the figure (open: plt.show() draws it in a notebook)."""
     import matplotlib.pyplot as plt
     cells = cmp["cells"]
     n = len(cells)
@@ -197,8 +216,9 @@ def plot(cmp: dict, path) -> None:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"K2.6 round time, {lb} vs {la} ({cmp['devices'][1]})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv=None) -> dict:
@@ -219,7 +239,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"k26_compare: --out {str(out)!r}: expected a folder, found a file")
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(cmp)
-    plot(cmp, out / "k26_compare.png")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.close(plot(cmp, out / "k26_compare.png"))
     (out / "k26_compare.json").write_text(json.dumps(cmp, indent=1) + "\n")
     (out / "k26_compare.md").write_text(md)
     print(md)

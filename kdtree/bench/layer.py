@@ -199,8 +199,13 @@ def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 
     calls no gate module) and, on a GPU, moe_kernel_s (the fused step's moe_* kernels, torch.profiler).
     ValueError where the fused path does not apply to the model (`fused.unsupported`, e.g. on a CPU)."""
     from . import decode_layers as dl
+    from .. import fused
     dev = model.device
     moe, blas = dl._engine_bits(model)
+    probe = dl.paged_inputs(model, 64, 1, 1, moe, seed)[-1]
+    why = fused.unsupported(model, probe)
+    if why is not None:   # before the model is prepared or any pool is built
+        raise ValueError(f"path='fused': the fused path does not apply here: {why}")
     model.prepare_paged(moe)
     rng = np.random.default_rng(seed)
     rows = []

@@ -309,7 +309,9 @@ def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]
     per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best backend), its
     plan() host seconds (one a round, with the round's kv lengths read back to the host) and the overlap the
     engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
-    before the gain covers both costs (None where FlashInfer is not faster)."""
+    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
+    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch
+    1) and charged to every cell alike."""
     lost = (ar or {}).get("overlap_gain_s")
     out = []
     for r in rows:
@@ -320,9 +322,16 @@ def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]
         gain = r["time_s"]["ours"] - fi[best]
         plan = r.get("plan_s", {}).get(best)
         cost = None if plan is None else plan + max(lost or 0.0, 0.0)
-        out.append({"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
-                    "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
-                    "layers_to_pay": (math.ceil(cost / gain) if gain > 0 and cost is not None else None)})
+        row = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
+               "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
+               "layers_to_pay": None}
+        if gain <= 0:
+            row["why"] = "FlashInfer is not faster than ours here"
+        elif cost is None:
+            row["why"] = "plan() was not timed (a record from before plan_s)"
+        else:
+            row["layers_to_pay"] = math.ceil(cost / gain - 1e-9)
+        out.append(row)
     return out
 
 
