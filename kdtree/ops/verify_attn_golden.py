@@ -32,3 +32,24 @@ def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndar
     out = np.einsum("nhs,sr->nhr", p / denom, kv)
     return out, (m + np.log(denom))[..., 0]
 
+
+
+def prefix_attention(q_lat, q_pe, kv, pe, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The prefix half of a split verify (ops.attn_split): every query row sees every one of the S rows, in
+    float64. q_lat [N, H, R], q_pe [N, H, P], kv [S, R], pe [S, P] (S may be 0). Returns (out [N, H, R], lse
+    [N, H]); for S = 0, out 0 and lse -inf."""
+    q_lat = np.asarray(q_lat, np.float64)
+    q_pe = np.asarray(q_pe, np.float64)
+    kv = np.asarray(kv, np.float64)
+    pe = np.asarray(pe, np.float64)
+    N, H, R = q_lat.shape
+    S = kv.shape[0]
+    if q_pe.shape[:2] != (N, H) or kv.shape != (S, R) or pe.shape != (S, q_pe.shape[2]):
+        raise ValueError("prefix_attention: shapes q_lat [N,H,R], q_pe [N,H,P], kv [S,R], pe [S,P]")
+    if S == 0:
+        return np.zeros((N, H, R)), np.full((N, H), -np.inf)
+    scores = (np.einsum("nhr,sr->nhs", q_lat, kv) + np.einsum("nhp,sp->nhs", q_pe, pe)) * scale
+    m = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    return np.einsum("nhs,sr->nhr", p / denom, kv), (m + np.log(denom))[..., 0]
