@@ -121,12 +121,13 @@ def _ours(x, scale):
     return [lambda c=c: verify_attn(q, c, pt, seq, words, scale, check_values=False)[0] for c in x["caches"]]
 
 
-def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=None):
+def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=None, views=False):
     """FlashInfer's MLA over each cache set (split into its ckv / kpe page layout): the whole context with a
     causal block (prefix_only False), or the prefix alone with every query row seeing all of it (True);
     callables returning (out [b N, H, 512], lse base 2 [b N, H]). plan_s: a list given gets the host seconds
     of one plan() (median of PLAN_REPEATS, the device synchronized after each), the call that must precede
-    every round's run() with that round's kv lengths on the host."""
+    every round's run() with that round's kv lengths on the host. views: FlashInfer reads our page pool in
+    place (ckv / kpe as strided views of its [rows, 576] pages) instead of split contiguous copies."""
     pages = ctx // 64 if prefix_only else x["pages"]
     kv_len = ctx if prefix_only else ctx + N
     dev = x["q"].device
@@ -151,8 +152,11 @@ def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=
         plan_s.append(float(np.median(times)))
     q = x["q"].reshape(b * N, H, 576)
     qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
-    sets = [(c.view(-1, 64, 576)[..., :512].contiguous(), c.view(-1, 64, 576)[..., 512:].contiguous())
-            for c in x["caches"]]
+    if views:
+        sets = [(c.view(-1, 64, 576)[..., :512], c.view(-1, 64, 576)[..., 512:]) for c in x["caches"]]
+    else:
+        sets = [(c.view(-1, 64, 576)[..., :512].contiguous(), c.view(-1, 64, 576)[..., 512:].contiguous())
+                for c in x["caches"]]
     return [lambda s=s: w.run(qn, qp, s[0], s[1], return_lse=True) for s in sets]
 
 
@@ -239,6 +243,11 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
                 sides[f"flashinfer_{backend}"] = lambda be=backend: [
                     (lambda f=f: f()[0]) for f in _flashinfer(
                         api, x, H, ctx, N, b, be, SCALE, plan_s=plans.setdefault(f"flashinfer_{be}", []))]
+            # fa3 reading our pool in place: whether an engine could hand it the pages it already has
+            sides["flashinfer_fa3_pool"] = lambda: [
+                (lambda f=f: f()[0]) for f in _flashinfer(
+                    api, x, H, ctx, N, b, "fa3", SCALE, views=True,
+                    plan_s=plans.setdefault("flashinfer_fa3_pool", []))]
         else:
             sides["cascade"] = lambda: _cascade(api, x, H, ctx, N, b, SCALE)
     if peers["sglang"]["available"]:
