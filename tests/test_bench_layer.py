@@ -43,24 +43,21 @@ def test_paged_inputs_take_a_tree_mask_and_refuse_a_bad_one(tiny_b):
 
 
 def test_the_fused_layer_rows_refuse_what_they_cannot_time(tiny_b):
-    from kdtree.bench.layer import bench_layer
-    with pytest.raises(ValueError, match="path='eager': expected one of"):
-        bench_layer(tiny_b, path="eager")
+    from kdtree.bench import bench_layer_fused
     with pytest.raises(ValueError, match="fused path does not apply here: needs a CUDA device"):
-        bench_layer(tiny_b, contexts=(64,), nodes=(1,), batches=(1,), progress=False, path="fused")
+        bench_layer_fused(tiny_b, contexts=(64,), nodes=(1,), batches=(1,), progress=False)
 
 
 def test_the_fused_layer_rows_have_bench_layers_shape(tiny_b, monkeypatch):
     """The fused path's rows (its step replaced by the torch step, which a CPU runs): one per (context,
     batch, nodes, layer), marked fused, MoE rows with their distinct experts."""
-    from kdtree.bench import decode_layers as dl
-    from kdtree.bench.layer import bench_layer
     from kdtree import fused
+    from kdtree.bench import decode_layers as dl
     monkeypatch.setattr(fused, "unsupported", lambda model, meta: None)
     monkeypatch.setattr(dl, "fused_layer_step", lambda model, i, x, cos, sin, pool, meta: (
         lambda: model.model.layers[i](x, cos, sin, pool[i], meta)))
-    rows = bench_layer(tiny_b, contexts=(64,), nodes=(1, 8), batches=(1, 2), repeats=2, progress=False,
-                       path="fused")
+    rows = dl.bench_layer_fused(tiny_b, contexts=(64,), nodes=(1, 8), batches=(1, 2), repeats=2,
+                                progress=False)
     assert len(rows) == 2 * 2 * 4
     assert {r["path"] for r in rows} == {"fused"} and all(r["time_s"] > 0 for r in rows)
     assert [r["kind"] for r in rows[:4]] == ["dense", "dense", "moe", "moe"]

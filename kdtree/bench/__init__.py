@@ -24,6 +24,7 @@ _NAMES = {   # home module: the names this package hands on from it
     "baselines": ("dequant_bf16", "moe_bf16_baseline", "naive_verify", "reference_tree_round", "topk_only"),
     "ceilings": ("copy_bandwidth", "matmul_rate", "measure_ceilings"),
     "clocks": ("CAP_REASONS", "gpu_state", "parse_gpu_state", "settle_gpu"),
+    "decode_layers": ("bench_layer_fused",),
     "goals": ("goals",),
     "layer": ("bench_layer", "layer_model"),
     "moe": ("MOE_WARM_S", "bench_moe"),
@@ -43,8 +44,9 @@ def __getattr__(name: str):
     return mod if home == name else getattr(mod, name)
 
 
-__all__ = ["CAP_REASONS", "L2_BYTES", "MOE_WARM_S", "VERIFY_ABLATIONS", "Times", "bench_attn", "bench_layer",
-           "bench_moe", "bench_tree", "bench_tree_reference", "bench_verify_ablation", "bench_walk",
-           "copy_bandwidth", "dequant_bf16", "goals", "gpu_state", "input_sets", "layer_model", "matmul_rate",
-           "measure", "measure_ceilings", "moe_bf16_baseline", "naive_verify", "parse_gpu_state",
-           "reference_tree_round", "run", "settle_gpu", "summary", "topk_only", "verify_smem_model"]
+__all__ = ["CAP_REASONS", "L2_BYTES", "MOE_WARM_S", "Times", "VERIFY_ABLATIONS", "bench_attn", "bench_layer",
+           "bench_layer_fused", "bench_moe", "bench_tree", "bench_tree_reference", "bench_verify_ablation",
+           "bench_walk", "copy_bandwidth", "dequant_bf16", "goals", "gpu_state", "input_sets", "layer_model",
+           "matmul_rate", "measure", "measure_ceilings", "moe_bf16_baseline", "naive_verify",
+           "parse_gpu_state", "reference_tree_round", "run", "settle_gpu", "summary", "topk_only",
+           "verify_smem_model"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from .timer import measure
@@ -296,3 +297,45 @@ def _one_path(make, path, blas, dev, n_rows, repeats, base, settle_gpu) -> dict:
     except Exception as e:  # noqa: BLE001 - a failing path (e.g. a kernel in progress) is recorded
         row["error"] = f"{'compile: ' if path == 'torch.compile' else ''}{type(e).__name__}: {e}"[:1000]
     return row
+
+
+def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                      batches=(1, 8), repeats: int = 10, progress: bool = True, seed: int = 0) -> list[dict]:
+    """bench_layer's rows for the fused decode path: each layer alone through kdtree.fused
+    (`fused_layer_step`, the engine's MoE path and BLAS library) over a paged pool
+    (`paged_inputs`) with the same DDTree-shaped masks, timed as CUDA-graph replays (events
+    where capture fails). MoE rows carry experts_touched (counted on the layer's torch step: the fused router
+    calls no gate module) and, on a GPU, moe_kernel_s (the fused step's moe_* kernels, torch.profiler).
+    ValueError where the fused path does not apply to the model (`fused.unsupported`, e.g. on a CPU)."""
+    from .. import fused
+    from .layer import MoE, _tree_mask, routed, time_step
+    dev = model.device
+    moe, blas = _engine_bits(model)
+    probe = paged_inputs(model, 64, 1, 1, moe, seed)[-1]
+    why = fused.unsupported(model, probe)
+    if why is not None:   # before the model is prepared or any pool is built
+        raise ValueError(f"bench_layer_fused: the fused path does not apply here: {why}")
+    model.prepare_paged(moe)
+    rng = np.random.default_rng(seed)
+    rows = []
+    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
+    if progress:
+        from ..progress import tqdm
+
+        it = tqdm(it, desc="layer verify (fused)")
+    for C, B, N in it:
+        pool, x, cos, sin, meta = paged_inputs(model, C, B, N, moe, seed, mask=_tree_mask(rng, N))
+        for i, layer in enumerate(model.model.layers):
+            step = fused_layer_step(model, i, x, cos, sin, pool, meta)
+            with torch.no_grad(), blas(dev, B * N):
+                t, how = time_step(step, repeats, dev)
+                row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "context": C,
+                       "batch": B, "nodes": N, "time_s": t, "timing": how, "device": str(dev),
+                       "path": "fused", "moe": moe}
+                if isinstance(layer.mlp, MoE):   # the torch step calls the gate the fused router replaces
+                    row.update(routed(layer.mlp, step, dev, count_step=lambda layer=layer, lat=pool[i]:
+                                      layer(x, cos, sin, lat, meta)))
+            rows.append(row)
+        del pool, step
+    return rows
+

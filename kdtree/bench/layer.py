@@ -84,15 +84,16 @@ def experts_touched(moe: MoE, step) -> int:
     return int(seen[0])
 
 
-def routed(moe: MoE, step, device, calls: int = 3) -> dict:
+def routed(moe: MoE, step, device, calls: int = 3, count_step=None) -> dict:
     """The routed experts of one MoE layer's step: {"experts_touched": distinct experts its rows route to}
     and, on a GPU, {"moe_kernel_s": the routed experts' kernels (moe_*) seconds per step, torch.profiler's
     kernel times over `calls` eager steps}: the share of the layer's time that depends on the routing, which
-    `project.routing_correction` replaces by an engine round's own."""
+    `project.routing_correction` replaces by an engine round's own. count_step: a step over the same rows
+    that calls the layer's gate module, where `step` does not (the fused path's router kernels)."""
     from torch.profiler import ProfilerActivity
 
     from .profiling import profile
-    out = {"experts_touched": experts_touched(moe, step)}
+    out = {"experts_touched": experts_touched(moe, count_step or step)}
     if torch.device(device).type != "cuda":
         return out
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -103,7 +104,15 @@ def routed(moe: MoE, step, device, calls: int = 3) -> dict:
     return out | ({"moe_kernel_s": kern / calls} if kern > 0 else {})
 
 
-LAYER_PATHS = ("torch", "fused")
+def time_step(step, repeats: int, device) -> tuple[float, str]:
+    """(seconds, timing) of step(): the median of CUDA-graph replays on a GPU ("graph"; events around eager
+    calls, "events", where capture fails), of wall-clock calls elsewhere ("wall")."""
+    if mode_for(device) == "wall":
+        return measure(step, repeats, "wall").median, "wall"
+    try:
+        return measure(step, repeats, "graph").median, "graph"
+    except RuntimeError:
+        return measure(step, repeats).median, "events"
 
 
 def _tree_mask(rng, N: int) -> np.ndarray:
@@ -122,23 +131,17 @@ def bench_layer(
     repeats: int = 10,
     progress: bool = True,
     seed: int = 0,
-    path: str = "torch",
 ) -> list[dict]:
     """Verify cost of each decoder layer of `model` (layer_model): N tree nodes (a DDTree-shaped mask) after a
-    context of C cached tokens (random latent rows), per (layer, context, N, batch). path "torch": the
-    layer's Block.forward over a per-request cache; "fused" (a GPU): the layer through kdtree.fused over a
-    paged pool, as the engine runs it (`bench_layer_fused`). On a GPU each step is timed as CUDA-graph
-    replays (`timing` "graph"), or with events around eager calls where capture fails. MoE rows also carry
-    `routed`'s experts_touched and (GPU) moe_kernel_s: the routed kernels' share of time_s on these rows'
-    random routing (its profiler pass follows the row's timing; the rows after the first are timed with the
-    profiler's CUDA tracing set up but idle). Every row says its "path"."""
-    if path not in LAYER_PATHS:
-        raise ValueError(f"path={path!r}: expected one of {LAYER_PATHS}")
-    if path == "fused":
-        return bench_layer_fused(model, contexts, nodes, batches, repeats, progress, seed)
+    context of C cached tokens (random latent rows), per (layer, context, N, batch), each layer's
+    Block.forward over a per-request cache (path "torch"; decode_layers.bench_layer_fused times the fused
+    path the engine runs). On a GPU each step is timed as CUDA-graph replays (`timing` "graph"), or with
+    events around eager calls where capture fails. MoE rows also carry `routed`'s experts_touched and (GPU)
+    moe_kernel_s: the routed kernels' share of time_s on these rows' random routing (its profiler pass
+    follows the row's timing; the rows after the first are timed with the profiler's CUDA tracing set up but
+    idle)."""
     dev = model.device
     args = model.args
-    mode = mode_for(dev)
     rng = np.random.default_rng(seed)
     rows = []
     it = [(c, b, n) for c in contexts for b in batches for n in nodes]
@@ -163,15 +166,8 @@ def bench_layer(
             def step(layer=layer, lat=cache.latent[i]):
                 layer(x, cos, sin, lat, meta)
 
-            how = "wall" if mode == "wall" else "graph"
-            with torch.no_grad():
-                if how == "graph":  # GPU time without the host's launch overhead; eager if capture fails
-                    try:
-                        t = measure(step, repeats, "graph").median
-                    except RuntimeError:
-                        how, t = "events", measure(step, repeats).median
-                else:
-                    t = measure(step, repeats, "wall").median
+            with torch.no_grad():   # GPU time without the host's launch overhead
+                t, how = time_step(step, repeats, dev)
             row = {
                 "layer": i,
                 "kind": "moe" if isinstance(layer.mlp, MoE) else "dense",
@@ -189,66 +185,3 @@ def bench_layer(
         del step, cache   # the closure holds a view of the cache
     return rows
 
-
-def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-                      batches=(1, 8), repeats: int = 10, progress: bool = True, seed: int = 0) -> list[dict]:
-    """bench_layer's rows for the fused decode path: each layer alone through kdtree.fused
-    (`decode_layers.fused_layer_step`, the engine's MoE path and BLAS library) over a paged pool
-    (`decode_layers.paged_inputs`) with the same DDTree-shaped masks, timed as CUDA-graph replays (events
-    where capture fails). MoE rows carry experts_touched (counted on the layer's torch step: the fused router
-    calls no gate module) and, on a GPU, moe_kernel_s (the fused step's moe_* kernels, torch.profiler).
-    ValueError where the fused path does not apply to the model (`fused.unsupported`, e.g. on a CPU)."""
-    from . import decode_layers as dl
-    from .. import fused
-    dev = model.device
-    moe, blas = dl._engine_bits(model)
-    probe = dl.paged_inputs(model, 64, 1, 1, moe, seed)[-1]
-    why = fused.unsupported(model, probe)
-    if why is not None:   # before the model is prepared or any pool is built
-        raise ValueError(f"path='fused': the fused path does not apply here: {why}")
-    model.prepare_paged(moe)
-    rng = np.random.default_rng(seed)
-    rows = []
-    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
-    if progress:
-        from ..progress import tqdm
-
-        it = tqdm(it, desc="layer verify (fused)")
-    for C, B, N in it:
-        pool, x, cos, sin, meta = dl.paged_inputs(model, C, B, N, moe, seed, mask=_tree_mask(rng, N))
-        for i, layer in enumerate(model.model.layers):
-            step = dl.fused_layer_step(model, i, x, cos, sin, pool, meta)
-            how = "wall" if mode_for(dev) == "wall" else "graph"
-            with torch.no_grad(), blas(dev, B * N):
-                if how == "graph":
-                    try:
-                        t = measure(step, repeats, "graph").median
-                    except RuntimeError:
-                        how, t = "events", measure(step, repeats).median
-                else:
-                    t = measure(step, repeats, "wall").median
-                row = {"layer": i, "kind": "moe" if isinstance(layer.mlp, MoE) else "dense", "context": C,
-                       "batch": B, "nodes": N, "time_s": t, "timing": how, "device": str(dev),
-                       "path": "fused", "moe": moe}
-                if isinstance(layer.mlp, MoE):
-                    row["experts_touched"] = experts_touched(
-                        layer.mlp, lambda layer=layer, lat=pool[i]: layer(x, cos, sin, lat, meta))
-                    if torch.device(dev).type == "cuda":
-                        row.update(_fused_moe_kernel_s(step, dev))
-            rows.append(row)
-        del pool, step
-    return rows
-
-
-def _fused_moe_kernel_s(step, device, calls: int = 3) -> dict:
-    """{"moe_kernel_s": seconds a step of the routed experts' kernels (moe_*)} over `calls` eager steps
-    (torch.profiler), or {} where none ran."""
-    from torch.profiler import ProfilerActivity
-
-    from .profiling import profile
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize(device)
-    kern = routed_kernel_s(prof)
-    return {"moe_kernel_s": kern / calls} if kern > 0 else {}
