@@ -125,9 +125,10 @@ def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=
     """FlashInfer's MLA over each cache set (split into its ckv / kpe page layout): the whole context with a
     causal block (prefix_only False), or the prefix alone with every query row seeing all of it (True);
     callables returning (out [b N, H, 512], lse base 2 [b N, H]). plan_s: a list given gets the host seconds
-    of one plan() (median of PLAN_REPEATS, the device synchronized after each), the call that must precede
-    every round's run() with that round's kv lengths on the host. views: FlashInfer reads our page pool in
-    place (ckv / kpe as strided views of its [rows, 576] pages) instead of split contiguous copies."""
+    of one plan() (median of PLAN_REPEATS, the device synchronized after each; lengths given on the host),
+    the call that must precede every round's run() with that round's kv lengths on the host. views:
+    FlashInfer reads our page pool in place (ckv / kpe as strided views of its [rows, 576] pages) instead of
+    split contiguous copies."""
     pages = ctx // 64 if prefix_only else x["pages"]
     kv_len = ctx if prefix_only else ctx + N
     dev = x["q"].device
@@ -136,9 +137,11 @@ def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=
     per = x["pages"]
     idx = (torch.arange(b, device=dev, dtype=torch.int32)[:, None] * per
            + torch.arange(pages, device=dev, dtype=torch.int32)[None]).reshape(-1)
-    plan_args = (torch.arange(0, b * N + 1, N, device=dev, dtype=torch.int32),
-                 torch.arange(0, b * pages + 1, pages, device=dev, dtype=torch.int32), idx,
-                 torch.full((b,), kv_len, device=dev, dtype=torch.int32), H, 512, 64, 64,
+    # the lengths as an engine holds them, on the host (plan() reads them there: device tensors would cost a
+    # copy back and a synchronization), the page indices on the device
+    plan_args = (torch.arange(0, b * N + 1, N, dtype=torch.int32),
+                 torch.arange(0, b * pages + 1, pages, dtype=torch.int32), idx,
+                 torch.full((b,), kv_len, dtype=torch.int32), H, 512, 64, 64,
                  not prefix_only and N > 1, scale, torch.bfloat16, torch.bfloat16)
     w.plan(*plan_args)
     if plan_s is not None:
