@@ -62,9 +62,9 @@ def shift_pages(page_table: torch.Tensor, seq_len: torch.Tensor, prefix: torch.T
 
 def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
     """Attention over two disjoint key sets merged: o [..., D] normalised over its set, lse [...] its
-    natural-log log-sum-exp (-inf for an empty set, whose o is ignored). Computed in float32 (float64 for
-    float64 inputs). Returns (o [..., D] in o2's dtype, lse [...] in the computing dtype). Base-2 lse
-    (FlashInfer's) must be multiplied by ln 2 first (`lse2_to_ln`)."""
+    natural-log log-sum-exp (-inf for an empty set, whose o is ignored, even where it is NaN). Computed in
+    float32 (float64 for float64 inputs). Returns (o [..., D] in o2's dtype, lse [...] in the computing
+    dtype). Base-2 lse (FlashInfer's default) must be multiplied by ln 2 first (`lse2_to_ln`)."""
     if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
         raise ValueError(f"merge_lse: expected o1, o2 [..., D] and lse1, lse2 [...] of one shape, got "
                          f"{tuple(o1.shape)}, {tuple(o2.shape)}, {tuple(lse1.shape)}, {tuple(lse2.shape)}")
@@ -74,7 +74,9 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)        # both empty: weights 0, not NaN
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)                  # exp(-inf) = 0 for an empty set
     den = w1 + w2
-    o = (o1.to(dt) * w1[..., None] + o2.to(dt) * w2[..., None]) / den.clamp_min(1e-30)[..., None]
+    zero = torch.zeros((), dtype=dt, device=o1.device)   # an empty set's o may hold anything, NaN included
+    o = (torch.where(w1[..., None] > 0, o1.to(dt) * w1[..., None], zero)
+         + torch.where(w2[..., None] > 0, o2.to(dt) * w2[..., None], zero)) / den.clamp_min(1e-30)[..., None]
     return o.to(o2.dtype), m + torch.log(den)
 
 
