@@ -43,6 +43,7 @@ import torch
 from . import goals
 from .peers_common import AGREE, QUEUE_CYCLES, SGLANG_FILES, rel_diff  # noqa: F401  (re-exported)
 from .peers_common import clear_cuda_error as _clear_cuda_error
+from .peers_common import flashinfer_in_engine  # noqa: F401  (re-exported)
 from .peers_common import sglang_stubs as _sglang_stubs
 from .peers_common import version as _version
 from .timer import input_sets, measure
@@ -314,37 +315,6 @@ def ar_section(ckpt: str = "data/trained", n_prompts: int = 4, prompt_len: int =
            "tokens_equal": hf["outputs"] == eng["outputs"]}
     rec["engine_over_hf_compiled"] = eng["tok_per_s"] / hf["tok_per_s"]
     return rec
-
-
-def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]:
-    """Whether the engine would gain by taking FlashInfer's MLA for its non-tree rounds (decode and chains),
-    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best backend), its
-    plan() host seconds (one a round, with the round's kv lengths read back to the host) and the overlap the
-    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
-    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
-    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch
-    1) and charged to every cell alike."""
-    lost = (ar or {}).get("overlap_gain_s")
-    out = []
-    for r in rows:
-        fi = {k: v for k, v in r["time_s"].items() if k.startswith("flashinfer_")}
-        if r["kind"] == "tree" or not fi:
-            continue
-        best = min(fi, key=fi.get)
-        gain = r["time_s"]["ours"] - fi[best]
-        plan = r.get("plan_s", {}).get(best)
-        cost = None if plan is None else plan + max(lost or 0.0, 0.0)
-        row = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
-               "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
-               "layers_to_pay": None}
-        if gain <= 0:
-            row["why"] = "FlashInfer is not faster than ours here"
-        elif cost is None:
-            row["why"] = "plan() was not timed (a record from before plan_s)"
-        else:
-            row["layers_to_pay"] = math.ceil(cost / gain - 1e-9)
-        out.append(row)
-    return out
 
 
 def build_targets(rows: list[dict], ar: dict | None = None) -> list[dict]:

@@ -2,12 +2,14 @@
 installed distribution's version, the stub modules SGLang's kernel files are loaded under (its package
 __init__ files and server never run), the relative difference of two outputs, and the timing of one side
 (`time_calls`) and of a row's sides (`run_sides`: each side's output checked before its time counts; a side
-that fails or disagrees is skipped with its reason)."""
+that fails or disagrees is skipped with its reason), and what FlashInfer's attention would gain and cost the
+engine (`flashinfer_in_engine`)."""
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -133,3 +135,34 @@ def best_peer(row: dict, exclude=("ours",)) -> dict:
         best = min(peer_t, key=peer_t.get)
         row["best_peer"], row["ours_over_best_peer"] = best, peer_t[best] / row["time_s"]["ours"]
     return row
+
+
+def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]:
+    """Whether the engine would gain by taking FlashInfer's MLA for its non-tree rounds (decode and chains),
+    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best backend), its
+    plan() host seconds (one a round, with the round's kv lengths read back to the host) and the overlap the
+    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
+    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
+    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch
+    1) and charged to every cell alike."""
+    lost = (ar or {}).get("overlap_gain_s")
+    out = []
+    for r in rows:
+        fi = {k: v for k, v in r["time_s"].items() if k.startswith("flashinfer_")}
+        if r["kind"] == "tree" or not fi:
+            continue
+        best = min(fi, key=fi.get)
+        gain = r["time_s"]["ours"] - fi[best]
+        plan = r.get("plan_s", {}).get(best)
+        cost = None if plan is None else plan + max(lost or 0.0, 0.0)
+        row = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
+               "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
+               "layers_to_pay": None}
+        if gain <= 0:
+            row["why"] = "FlashInfer is not faster than ours here"
+        elif cost is None:
+            row["why"] = "plan() was not timed (a record from before plan_s)"
+        else:
+            row["layers_to_pay"] = math.ceil(cost / gain - 1e-9)
+        out.append(row)
+    return out

@@ -9,6 +9,9 @@ each with its numpy golden twin beside it:
     moe_bf16     moe_bf16: bf16 experts, a few pairs a call      (moe_bf16.cu)     twin: moe_bf16_golden
     plan_estimates  plan_estimates (budget="auto")     (plan_estimates.cu)  twin: plan_estimates_golden
     (kdtree.bridge launches sglang_tree.cu)                                         twin: sglang_golden
+  and the torch glue of a verify split at a page boundary (a prefix / rest cascade):
+    attn_split   split_rows, shift_pages, merge_lse              (torch)           twin: verify_attn_golden
+    flashinfer_prefix  FlashInferPrefix: FlashInfer's MLA over the prefix, where installed  (same twin)
 
 Wrappers take and return torch tensors, check every argument before compiling or launching (ValueError naming
 it), and launch with no host round trip unless check_values reads the device. kdtree.kernels and kdtree.golden

@@ -1,0 +1,129 @@
+"""FlashInfer's paged MLA as the prefix half of a split verify (kdtree.ops.attn_split), where
+flashinfer-python is installed (the `peers` extra). Golden twin: verify_attn_golden.prefix_attention.
+
+    prefix = FlashInferPrefix(heads, scale, max_batch, max_pages)      # buffers fixed: CUDA-graph safe
+    prefix.plan(rows, nodes, page_table)     # host, before each round (and before a graph's capture)
+    o, lse = prefix.run(q, pool)             # [b, N, H, 512] bf16, [b, N, H] fp32 natural log
+
+Contract:
+  * plan(rows, nodes, page_table): rows host ints [b] (each request's prefix, a whole number of pages,
+    `attn_split.split_rows`), nodes N (query rows per request), page_table int32 [b, P] on the device (the
+    request's pages in order). Every query row of request i sees all of its rows[i] prefix rows (no mask).
+    The lengths stay on the host; the page indices are gathered on the device. One plan serves every layer.
+  * run(q, pool): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's paged
+    cache (pages of page_size rows). Reads the pool in place through strided views (its latent and rope
+    columns). A request with an empty prefix gets lse -inf (its o is then ignored by `attn_split.merge_lse`).
+  * `available()`: None where FlashInfer imports, else the reason.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import checks
+
+WORKSPACE_BYTES = 128 << 20   # FlashInfer's float workspace (its examples' size)
+
+
+@functools.lru_cache(maxsize=1)
+def _flashinfer():
+    import flashinfer
+    return flashinfer
+
+
+def available() -> str | None:
+    """None where flashinfer-python imports (with its MLA wrapper), else why not."""
+    try:
+        _flashinfer().mla.BatchMLAPagedAttentionWrapper
+    except Exception as e:  # absent, or present without what it needs (a dependency, a compiler)
+        return f"flashinfer is not usable here ({type(e).__name__}: {e})"[:300]
+    return None
+
+
+class FlashInferPrefix:
+    """FlashInfer's BatchMLAPagedAttentionWrapper over the prefix rows, with fixed buffers for up to
+    max_batch requests of max_pages pages (graph=True: a captured run() replays after each plan())."""
+
+    def __init__(self, heads: int, scale: float, max_batch: int, max_pages: int, page_size: int = 64,
+                 device="cuda", backend: str = "fa3", graph: bool = True):
+        self.heads = checks.int_in("heads", heads, 1, 1024)
+        if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+            raise ValueError(f"scale={scale!r}: expected a positive finite float")
+        self.scale = float(scale)
+        self.max_batch = checks.int_in("max_batch", max_batch, 1, 1 << 16)
+        self.max_pages = checks.int_in("max_pages", max_pages, 1, 1 << 24)
+        self.page_size = checks.int_in("page_size", page_size, 1, 1 << 12)
+        if backend not in ("fa3", "fa2", "auto"):
+            raise ValueError(f"backend={backend!r}: expected 'fa3', 'fa2' or 'auto'")
+        why = available()
+        if why is not None:
+            raise ValueError(f"FlashInferPrefix: {why}")
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device={device!r}: FlashInfer's MLA runs on a CUDA GPU")
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._empty = torch.zeros(self.max_batch, dtype=torch.bool, device=self.device)   # prefix of 0 rows
+        bufs = {}
+        if graph:
+            bufs = dict(qo_indptr=torch.zeros(self.max_batch + 1, **i32),
+                        kv_indptr=torch.zeros(self.max_batch + 1, **i32),
+                        kv_indices=torch.zeros(self.max_batch * self.max_pages, **i32),
+                        kv_len_arr=torch.zeros(self.max_batch, **i32))
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        mla = _flashinfer().mla
+        self.wrapper = mla.BatchMLAPagedAttentionWrapper(ws, use_cuda_graph=graph, backend=backend, **bufs)
+        self.planned: tuple[int, int] | None = None   # (b, N) of the last plan
+
+    def plan(self, rows, nodes: int, page_table: torch.Tensor) -> None:
+        """Plan the prefix pass of len(rows) requests of `nodes` query rows (module contract); host work plus
+        small copies to the device, on the current stream."""
+        if not isinstance(rows, (list, tuple)) or not rows:
+            raise ValueError(f"rows: expected a non-empty list of ints (prefix rows per request), got "
+                             f"{rows!r}")
+        b = len(rows)
+        if b > self.max_batch:
+            raise ValueError(f"rows: {b} requests, more than max_batch={self.max_batch}")
+        N = checks.int_in("nodes", nodes, 1, 1 << 16)
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] < b:
+            raise ValueError(f"page_table: expected int32 [b >= {b}, P], got {page_table.dtype} "
+                             f"{tuple(page_table.shape)}")
+        if page_table.device != self.device:
+            raise ValueError(f"page_table: on {page_table.device}, expected {self.device}")
+        P = page_table.shape[1]
+        pages = []
+        for i, r in enumerate(rows):
+            r = checks.int_in(f"rows[{i}]", r, 0, min(P, self.max_pages) * self.page_size)
+            if r % self.page_size:
+                raise ValueError(f"rows[{i}]={r}: expected a whole number of pages of {self.page_size}")
+            pages.append(r // self.page_size)
+        kv_indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        flat = torch.cat([torch.arange(n, dtype=torch.int64) + i * P for i, n in enumerate(pages)])
+        kv_indices = page_table.reshape(-1)[flat.to(self.device, non_blocking=True)]   # [sum pages] int32
+        if kv_indices.numel() == 0:   # every prefix empty: one valid index so the buffers are not empty
+            kv_indices = page_table.reshape(-1)[:1]
+        self.wrapper.plan(torch.arange(0, b * N + 1, N, dtype=torch.int32), kv_indptr, kv_indices,
+                          torch.tensor(rows, dtype=torch.int32), self.heads, 512, 64, self.page_size, False,
+                          self.scale, torch.bfloat16, torch.bfloat16)
+        self._empty[:b].copy_(torch.tensor([r == 0 for r in rows]), non_blocking=True)
+        self.planned = (b, N)
+
+    def run(self, q: torch.Tensor, pool: torch.Tensor):
+        """(o bf16 [b, N, H, 512], lse fp32 [b, N, H] natural log) of the planned prefix pass (module
+        contract); q's b and N must be the plan's."""
+        if self.planned is None:
+            raise ValueError("run: no plan yet (call plan(rows, nodes, page_table) first)")
+        b, N = self.planned
+        if q.dtype != torch.bfloat16 or tuple(q.shape) != (b, N, self.heads, 576):
+            raise ValueError(f"q: expected bf16 [{b}, {N}, {self.heads}, 576] (the plan's), got {q.dtype} "
+                             f"{tuple(q.shape)}")
+        if pool.dtype != torch.bfloat16 or pool.dim() != 2 or pool.shape[1] != 576 or \
+                pool.shape[0] % self.page_size:
+            raise ValueError(f"pool: expected bf16 [rows, 576] in whole pages of {self.page_size}, got "
+                             f"{pool.dtype} {tuple(pool.shape)}")
+        qf = q.reshape(b * N, self.heads, 576)
+        pages = pool.view(-1, self.page_size, 576)
+        o, lse = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
+                                  pages[..., 512:], return_lse=True, return_lse_base_on_e=True)
+        lse = lse.view(b, N, self.heads).masked_fill(self._empty[:b, None, None], float("-inf"))
+        return o.view(b, N, self.heads, 512), lse
