@@ -8,6 +8,9 @@ each with its numpy golden twin beside it:
     moe_int4     repack_moe -> MoeWeights, moe_int4, group_pairs (moe_int4.cu)     twin: moe_int4_golden
     moe_bf16     moe_bf16: bf16 experts, a few pairs a call      (moe_bf16.cu)     twin: moe_bf16_golden
     plan_estimates  plan_estimates (budget="auto")     (plan_estimates.cu)  twin: plan_estimates_golden
+    decode       the fused decode layer's small kernels          (decode_fused.cu) twin: decode_golden
+    gemv         gemv: skinny bf16 GEMMs                         (gemv.cu)         twin: gemv_golden
+    draft_attn   draft_attn: the drafter's GQA attention         (draft_attn.cu)   twin: draft_attn_golden
     (kdtree.bridge launches sglang_tree.cu)                                         twin: sglang_golden
   and the torch glue of a verify split at a page boundary (a prefix / rest cascade):
     attn_split   split_rows, shift_pages, merge_lse              (torch)           twin: verify_attn_golden
