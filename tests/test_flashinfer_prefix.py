@@ -58,7 +58,7 @@ def test_the_prefix_pass_merged_with_verify_attn_is_the_whole(b, ctx, N, cuts):
     tree = golden.ddtree(np.random.default_rng(N).standard_normal((15, 64)).astype(np.float32) * 2, N - 1) \
         if N > 1 else None
     mask = golden.compile_tree(tree, 0, 0).mask if tree is not None else np.ones((1, 1), bool)
-    pre = fp.FlashInferPrefix(H, scale, max_batch=4, max_pages=per)
+    pre = fp.FlashInferPrefix(H, scale, max_batch=b, max_pages=per)
     pre.plan(cuts, N, table.to(dev))
     o1, l1 = pre.run(q.to(dev), pool.to(dev))
     pt, seq = sp.shift_pages(table.to(dev), torch.full((b,), S, dtype=torch.int32, device=dev),
@@ -79,3 +79,5 @@ def test_the_prefix_pass_merged_with_verify_attn_is_the_whole(b, ctx, N, cuts):
             assert np.abs(l1[i].double().cpu().numpy() - lse1).max() <= 1e-2
         else:
             assert torch.isneginf(l1[i]).all()
+    with pytest.raises(ValueError, match=f"exactly {b}"):   # graph mode: one batch size a wrapper
+        pre.plan(cuts + [0], N, table.to(dev))

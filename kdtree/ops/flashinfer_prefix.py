@@ -42,8 +42,10 @@ def available() -> str | None:
 
 
 class FlashInferPrefix:
-    """FlashInfer's BatchMLAPagedAttentionWrapper over the prefix rows, with fixed buffers for up to
-    max_batch requests of max_pages pages (graph=True: a captured run() replays after each plan())."""
+    """FlashInfer's BatchMLAPagedAttentionWrapper over the prefix rows of max_pages pages at most a request.
+    graph=True: fixed buffers for exactly max_batch requests (an engine's batch bucket, its padding slots
+    planned with 0 prefix rows), so that a captured run() replays after each plan(); graph=False: up to
+    max_batch requests a plan."""
 
     def __init__(self, heads: int, scale: float, max_batch: int, max_pages: int, page_size: int = 64,
                  device="cuda", backend: str = "fa3", graph: bool = True):
@@ -59,6 +61,7 @@ class FlashInferPrefix:
         why = available()
         if why is not None:
             raise ValueError(f"FlashInferPrefix: {why}")
+        self.graph = bool(graph)
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device={device!r}: FlashInfer's MLA runs on a CUDA GPU")
@@ -82,8 +85,10 @@ class FlashInferPrefix:
             raise ValueError(f"rows: expected a non-empty list of ints (prefix rows per request), got "
                              f"{rows!r}")
         b = len(rows)
-        if b > self.max_batch:
-            raise ValueError(f"rows: {b} requests, more than max_batch={self.max_batch}")
+        if b > self.max_batch or (self.graph and b != self.max_batch):
+            want = (f"exactly {self.max_batch} (graph=True: FlashInfer's buffers are sized for one batch; "
+                    "pad with requests of 0 prefix rows)") if self.graph else f"at most {self.max_batch}"
+            raise ValueError(f"rows: {b} requests, expected {want}")
         N = checks.int_in("nodes", nodes, 1, 1 << 16)
         if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] < b:
             raise ValueError(f"page_table: expected int32 [b >= {b}, P], got {page_table.dtype} "
