@@ -1,6 +1,7 @@
 """The results page's opening section (kdtree.report.headline): does DDTree pay, at which batch and budget,
 against which AR, on which card. `_k26_headline` tabulates the K2.6-shape rows (SIMULATED acceptance) of the
-GPU folders' e2e.json and `python -m kdtree.bench.k26` records; `_pair_headline` the trained pair's (real
+GPU folders' e2e.json and `python -m kdtree.bench.k26` records (with a before / after line where one folder
+holds a cell on both decode paths, `_decode_path_verdicts`); `_pair_headline` the trained pair's (real
 acceptance, a tiny model) of their e2e.json and engine.json. Each takes the GPU folders and returns markdown
 lines, [] where no folder holds a row; each speculative row is over the engine's own AR of the same record,
 run and cell.
@@ -67,6 +68,7 @@ def _k26_headline(gpus: list[Path]) -> list[str]:
     sources = sorted(((g, name, sec) for g in gpus for name, sec in _k26_sections(g)),
                      key=lambda t: (t[1] != "e2e.json", t[0].name, t[1]))   # the lab's sweeps first
     rows, verdicts, notes, taus, fitted = [], [], [], set(), set()
+    paths: dict = {}   # (folder, subfolder, card, batch, context, layers, tau) -> {decode path: cell entry}
     for g, name, sec in sources:
         cells = [c for c in sec["cells"] if not c.get("error") and c.get("tok_per_s")]
         card = sec.get("device") or "-"
@@ -81,6 +83,10 @@ def _k26_headline(gpus: list[Path]) -> list[str]:
             fitted |= {tc for tc, v in cell.items() if v["fitted"]}
             rows.append((where, card, b, C, layers, cell))
             by_batch.setdefault(b, []).extend((C, tc, v) for tc, v in cell.items())
+            if sec.get("decode_path") in ("torch", "fused"):
+                for tc, v in cell.items():
+                    key = (g.name, Path(name).parent.as_posix(), card, b, C, layers, tc)
+                    paths.setdefault(key, {}).setdefault(sec["decode_path"], v)   # a folder's first record
         if name == "e2e.json":   # the lab's sweep: one verdict a batch size
             for b, got in by_batch.items():
                 pays = [(v["x"], tc, C, v["budget"]) for C, tc, v in got if v["x"] > 1]
@@ -116,6 +122,7 @@ def _k26_headline(gpus: list[Path]) -> list[str]:
                              f"{one['context']:,}.")
     if not rows:
         return []
+    verdicts += _decode_path_verdicts(paths)
     taus = sorted(taus)
     table = [[where, card, b, C, layers, cell[taus[0]]["ar"] if taus[0] in cell else
               next(iter(cell.values()))["ar"],
@@ -135,6 +142,25 @@ def _k26_headline(gpus: list[Path]) -> list[str]:
             *_table(["record", "card", "batch", "context", "MoE layers", "engine AR, tok/s",
                      *[_tau_head(tc, tc in fitted) for tc in taus]], table),
             *([" ".join(notes), ""] if notes else [])]
+
+
+def _decode_path_verdicts(paths: dict) -> list[str]:
+    """A line per (card, cell, profile) that one folder measured on both decode paths (bench.k26's
+    --decode-path torch and fused, a same-run before / after): the engine's AR and what DDTree buys over it
+    on each."""
+    out = []
+    for key, by in sorted(paths.items(), key=lambda kv: [str(k) for k in kv[0]]):
+        gpu, sub, card, b, C, layers, tc = key
+        if "torch" not in by or "fused" not in by:
+            continue
+        t, f = by["torch"], by["fused"]
+        both = t["auto"] is not None and f["auto"] is not None
+        auto = f"; auto {_x(t['auto'])} -> {_x(f['auto'])}" if both else ""
+        less = ": a faster AR leaves DDTree less to win" if f["ar"] > t["ar"] and f["x"] < t["x"] else ""
+        out.append(f"- The fused decode layers against the torch path (`{gpu}/{sub}/`, {card}, batch {b}, "
+                   f"context {C:,}, {layers} MoE layers, τc {tc:g}): AR {_num(t['ar'])} -> {_num(f['ar'])} "
+                   f"tok/s, the best fixed budget over AR {_x(t['x'])} -> {_x(f['x'])}{auto}{less}.")
+    return out
 
 
 def _pair_headline(gpus: list[Path]) -> list[str]:

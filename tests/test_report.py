@@ -188,3 +188,27 @@ def test_outputs_cpu_is_no_gpu_section(tmp_path):
     page = report.report(rec_dir)
     assert "## cpu (" not in page and "`cpu/e2e.json`" not in page
     assert page == report.report(report.RECORDS)
+
+
+def test_a_folder_with_both_decode_paths_gets_a_before_after_line(tmp_path):
+    """Same folder, same cell and profile on --decode-path torch and fused: one line with both ARs and both
+    ratios; the 'less to win' reading only where the ratio fell while AR rose. Can fail: a lone path (or two
+    paths in different folders) gets no line."""
+    gpu = tmp_path / "outputs" / "gx"
+    (gpu / "df").mkdir(parents=True)
+    torch_sec = dict(_k26_rec()["k26"], device="Test GPU X", decode_path="torch")
+    fused_cells = [dict(c, tok_per_s=c["tok_per_s"] * (1.5 if c["mode"] == "ar" else 1.2))
+                   for c in torch_sec["cells"]]
+    (gpu / "df" / "e2e_k26_torch.json").write_text(json.dumps(torch_sec))
+    (gpu / "df" / "e2e_k26_fused.json").write_text(json.dumps(dict(torch_sec, cells=fused_cells,
+                                                                  decode_path="fused")))
+    head = "\n".join(report.headline(tmp_path / "outputs"))
+    line = next(ln for ln in head.splitlines() if ln.startswith("- The fused decode layers") and "τc 5" in ln
+                and "batch 1," in ln)
+    assert "(`gx/df/`, Test GPU X, batch 1, context 4,096, 5 MoE layers, τc 5): AR 100 -> 150 tok/s" in line
+    assert "the best fixed budget over AR 2.50x -> 2.00x; auto 2.25x -> 1.80x" in line
+    assert line.endswith("a faster AR leaves DDTree less to win.")
+    (gpu / "df" / "e2e_k26_torch.json").rename(gpu / "e2e_k26_torch_elsewhere.json")   # no longer one folder
+    (gpu / "other").mkdir()
+    (gpu / "e2e_k26_torch_elsewhere.json").rename(gpu / "other" / "e2e_k26_torch.json")
+    assert "- The fused decode layers" not in "\n".join(report.headline(tmp_path / "outputs"))
