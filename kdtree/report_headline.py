@@ -145,11 +145,12 @@ def _k26_headline(gpus: list[Path]) -> list[str]:
 
 
 def _decode_path_verdicts(paths: dict) -> list[str]:
-    """A line per (card, cell, profile) that one folder measured on both decode paths (bench.k26's
-    --decode-path torch and fused, a same-run before / after): the engine's AR and what DDTree buys over it
-    on each."""
+    """A line per (card, cell, profile) that one folder holds on both decode paths (two bench.k26 records,
+    --decode-path torch and fused, of one folder: one lease by the folder's README): the engine's AR and
+    what DDTree buys over it on each."""
     out = []
-    for key, by in sorted(paths.items(), key=lambda kv: [str(k) for k in kv[0]]):
+    for key, by in sorted(paths.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3],
+                                                         kv[0][4], str(kv[0][5]), kv[0][6])):
         gpu, sub, card, b, C, layers, tc = key
         if "torch" not in by or "fused" not in by:
             continue

@@ -76,6 +76,19 @@ def test_both_halves_empty_or_one_empty():
     assert torch.isfinite(got).all() and torch.isneginf(l).all()
 
 
+def test_shift_pages_checks_the_cut_when_asked_and_merge_promotes_every_input():
+    pt = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seq = torch.tensor([100, 150], dtype=torch.int32)
+    with pytest.raises(ValueError, match="prefix: expected whole pages of 64"):
+        sp.shift_pages(pt, seq, torch.tensor([64, 70]), PAGE, check_values=True)
+    with pytest.raises(ValueError, match="within \\[0, seq_len\\]"):
+        sp.shift_pages(pt, seq, torch.tensor([128, 64]), PAGE, check_values=True)
+    assert sp.shift_pages(pt, seq, torch.tensor([64, 128]), PAGE, check_values=True)[1].tolist() == [36, 22]
+    o32, l32 = torch.randn(2, 4), torch.randn(2)
+    o64, l64 = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    assert sp.merge_lse(o32, l32, o64, l64)[1].dtype == torch.float64
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda: sp.split_rows([1, -1], PAGE), "committed\\[1\\]"),
     (lambda: sp.split_rows(5, PAGE), "committed: expected a list"),

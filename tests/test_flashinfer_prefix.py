@@ -17,6 +17,13 @@ def test_arguments_are_named_before_flashinfer_is_needed():
         fp.FlashInferPrefix(0, 0.1, 1, 1)
     with pytest.raises(ValueError, match="scale"):
         fp.FlashInferPrefix(8, float("nan"), 1, 1)
+    with pytest.raises(ValueError, match="scale=True"):
+        fp.FlashInferPrefix(8, True, 1, 1)
+    with pytest.raises(ValueError, match="graph"):
+        fp.FlashInferPrefix(8, 0.1, 1, 1, graph="yes")
+    for bad in ("cpu", "gpu:x", 3.5):
+        with pytest.raises(ValueError, match="expected a CUDA device"):
+            fp.FlashInferPrefix(8, 0.1, 1, 1, device=bad)
     with pytest.raises(ValueError, match="backend"):
         fp.FlashInferPrefix(8, 0.1, 1, 1, backend="fa9")
 

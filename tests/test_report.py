@@ -208,6 +208,14 @@ def test_a_folder_with_both_decode_paths_gets_a_before_after_line(tmp_path):
     assert "(`gx/df/`, Test GPU X, batch 1, context 4,096, 5 MoE layers, τc 5): AR 100 -> 150 tok/s" in line
     assert "the best fixed budget over AR 2.50x -> 2.00x; auto 2.25x -> 1.80x" in line
     assert line.endswith("a faster AR leaves DDTree less to win.")
+    # a fused record whose ratio rose and which has no auto row: neither the reading nor the auto ratios
+    rose = [dict(c, tok_per_s=c["tok_per_s"] * (1.1 if c["mode"] == "ar" else 1.5))
+            for c in torch_sec["cells"] if c.get("budget") != "auto"]
+    fused_rec = dict(torch_sec, cells=rose, decode_path="fused")
+    (gpu / "df" / "e2e_k26_fused.json").write_text(json.dumps(fused_rec))
+    line = next(ln for ln in "\n".join(report.headline(tmp_path / "outputs")).splitlines()
+                if ln.startswith("- The fused decode layers") and "τc 5" in ln and "batch 1," in ln)
+    assert line.endswith("the best fixed budget over AR 2.50x -> 3.41x.") and "auto" not in line
     (gpu / "df" / "e2e_k26_torch.json").rename(gpu / "e2e_k26_torch_elsewhere.json")   # no longer one folder
     (gpu / "other").mkdir()
     (gpu / "e2e_k26_torch_elsewhere.json").rename(gpu / "other" / "e2e_k26_torch.json")

@@ -139,12 +139,12 @@ def best_peer(row: dict, exclude=("ours",)) -> dict:
 
 def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]:
     """Whether the engine would gain by taking FlashInfer's MLA for its non-tree rounds (decode and chains),
-    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best backend), its
-    plan() host seconds (one a round, with the round's kv lengths read back to the host) and the overlap the
-    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
-    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
-    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch
-    1) and charged to every cell alike."""
+    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best side, the pool
+    read in place included), its plan() host seconds (one a round, with the round's kv lengths given on
+    the host) and the overlap the engine gives up for it (ar's overlap_gain_s, where measured);
+    "layers_to_pay": the layers a round needs before the gain covers both costs, None with "why" where
+    FlashInfer is not faster or its plan() was not timed (an older record). The overlap is measured on the
+    AR section's engine (the trained target, batch 1) and charged to every cell alike."""
     lost = (ar or {}).get("overlap_gain_s")
     out = []
     for r in rows:

@@ -39,12 +39,14 @@ def split_rows(committed, page_size: int) -> list[int]:
     return out
 
 
-def shift_pages(page_table: torch.Tensor, seq_len: torch.Tensor, prefix: torch.Tensor, page_size: int):
+def shift_pages(page_table: torch.Tensor, seq_len: torch.Tensor, prefix: torch.Tensor, page_size: int,
+                check_values: bool = False):
     """The rest's page table and lengths: page_table int32 [b, P], seq_len int32 [b], prefix int [b] on the
     same device (whole pages, prefix <= seq_len - N: the caller's contract, not read back here) ->
     (int32 [b, P] whose page j is page_table's page j + prefix / page_size, the tail past P repeating its
-    last page (never read: seq_rest ends before it), seq_rest int32 [b] = seq_len - prefix). No host reads:
-    capturable in a CUDA graph."""
+    last page (never read: seq_rest ends before it), seq_rest int32 [b] = seq_len - prefix). No host reads
+    (capturable in a CUDA graph) unless check_values, which reads prefix to check it is whole pages within
+    [0, seq_len]."""
     page_size = checks.int_in("page_size", page_size, 1, 1 << 20)
     if page_table.dim() != 2 or page_table.dtype != torch.int32:
         raise ValueError(f"page_table: expected int32 [b, P], got {page_table.dtype} "
@@ -55,6 +57,11 @@ def shift_pages(page_table: torch.Tensor, seq_len: torch.Tensor, prefix: torch.T
             raise ValueError(f"{name}: expected an integer tensor [{b}], got {t.dtype} {tuple(t.shape)}")
         if t.device != page_table.device:
             raise ValueError(f"{name}: on {t.device}, page_table on {page_table.device}")
+    if check_values:
+        pre, seq = prefix.long().cpu(), seq_len.long().cpu()
+        if bool((pre % page_size).any()) or bool((pre < 0).any()) or bool((pre > seq).any()):
+            raise ValueError(f"prefix: expected whole pages of {page_size} within [0, seq_len], got "
+                             f"{pre.tolist()} (seq_len {seq.tolist()})")
     first = prefix.long() // page_size                                                   # [b]
     idx = (first[:, None] + torch.arange(P, device=page_table.device)).clamp_max(P - 1)  # [b, P]
     return page_table.gather(1, idx), (seq_len.long() - prefix.long()).to(torch.int32)
@@ -68,7 +75,9 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
     if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
         raise ValueError(f"merge_lse: expected o1, o2 [..., D] and lse1, lse2 [...] of one shape, got "
                          f"{tuple(o1.shape)}, {tuple(o2.shape)}, {tuple(lse1.shape)}, {tuple(lse2.shape)}")
-    dt = torch.promote_types(torch.float32, torch.promote_types(o1.dtype, lse1.dtype))
+    dt = torch.float32
+    for t in (o1, lse1, o2, lse2):
+        dt = torch.promote_types(dt, t.dtype)
     l1, l2 = lse1.to(dt), lse2.to(dt)
     m = torch.maximum(l1, l2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)        # both empty: weights 0, not NaN

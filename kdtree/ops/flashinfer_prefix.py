@@ -13,6 +13,8 @@ Contract:
   * run(q, pool): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's paged
     cache (pages of page_size rows). Reads the pool in place through strided views (its latent and rope
     columns). A request with an empty prefix gets lse -inf (its o is then ignored by `attn_split.merge_lse`).
+  * Graphs (graph=True): a run() captured after a plan replays correctly after any later plan of the same
+    batch and nodes (FlashInfer sizes its launch from them at plan time); plan() itself runs outside.
   * `available()`: None where FlashInfer imports, else the reason.
 """
 from __future__ import annotations
@@ -50,21 +52,24 @@ class FlashInferPrefix:
     def __init__(self, heads: int, scale: float, max_batch: int, max_pages: int, page_size: int = 64,
                  device="cuda", backend: str = "fa3", graph: bool = True):
         self.heads = checks.int_in("heads", heads, 1, 1024)
-        if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
-            raise ValueError(f"scale={scale!r}: expected a positive finite float")
-        self.scale = float(scale)
+        self.scale = checks.finite_float("scale", scale, 1e-30)
         self.max_batch = checks.int_in("max_batch", max_batch, 1, 1 << 16)
         self.max_pages = checks.int_in("max_pages", max_pages, 1, 1 << 24)
         self.page_size = checks.int_in("page_size", page_size, 1, 1 << 12)
         if backend not in ("fa3", "fa2", "auto"):
             raise ValueError(f"backend={backend!r}: expected 'fa3', 'fa2' or 'auto'")
+        self.graph = checks.flag("graph", graph)
+        try:
+            cuda = torch.device(device).type == "cuda"
+        except (RuntimeError, TypeError):
+            cuda = False
+        if not cuda:
+            raise ValueError(f"device={device!r}: expected a CUDA device (FlashInfer's MLA runs on a GPU)")
         why = available()
         if why is not None:
             raise ValueError(f"FlashInferPrefix: {why}")
-        self.graph = bool(graph)
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"device={device!r}: FlashInfer's MLA runs on a CUDA GPU")
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.device = ws.device   # with its index ("cuda" -> "cuda:0"), as the tensors it meets report it
         i32 = dict(dtype=torch.int32, device=self.device)
         self._empty = torch.zeros(self.max_batch, dtype=torch.bool, device=self.device)   # prefix of 0 rows
         bufs = {}
@@ -73,14 +78,18 @@ class FlashInferPrefix:
                         kv_indptr=torch.zeros(self.max_batch + 1, **i32),
                         kv_indices=torch.zeros(self.max_batch * self.max_pages, **i32),
                         kv_len_arr=torch.zeros(self.max_batch, **i32))
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         mla = _flashinfer().mla
         self.wrapper = mla.BatchMLAPagedAttentionWrapper(ws, use_cuda_graph=graph, backend=backend, **bufs)
         self.planned: tuple[int, int] | None = None   # (b, N) of the last plan
+        self._copied = None   # an event after the last plan's copies to the device
 
     def plan(self, rows, nodes: int, page_table: torch.Tensor) -> None:
         """Plan the prefix pass of len(rows) requests of `nodes` query rows (module contract); host work plus
-        small copies to the device, on the current stream."""
+        small copies to the device, on the current stream. FlashInfer stages its schedule in one pinned host
+        buffer and copies it asynchronously, so a plan first waits until the previous plan's copies have run
+        (the previous round's kernels need not have)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         if not isinstance(rows, (list, tuple)) or not rows:
             raise ValueError(f"rows: expected a non-empty list of ints (prefix rows per request), got "
                              f"{rows!r}")
@@ -90,6 +99,8 @@ class FlashInferPrefix:
                     "pad with requests of 0 prefix rows)") if self.graph else f"at most {self.max_batch}"
             raise ValueError(f"rows: {b} requests, expected {want}")
         N = checks.int_in("nodes", nodes, 1, 1 << 16)
+        if not isinstance(page_table, torch.Tensor):
+            raise ValueError(f"page_table: expected an int32 tensor [b, P], got {type(page_table).__name__}")
         if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] < b:
             raise ValueError(f"page_table: expected int32 [b >= {b}, P], got {page_table.dtype} "
                              f"{tuple(page_table.shape)}")
@@ -112,6 +123,8 @@ class FlashInferPrefix:
                           self.scale, torch.bfloat16, torch.bfloat16)
         self._empty[:b].copy_(torch.tensor([r == 0 for r in rows]), non_blocking=True)
         self.planned = (b, N)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def run(self, q: torch.Tensor, pool: torch.Tensor):
         """(o bf16 [b, N, H, 512], lse fp32 [b, N, H] natural log) of the planned prefix pass (module
@@ -123,9 +136,9 @@ class FlashInferPrefix:
             raise ValueError(f"q: expected bf16 [{b}, {N}, {self.heads}, 576] (the plan's), got {q.dtype} "
                              f"{tuple(q.shape)}")
         if pool.dtype != torch.bfloat16 or pool.dim() != 2 or pool.shape[1] != 576 or \
-                pool.shape[0] % self.page_size:
-            raise ValueError(f"pool: expected bf16 [rows, 576] in whole pages of {self.page_size}, got "
-                             f"{pool.dtype} {tuple(pool.shape)}")
+                pool.shape[0] % self.page_size or not pool.is_contiguous():
+            raise ValueError(f"pool: expected a contiguous bf16 [rows, 576] in whole pages of "
+                             f"{self.page_size}, got {pool.dtype} {tuple(pool.shape)}")
         qf = q.reshape(b * N, self.heads, 576)
         pages = pool.view(-1, self.page_size, 576)
         o, lse = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
