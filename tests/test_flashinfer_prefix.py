@@ -88,3 +88,40 @@ def test_the_prefix_pass_merged_with_verify_attn_is_the_whole(b, ctx, N, cuts):
             assert torch.isneginf(l1[i]).all()
     with pytest.raises(ValueError, match=f"exactly {b}"):   # graph mode: one batch size a wrapper
         pre.plan(cuts + [0], N, table.to(dev))
+
+
+@pytest.mark.gpu
+def test_a_captured_prefix_pass_replays_after_each_new_plan():
+    """graph=True: run() captured once, then planned again with other prefix rows (the same batch and nodes)
+    and replayed: each replay against the float64 prefix twin; an empty prefix gives lse -inf."""
+    _need_flashinfer()
+    H, scale, b, N, per, dev = 16, 0.1352, 2, 4, 20, "cuda"
+    g = torch.Generator().manual_seed(7)
+    cache = (torch.randn(b * per * PAGE, 576, generator=g) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(b, N, H, 576, generator=g) * 0.5).to(torch.bfloat16)
+    table = torch.arange(b * per, dtype=torch.int32).view(b, per)
+    pool_d, q_d, table_d = cache.to(dev), q.to(dev), table.to(dev)
+    pre = fp.FlashInferPrefix(H, scale, max_batch=b, max_pages=per)
+    pre.plan([640, 320], N, table_d)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pre.run(q_d, pool_d)   # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = pre.run(q_d, pool_d)
+    for rows in ([640, 320], [1216, 64], [0, 960]):
+        pre.plan(rows, N, table_d)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, r in enumerate(rows):
+            if r == 0:
+                assert torch.isneginf(lse[i]).all()
+                continue
+            c = cache[i * per * PAGE:i * per * PAGE + r].double().numpy()
+            qi = q[i].double().numpy()
+            ref, ref_l = prefix_attention(qi[..., :512], qi[..., 512:], c[:, :512], c[:, 512:], scale)
+            got = o[i].double().cpu().numpy()
+            assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-2, (rows, i)
+            assert np.abs(lse[i].double().cpu().numpy() - ref_l).max() <= 1e-2, (rows, i)
