@@ -375,3 +375,22 @@ def test_k26_cli_refuses_an_empty_sweep_before_looking_for_a_gpu(tmp_path):
         with pytest.raises(SystemExit, match=needle):
             bench_k26.main(["--out", str(tmp_path / "out")] + argv)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_refuses_to_merge_rows_of_another_card(tmp_path, monkeypatch, capsys):
+    """python -m kdtree.bench.k26 merges its rows into --out's record: a record of another card is refused
+    before anything runs (rows of two cards in one record would be compared as one run), one of this card
+    or of none is taken."""
+    from kdtree.bench import k26 as bench_k26
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Card B")
+    ran = []
+    monkeypatch.setattr(bench_k26, "run",
+                        lambda *a, **k: ran.append(1) or {"cells": [], "targets": [], "layers": {}})
+    (tmp_path / "e2e_k26.json").write_text(json.dumps({"device": "Card A", "cells": []}))
+    with pytest.raises(SystemExit, match="measured on 'Card A', this is 'Card B'"):
+        bench_k26.main(["--cells", "4096:1", "--profiles", "5:8", "--out", str(tmp_path)])
+    assert not ran and json.loads((tmp_path / "e2e_k26.json").read_text())["device"] == "Card A"
+    (tmp_path / "e2e_k26.json").write_text(json.dumps({"device": "Card B", "cells": []}))
+    bench_k26.main(["--cells", "4096:1", "--profiles", "5:8", "--out", str(tmp_path)])
+    assert ran and json.loads((tmp_path / "e2e_k26.json").read_text())["device"] == "Card B"

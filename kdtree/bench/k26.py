@@ -394,10 +394,14 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("e2e_k26.json" if a.routing == "model" else f"e2e_k26_{a.routing}.json")
     old = json.loads(path.read_text()) if path.is_file() else None
+    card = torch.cuda.get_device_name()
+    if old and old.get("device") not in (None, card):
+        raise SystemExit(f"bench_k26: {path} holds rows measured on {old['device']!r}, this is {card!r}: "
+                         "a record holds one card's rows (give another --out)")
 
     def save(rec):
         rec = merge(old, rec)
-        rec["device"] = torch.cuda.get_device_name()
+        rec["device"] = card
         if rec.get("partial"):
             path.write_text(json.dumps(rec, indent=1) + "\n")
         else:
