@@ -193,6 +193,30 @@ def check_out_dir(out: Path, device: str) -> Path:
     return out
 
 
+def check_record_dir(out, device: str, flag: str = "--out") -> Path:
+    """A benchmark's output folder for a run on `device`: ValueError naming `flag` when it is a file or lies
+    under one, or when it lies anywhere inside another GPU's record folder (outputs/<gpu>/..., compared
+    resolved), whose records only a run on that GPU writes."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{flag} {out}: {p} is a file, not a folder")
+    r, root = out.resolve(), OUTPUTS.resolve()
+    if root in r.parents:
+        gpu = r.relative_to(root).parts[0]
+        if gpu in _gpu_dirs() and gpu != device_slug(device):
+            raise ValueError(f"{flag} {out}: outputs/{gpu}/ holds the {gpu} GPU's records; a run on "
+                             f"{device} writes to {output_dir(device)} (or to a folder outside outputs/)")
+    return out
+
+
+def _gpu_dirs() -> set[str]:
+    """The GPU record folders under outputs/ (its subfolders but the CPU one)."""
+    if not OUTPUTS.is_dir():
+        return set()
+    return {p.name for p in OUTPUTS.iterdir() if p.is_dir() and p.name != CPU_DIR}
+
+
 TRAINED = ROOT / "data" / "trained"   # the shipped pair (notebook 03's default ckpt_dir, "../data/trained")
 
 

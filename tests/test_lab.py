@@ -378,3 +378,26 @@ def test_a_notebook_kernel_talks_over_ipc_without_a_tcp_warning(tmp_path, capfd)
     out, err = capfd.readouterr()
     assert "without encryption" not in out + err
     assert (tmp_path / "out" / "98_quiet.ipynb").exists()
+
+
+def test_a_benchmark_writes_no_other_gpus_record_folder(tmp_path, monkeypatch):
+    """lab.check_record_dir (the benchmarks' --out): anywhere inside another GPU's outputs/<gpu>/ is refused
+    naming the flag, however spelt; this GPU's folder, a new folder and folders outside outputs/ are taken;
+    bench.k26's CLI refuses before anything runs."""
+    import torch
+
+    from kdtree.bench import k26 as bench_k26
+    monkeypatch.setattr(lab, "device_slug", lambda device: "h100" if device == "cuda" else None)
+    for spelt in ("h200/decode_floor", "h200/./decode_floor/../peers", "h200/new/deeper", "h200"):
+        with pytest.raises(ValueError, match="--out .*outputs/h200/ holds the h200 GPU's records"):
+            lab.check_record_dir(lab.OUTPUTS / spelt, "cuda")
+    for fine in (lab.OUTPUTS / "h100" / "x", lab.OUTPUTS / "a100", lab.OUTPUTS, tmp_path / "h200"):
+        assert lab.check_record_dir(fine, "cuda") == fine
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="--peers-out .* is a file"):
+        lab.check_record_dir(tmp_path / "f" / "x", "cuda", "--peers-out")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_k26, "run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit, match="bench_k26: --out .*h200"):
+        bench_k26.main(["--cells", "4096:1", "--profiles", "5:8", "--out", str(lab.OUTPUTS / "h200" / "x")])
+    assert not (lab.OUTPUTS / "h200" / "x").exists()

@@ -390,7 +390,11 @@ def main(argv=None) -> None:
         raise SystemExit(f"bench_k26: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
-    out = Path(a.out)
+    from ..lab import check_record_dir
+    try:
+        out = check_record_dir(a.out, "cuda")
+    except ValueError as e:
+        raise SystemExit(f"bench_k26: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("e2e_k26.json" if a.routing == "model" else f"e2e_k26_{a.routing}.json")
     old = json.loads(path.read_text()) if path.is_file() else None

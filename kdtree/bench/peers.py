@@ -397,8 +397,12 @@ def main(argv=None) -> dict:
     if a.no_ar and not any(on.values()):
         ap.error("every section is left out (--no-ar, " + ", ".join(f"--no-{s}" for s in on)
                  + "): nothing to run")
-    from ..lab import output_dir
-    out = Path(a.out) if a.out else output_dir("cuda" if torch.cuda.is_available() else "cpu")
+    from ..lab import check_record_dir, output_dir
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        out = check_record_dir(a.out, dev) if a.out else output_dir(dev)
+    except ValueError as e:
+        raise SystemExit(f"python -m kdtree.bench.peers: {e}") from None
     rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar, **on)
     for name, p in rec["peers"].items():
         print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))
