@@ -401,3 +401,21 @@ def test_a_benchmark_writes_no_other_gpus_record_folder(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="bench_k26: --out .*h200"):
         bench_k26.main(["--cells", "4096:1", "--profiles", "5:8", "--out", str(lab.OUTPUTS / "h200" / "x")])
     assert not (lab.OUTPUTS / "h200" / "x").exists()
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("engine", []), ("e2e", []), ("drafter", []), ("moe", ["--bf16"]), ("peers", []),
+    ("k26", ["--cells", "4096:1", "--profiles", "5:8"])])
+def test_every_benchmark_cli_refuses_another_gpus_folder(module, argv, monkeypatch):
+    """Each benchmark's --out inside another GPU's record folder: SystemExit naming it, nothing created."""
+    import importlib
+
+    import torch
+    monkeypatch.setattr(lab, "device_slug", lambda device: "h100" if device == "cuda" else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    target = lab.OUTPUTS / "h200" / "not_here"
+    mod = importlib.import_module(f"kdtree.bench.{module}")
+    with pytest.raises(SystemExit, match="outputs/h200/ holds the h200 GPU's records"):
+        mod.main([*argv, "--out", str(target)])
+    assert not target.exists()

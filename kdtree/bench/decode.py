@@ -237,7 +237,12 @@ def main(argv=None) -> dict:
         from ..lab import output_dir
         out = output_dir("cuda") / "bench_decode.json"
     else:
+        from ..lab import check_record_dir
         out = Path(a.out)
+        try:
+            check_record_dir(out.parent, "cuda")
+        except ValueError as e:
+            raise SystemExit(f"python -m kdtree.bench.decode: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     copy = copy_bandwidth()
     rec = {"bench": "decode", "device": torch.cuda.get_device_name(), "torch": torch.__version__,

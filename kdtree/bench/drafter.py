@@ -93,6 +93,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.drafter: needs a CUDA device (graph replays)")
+    if args.out is not None:
+        from ..lab import check_record_dir
+        try:
+            check_record_dir(args.out, "cuda")
+        except ValueError as e:
+            raise SystemExit(f"python -m kdtree.bench.drafter: {e}") from None
     run(args.out, repeats=args.repeats)
 
 

@@ -301,7 +301,11 @@ def main(argv=None) -> None:
     prompts = None if a.prompts_from is None else record_prompts(a.prompts_from)
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
-    out = Path(a.out)
+    from ..lab import check_record_dir
+    try:
+        out = check_record_dir(a.out, "cuda")
+    except ValueError as e:
+        raise SystemExit(f"bench_e2e: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     rec = {
         "device": torch.cuda.get_device_name(),
