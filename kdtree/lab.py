@@ -183,9 +183,7 @@ def check_out_dir(out: Path, device: str) -> Path:
     """The output folder a run on `device` may write: ValueError when it is a file or lies under one, or when
     it is another GPU's record folder (outputs/<gpu>/, compared resolved: '..', '.', trailing slashes and
     links are seen through)."""
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise ValueError(f"--out-dir {out}: {p} is a file, not a folder")
+    _not_under_a_file(out, "--out-dir")
     r = out.resolve()
     if r.parent == OUTPUTS.resolve() and r.name != CPU_DIR and device_slug(device) != r.name:
         raise ValueError(f"--out-dir {out}: outputs/{r.name}/ holds the {r.name} GPU's records; a run on "
@@ -198,9 +196,7 @@ def check_record_dir(out, device: str, flag: str = "--out") -> Path:
     under one, or when it lies anywhere inside another GPU's record folder (outputs/<gpu>/..., compared
     resolved), whose records only a run on that GPU writes."""
     out = Path(out)
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise ValueError(f"{flag} {out}: {p} is a file, not a folder")
+    _not_under_a_file(out, flag)
     r, root = out.resolve(), OUTPUTS.resolve()
     if root in r.parents:
         gpu = r.relative_to(root).parts[0]
@@ -208,6 +204,20 @@ def check_record_dir(out, device: str, flag: str = "--out") -> Path:
             raise ValueError(f"{flag} {out}: outputs/{gpu}/ holds the {gpu} GPU's records; a run on "
                              f"{device} writes to {output_dir(device)} (or to a folder outside outputs/)")
     return out
+
+
+def record_dir_or_exit(out, device: str, prog: str) -> Path:
+    """check_record_dir for a command line: its refusal as SystemExit prefixed by `prog`."""
+    try:
+        return check_record_dir(out, device)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: {e}") from None
+
+
+def _not_under_a_file(out: Path, flag: str) -> None:
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{flag} {out}: {p} is a file, not a folder")
 
 
 def _gpu_dirs() -> set[str]:

@@ -237,12 +237,9 @@ def main(argv=None) -> dict:
         from ..lab import output_dir
         out = output_dir("cuda") / "bench_decode.json"
     else:
-        from ..lab import check_record_dir
+        from ..lab import record_dir_or_exit
         out = Path(a.out)
-        try:
-            check_record_dir(out.parent, "cuda")
-        except ValueError as e:
-            raise SystemExit(f"python -m kdtree.bench.decode: {e}") from None
+        record_dir_or_exit(out.parent, "cuda", "python -m kdtree.bench.decode")
     out.parent.mkdir(parents=True, exist_ok=True)
     copy = copy_bandwidth()
     rec = {"bench": "decode", "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -308,7 +308,7 @@ def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 
     calls no gate module) and, on a GPU, moe_kernel_s (the fused step's moe_* kernels, torch.profiler).
     ValueError where the fused path does not apply to the model (`fused.unsupported`, e.g. on a CPU)."""
     from .. import fused
-    from .layer import MoE, _tree_mask, routed, time_step
+    from .layer import MoE, _tree_mask, grid, routed, time_step
     dev = model.device
     moe, blas = _engine_bits(model)
     probe = paged_inputs(model, 64, 1, 1, moe, seed)[-1]
@@ -318,12 +318,7 @@ def bench_layer_fused(model, contexts=(4096, 32768), nodes=(1, 2, 4, 8, 16, 32, 
     model.prepare_paged(moe)
     rng = np.random.default_rng(seed)
     rows = []
-    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
-    if progress:
-        from ..progress import tqdm
-
-        it = tqdm(it, desc="layer verify (fused)")
-    for C, B, N in it:
+    for C, B, N in grid(contexts, batches, nodes, progress, "layer verify (fused)"):
         pool, x, cos, sin, meta = paged_inputs(model, C, B, N, moe, seed, mask=_tree_mask(rng, N))
         for i, layer in enumerate(model.model.layers):
             step = fused_layer_step(model, i, x, cos, sin, pool, meta)

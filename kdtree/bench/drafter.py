@@ -94,11 +94,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.drafter: needs a CUDA device (graph replays)")
     if args.out is not None:
-        from ..lab import check_record_dir
-        try:
-            check_record_dir(args.out, "cuda")
-        except ValueError as e:
-            raise SystemExit(f"python -m kdtree.bench.drafter: {e}") from None
+        from ..lab import record_dir_or_exit
+        record_dir_or_exit(args.out, "cuda", "python -m kdtree.bench.drafter")
     run(args.out, repeats=args.repeats)
 
 

@@ -301,11 +301,8 @@ def main(argv=None) -> None:
     prompts = None if a.prompts_from is None else record_prompts(a.prompts_from)
     if not torch.cuda.is_available():
         raise SystemExit("bench_e2e: needs a CUDA GPU (the engine's graphs and kernels)")
-    from ..lab import check_record_dir
-    try:
-        out = check_record_dir(a.out, "cuda")
-    except ValueError as e:
-        raise SystemExit(f"bench_e2e: {e}") from None
+    from ..lab import record_dir_or_exit
+    out = record_dir_or_exit(a.out, "cuda", "bench_e2e")
     out.mkdir(parents=True, exist_ok=True)
     rec = {
         "device": torch.cuda.get_device_name(),

@@ -330,11 +330,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.engine needs a CUDA GPU: none is visible on this machine")
-    from ..lab import check_record_dir
-    try:
-        check_record_dir(a.out, "cuda")
-    except ValueError as e:
-        raise SystemExit(f"python -m kdtree.bench.engine: {e}") from None
+    from ..lab import record_dir_or_exit
+    record_dir_or_exit(a.out, "cuda", "python -m kdtree.bench.engine")
     if a.rows_probe:
         rows = verify_rows(a.ckpt)
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -390,11 +390,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"bench_k26: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench_k26: needs a CUDA GPU")
-    from ..lab import check_record_dir
-    try:
-        out = check_record_dir(a.out, "cuda")
-    except ValueError as e:
-        raise SystemExit(f"bench_k26: {e}") from None
+    from ..lab import record_dir_or_exit
+    out = record_dir_or_exit(a.out, "cuda", "bench_k26")
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("e2e_k26.json" if a.routing == "model" else f"e2e_k26_{a.routing}.json")
     old = json.loads(path.read_text()) if path.is_file() else None

@@ -115,6 +115,16 @@ def time_step(step, repeats: int, device) -> tuple[float, str]:
         return measure(step, repeats).median, "events"
 
 
+def grid(contexts, batches, nodes, progress: bool, desc: str):
+    """The (context, batch, nodes) cells of a layer sweep in order, under a progress bar when progress."""
+    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
+    if progress:
+        from ..progress import tqdm
+
+        it = tqdm(it, desc=desc)
+    return it
+
+
 def _tree_mask(rng, N: int) -> np.ndarray:
     """A DDTree's ancestor mask over N nodes (root first; [[True]] for one node)."""
     if N == 1:
@@ -144,12 +154,7 @@ def bench_layer(
     args = model.args
     rng = np.random.default_rng(seed)
     rows = []
-    it = [(c, b, n) for c in contexts for b in batches for n in nodes]
-    if progress:
-        from ..progress import tqdm
-
-        it = tqdm(it, desc="layer verify")
-    for C, B, N in it:
+    for C, B, N in grid(contexts, batches, nodes, progress, "layer verify"):
         cache = model.new_cache(C + N, B)
         with torch.no_grad():
             cache.latent.normal_(0, 0.5)

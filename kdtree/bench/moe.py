@@ -257,11 +257,8 @@ def main(argv=None) -> dict:
         ap.error(f"--repeats {a.repeats}: expected a positive int")
     if not torch.cuda.is_available():
         raise SystemExit("python -m kdtree.bench.moe needs a CUDA GPU: none is visible on this machine")
-    from ..lab import check_record_dir, output_dir
-    try:
-        out = check_record_dir(a.out, "cuda") if a.out else output_dir("cuda")
-    except ValueError as e:
-        raise SystemExit(f"python -m kdtree.bench.moe: {e}") from None
+    from ..lab import output_dir, record_dir_or_exit
+    out = record_dir_or_exit(a.out, "cuda", "python -m kdtree.bench.moe") if a.out else output_dir("cuda")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_moe.json"
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

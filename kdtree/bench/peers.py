@@ -156,11 +156,8 @@ def _flashinfer(api, x, H, ctx, N, b, backend, scale, prefix_only=False, plan_s=
         plan_s.append(float(np.median(times)))
     q = x["q"].reshape(b * N, H, 576)
     qn, qp = q[..., :512].contiguous(), q[..., 512:].contiguous()
-    if views:
-        sets = [(c.view(-1, 64, 576)[..., :512], c.view(-1, 64, 576)[..., 512:]) for c in x["caches"]]
-    else:
-        sets = [(c.view(-1, 64, 576)[..., :512].contiguous(), c.view(-1, 64, 576)[..., 512:].contiguous())
-                for c in x["caches"]]
+    keep = (lambda t: t) if views else (lambda t: t.contiguous())
+    sets = [(keep(c.view(-1, 64, 576)[..., :512]), keep(c.view(-1, 64, 576)[..., 512:])) for c in x["caches"]]
     return [lambda s=s: w.run(qn, qp, s[0], s[1], return_lse=True) for s in sets]
 
 
@@ -397,12 +394,9 @@ def main(argv=None) -> dict:
     if a.no_ar and not any(on.values()):
         ap.error("every section is left out (--no-ar, " + ", ".join(f"--no-{s}" for s in on)
                  + "): nothing to run")
-    from ..lab import check_record_dir, output_dir
+    from ..lab import output_dir, record_dir_or_exit
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        out = check_record_dir(a.out, dev) if a.out else output_dir(dev)
-    except ValueError as e:
-        raise SystemExit(f"python -m kdtree.bench.peers: {e}") from None
+    out = record_dir_or_exit(a.out, dev, "python -m kdtree.bench.peers") if a.out else output_dir(dev)
     rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar, **on)
     for name, p in rec["peers"].items():
         print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))

@@ -23,14 +23,19 @@ def mla_tree_attention(q_lat, q_pe, kv, pe, mask, scale: float) -> tuple[np.ndar
             or mask.shape != (N, N) or S < N):
         raise ValueError("mla_tree_attention: shapes q_lat [N,H,R], q_pe [N,H,P], kv [S,R], pe [S,P], "
                          "mask [N,N], S >= N")
-    scores = (np.einsum("nhr,sr->nhs", q_lat, kv) + np.einsum("nhp,sp->nhs", q_pe, pe)) * scale
     visible = np.concatenate([np.ones((N, S - N), bool), mask], axis=1)  # [N, S]
-    scores = np.where(visible[:, None, :], scores, -np.inf)
+    return _attend(q_lat, q_pe, kv, pe, visible, scale)
+
+
+def _attend(q_lat, q_pe, kv, pe, visible, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """softmax over the visible keys (visible bool [N, S], or None: all) of float64 inputs -> (out, lse)."""
+    scores = (np.einsum("nhr,sr->nhs", q_lat, kv) + np.einsum("nhp,sp->nhs", q_pe, pe)) * scale
+    if visible is not None:
+        scores = np.where(visible[:, None, :], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
     p = np.exp(scores - m)
     denom = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("nhs,sr->nhr", p / denom, kv)
-    return out, (m + np.log(denom))[..., 0]
+    return np.einsum("nhs,sr->nhr", p / denom, kv), (m + np.log(denom))[..., 0]
 
 
 
@@ -48,8 +53,4 @@ def prefix_attention(q_lat, q_pe, kv, pe, scale: float) -> tuple[np.ndarray, np.
         raise ValueError("prefix_attention: shapes q_lat [N,H,R], q_pe [N,H,P], kv [S,R], pe [S,P]")
     if S == 0:
         return np.zeros((N, H, R)), np.full((N, H), -np.inf)
-    scores = (np.einsum("nhr,sr->nhs", q_lat, kv) + np.einsum("nhp,sp->nhs", q_pe, pe)) * scale
-    m = scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    return np.einsum("nhs,sr->nhr", p / denom, kv), (m + np.log(denom))[..., 0]
+    return _attend(q_lat, q_pe, kv, pe, None, scale)
