@@ -15,35 +15,43 @@
 // [expert_off[e], expert_off[e+1]) belong to expert e, pair p is token pair_tok[p] with weight pair_w[p].
 // moe_fused_t8 groups them itself.
 //
-// moe_gate_up_t{8,16,32}   grid (I / 16, S), block 256 (8 warps), static smem 8 / 16 / 32 KB,
+// moe_gate_up_t{8,16,32}   grid (I / 16, Y), block 256 (8 warps), static smem 8 / 16 / 32 KB,
 //               <= 80 registers at t8 (three blocks per SM), <= 128 at t16 (two)
 //   x         bf16 [T, D] (as uint16)            pair_tok int32 [P]     expert_off int32 [E + 1]
-//   active    int32 [S]                          S = min(E, P) expert slots: the experts with pairs first
-//                                                (block y serves expert active[y]; an empty one returns)
+//   items     int32 [Y, 2], chunk int            work items from moe_group: block y serves expert items[y][0],
+//                                                pairs [items[y][1], min(items[y][1] + chunk, expert_off[e + 1]))
+//                                                (an item of expert -1 returns at once)
 //   w13r, s13r (above, R = 2I, K = D)
 //   h         bf16 [P, I]                        h[p, f] = silu(gate_f . x) * (up_f . x), token of pair p
-//   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one expert; its
+//   A block owns 16 intermediate features (a 16-row gate tile and a 16-row up tile) of one item; its
 //   8 warps split the inputs D by groups of 32 (warp w takes groups w, w + 8, ...) and meet in shared
 //   memory. Pairs go 8 (t8: one n8 tile), 16 (t16: two) or 32 (t32: four) at a time through mma.sync m16n8k16 (bf16 in,
-//   fp32 out); the wrapper takes t8 when experts hold few pairs (decode, small trees) so no mma or register
+//   fp32 out); an item of more pairs than that runs several passes in order. Items of one pass each put all
+//   of an expert's passes in flight at once: the blocks of one expert's items read its rows from DRAM about
+//   once and from L2 after that (item order is expert-major, so they run close together). The wrapper
+//   takes t8 when experts hold few pairs (decode, small trees) so no mma or register
 //   is spent on empty token columns. A fragments are
 //   the packed nibbles turned into exact bf16 pairs by one lop3 and one hsub2 each (0x4300 | n is 128 + n;
 //   minus 136 gives n - 8); the scale multiplies each 32-input group's fp32 partial sum; one set of B
 //   fragments serves both tiles; U groups' A loads go out together (t8: 4, down 3; t16: 2), bypassing L1, and
 //   each group's B rows (L1 hits) are loaded as it is used. Each lane walks its words with immediate offsets;
 //   rows past a pass's last pair repeat a valid row (computed, not stored).
-// moe_down_t{8,16,32}   grid (D / 32, S), block 256, static smem 8 / 16 / 32 KB; a block owns two 16-row tiles
-//   h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
+// moe_down_t{8,16,32}   grid (D / 32, Y), block 256, static smem 8 / 16 / 32 KB; a block owns two 16-row tiles
+//   of one item (items, chunk as above); h as above; pair_w float [P]; w2r, s2r (R = D, K = I)
 //   out       float [T, D], accumulated:  out[t, d] += pair_w[p] * (down_d . h[p]) for every pair of t
 //   (the wrapper zeroes it; fp32 atomics, so the summation order of a token's experts may vary).
-// moe_group_i32 / moe_group_i64   grid 1, block 1024, dynamic smem 8 E bytes (E <= 4096)
+// moe_group_i32 / moe_group_i64   grid 1, block 1024, dynamic smem 8 E bytes (E <= 4096, P < 2^24)
 //   ids       int32 or int64 [P] (topk_ids flattened, P = T * k, pair p is token p / k)   w float [P]
 //   pair_tok  int32 [P], pair_w float [P]: the pairs grouped by expert; the order WITHIN an expert is
 //             unspecified (shared-memory atomics); expert_off int32 [E + 1]: expert e owns [off[e], off[e+1]);
 //             active int32 [S], S = min(E, P): the experts with pairs by id, then the empty ones by id.
+//   chunk, Y, items int32 [Y, 2] (chunk > 0; items may be null when chunk == 0): the work items of the expert
+//             GEMMs, (expert, first pair) for each `chunk` pairs of each expert with pairs, experts by id, an
+//             expert's chunks in order; rows past the last item are (-1, -1). Y >= ceil(P / chunk) + S holds
+//             them all (the wrapper's size).
 //   Ids outside [0, E) are dropped (the wrapper rejects them before launch unless told not to check).
-//   Golden twin: kdtree/ops/moe_int4_golden.py group_pairs (stable order: compare within an expert as
-//   multisets).
+//   Golden twin: kdtree/ops/moe_int4_golden.py group_pairs, group_items (stable order: compare within an
+//   expert as multisets).
 // moe_repack_words / moe_repack_scales   grid ceil(n / 256), block 256, one thread per output element
 //   The checkpoint layout -> the fragment order above, for `mats` stacked matrices [R, K] (R % 16 == 0,
 //   K % 32 == 0): packed int32 [mats, R, K/8] -> wr int32 [mats, R/16, K/32, 32, 2]; scale bf16 [mats, R, K/32]
@@ -283,40 +291,53 @@ __device__ __forceinline__ void down_tile(float (*red)[2][NT][128], const uint16
     }
 }
 
+// Block y's work item: expert e and its pairs [p0, p1); false for a row past the last item.
+__device__ __forceinline__ bool item_work(const int32_t* __restrict__ items, const int32_t* __restrict__ expert_off,
+                                          int chunk, int& e, int& p0, int& p1) {
+    const int2 it = reinterpret_cast<const int2*>(items)[blockIdx.y];
+    if (it.x < 0) return false;
+    e = it.x;
+    p0 = it.y;
+    p1 = min(p0 + chunk, expert_off[e + 1]);
+    return p0 < p1;
+}
+
 template <int NT, int U>
 __device__ __forceinline__ void gate_up_body(const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok,
-                                             const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active,
-                                             const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r,
-                                             int D, int I, uint16_t* __restrict__ h) {
+                                             const int32_t* __restrict__ expert_off, const int32_t* __restrict__ items,
+                                             int chunk, const int32_t* __restrict__ w13r,
+                                             const uint16_t* __restrict__ s13r, int D, int I,
+                                             uint16_t* __restrict__ h) {
     __shared__ float red[WARPS][2][NT][128];
-    const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
-    if (p0 >= p1) return;
+    int e, p0, p1;
+    if (!item_work(items, expert_off, chunk, e, p0, p1)) return;
     gate_up_tile<NT, U>(red, x, pair_tok, p0, p1, w13r, s13r, e, blockIdx.x, D, I, h);
 }
 
 template <int NT, int U>
 __device__ __forceinline__ void down_body(const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok,
                                           const float* __restrict__ pair_w, const int32_t* __restrict__ expert_off,
-                                          const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,
-                                          const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {
+                                          const int32_t* __restrict__ items, int chunk,
+                                          const int32_t* __restrict__ w2r, const uint16_t* __restrict__ s2r, int D,
+                                          int I, float* __restrict__ out) {
     __shared__ float red[WARPS][2][NT][128];
-    const int e = active[blockIdx.y], p0 = expert_off[e], p1 = expert_off[e + 1];
-    if (p0 >= p1) return;
+    int e, p0, p1;
+    if (!item_work(items, expert_off, chunk, e, p0, p1)) return;
     down_tile<NT, U, false>(red, h, pair_tok, pair_w, p0, p1, w2r, s2r, e, blockIdx.x, D, I, out);
 }
 
-#define MOE_GEMMS(SUFFIX, NT, U, UD, MINB)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, MINB) moe_gate_up_##SUFFIX(                                        \
+#define MOE_GEMMS(SUFFIX, NT, U, UD, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, MINB) moe_gate_up_##SUFFIX(                                    \
         const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off, \
-        const int32_t* __restrict__ active, const int32_t* __restrict__ w13r, const uint16_t* __restrict__ s13r,     \
-        int D, int I, uint16_t* __restrict__ h) {                                                                     \
-        gate_up_body<NT, U>(x, pair_tok, expert_off, active, w13r, s13r, D, I, h);                                    \
+        const int32_t* __restrict__ items, int chunk, const int32_t* __restrict__ w13r,                               \
+        const uint16_t* __restrict__ s13r, int D, int I, uint16_t* __restrict__ h) {                                 \
+        gate_up_body<NT, U>(x, pair_tok, expert_off, items, chunk, w13r, s13r, D, I, h);                              \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, MINB) moe_down_##SUFFIX(                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB) moe_down_##SUFFIX(                                       \
         const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,       \
-        const int32_t* __restrict__ expert_off, const int32_t* __restrict__ active, const int32_t* __restrict__ w2r,  \
-        const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {                                    \
-        down_body<NT, UD>(h, pair_tok, pair_w, expert_off, active, w2r, s2r, D, I, out);                               \
+        const int32_t* __restrict__ expert_off, const int32_t* __restrict__ items, int chunk,                         \
+        const int32_t* __restrict__ w2r, const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {   \
+        down_body<NT, UD>(h, pair_tok, pair_w, expert_off, items, chunk, w2r, s2r, D, I, out);                         \
     }
 
 // suffix, token tiles, groups in flight (gate_up, down), blocks per SM (t8: <= 80 registers, down at U = 4 spills).
@@ -336,12 +357,26 @@ MOE_GEMMS(t16, 2, 2, 2, 2)
 MOE_GEMMS(t32, 4, 2, 2, 1)  // 148 registers: one block per SM; every pair of an expert with up to 32 in one pass
 
 // ------------------------------------------------------------------------------------ pair grouping
-// One block: counts per expert (shared atomics), one exclusive scan that carries both the pair offset (high
-// word) and the number of non-empty experts before e (low word), then a scatter through per-expert cursors.
+// One block: counts per expert (shared atomics), one exclusive scan that carries the pair offset (bits 40..63),
+// the work items (13..39) and the number of non-empty experts (0..12) before e, then a scatter through
+// per-expert cursors.
+#define GROUP_ITEMS_SHIFT 13
+#define GROUP_PAIRS_SHIFT 40
+__device__ __forceinline__ uint64_t group_key(int c, int chunk) {
+    const uint64_t items = chunk > 0 ? (uint64_t)((c + chunk - 1) / chunk) : 0ull;
+    return ((uint64_t)c << GROUP_PAIRS_SHIFT) | (items << GROUP_ITEMS_SHIFT) | (uint64_t)(c > 0);
+}
+__device__ __forceinline__ int key_pairs(uint64_t v) { return (int)(v >> GROUP_PAIRS_SHIFT); }
+__device__ __forceinline__ int key_items(uint64_t v) {
+    return (int)((v >> GROUP_ITEMS_SHIFT) & ((1ull << (GROUP_PAIRS_SHIFT - GROUP_ITEMS_SHIFT)) - 1));
+}
+__device__ __forceinline__ int key_nonempty(uint64_t v) { return (int)(v & ((1ull << GROUP_ITEMS_SHIFT) - 1)); }
+
 template <typename Id>
 __device__ void moe_group_impl(const Id* __restrict__ ids, const float* __restrict__ w, int P, int k, int E,
-                               int S, int32_t* __restrict__ pair_tok, float* __restrict__ pair_w,
-                               int32_t* __restrict__ expert_off, int32_t* __restrict__ active) {
+                               int S, int chunk, int Y, int32_t* __restrict__ pair_tok, float* __restrict__ pair_w,
+                               int32_t* __restrict__ expert_off, int32_t* __restrict__ active,
+                               int32_t* __restrict__ items) {
     extern __shared__ int32_t sm_group[];
     int32_t* cnt = sm_group;      // [E] pairs per expert, then the cursors
     int32_t* cur = sm_group + E;  // [E]
@@ -354,10 +389,10 @@ __device__ void moe_group_impl(const Id* __restrict__ ids, const float* __restri
         if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    // thread t owns experts [t * per, (t + 1) * per): local sums, a block scan of (pairs << 32 | non-empty)
+    // thread t owns experts [t * per, (t + 1) * per): local sums, a block scan of the packed keys
     const int per = (E + nt - 1) / nt, e0 = min(E, tid * per), e1 = min(E, e0 + per);
     uint64_t mine = 0;
-    for (int e = e0; e < e1; ++e) mine += ((uint64_t)cnt[e] << 32) | (uint64_t)(cnt[e] > 0);
+    for (int e = e0; e < e1; ++e) mine += group_key(cnt[e], chunk);
     uint64_t inc = mine;  // inclusive scan within the warp
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -377,16 +412,27 @@ __device__ void moe_group_impl(const Id* __restrict__ ids, const float* __restri
     }
     __syncthreads();
     uint64_t run = inc - mine + (warp > 0 ? wsum[warp - 1] : 0ull);  // exclusive prefix of this thread
-    const int nnz = (int)(uint32_t)wsum[(nt >> 5) - 1];
+    const uint64_t all = wsum[(nt >> 5) - 1];
+    const int nnz = key_nonempty(all);
     for (int e = e0; e < e1; ++e) {
-        const int off = (int)(run >> 32), before = (int)(uint32_t)run, c = cnt[e];
+        const int off = key_pairs(run), before = key_nonempty(run), c = cnt[e];
         expert_off[e] = off;
         cur[e] = off;
         const int slot = c > 0 ? before : nnz + (e - before);
         if (slot < S) active[slot] = e;
-        run += ((uint64_t)c << 32) | (uint64_t)(c > 0);
+        if (chunk > 0)
+            for (int j = 0, y = key_items(run); j < c; j += chunk, ++y) {
+                items[2 * y] = e;
+                items[2 * y + 1] = off + j;
+            }
+        run += group_key(c, chunk);
     }
-    if (tid == nt - 1) expert_off[E] = (int)(wsum[(nt >> 5) - 1] >> 32);
+    if (tid == nt - 1) expert_off[E] = key_pairs(all);
+    if (chunk > 0)
+        for (int y = key_items(all) + tid; y < Y; y += nt) {
+            items[2 * y] = -1;
+            items[2 * y + 1] = -1;
+        }
     __syncthreads();
     for (int p = tid; p < P; p += nt) {
         const long long e = (long long)ids[p];
@@ -398,15 +444,15 @@ __device__ void moe_group_impl(const Id* __restrict__ ids, const float* __restri
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group_i32(
-    const int32_t* ids, const float* w, int P, int k, int E, int S, int32_t* pair_tok, float* pair_w,
-    int32_t* expert_off, int32_t* active) {
-    moe_group_impl<int32_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
+    const int32_t* ids, const float* w, int P, int k, int E, int S, int chunk, int Y, int32_t* pair_tok,
+    float* pair_w, int32_t* expert_off, int32_t* active, int32_t* items) {
+    moe_group_impl<int32_t>(ids, w, P, k, E, S, chunk, Y, pair_tok, pair_w, expert_off, active, items);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group_i64(
-    const int64_t* ids, const float* w, int P, int k, int E, int S, int32_t* pair_tok, float* pair_w,
-    int32_t* expert_off, int32_t* active) {
-    moe_group_impl<int64_t>(ids, w, P, k, E, S, pair_tok, pair_w, expert_off, active);
+    const int64_t* ids, const float* w, int P, int k, int E, int S, int chunk, int Y, int32_t* pair_tok,
+    float* pair_w, int32_t* expert_off, int32_t* active, int32_t* items) {
+    moe_group_impl<int64_t>(ids, w, P, k, E, S, chunk, Y, pair_tok, pair_w, expert_off, active, items);
 }
 
 // ------------------------------------------------------------------------------------ fused small-batch path

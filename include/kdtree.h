@@ -38,6 +38,7 @@ extern "C" {
 #define KDTREE_MAX_SPLITS 128         /* verify_attn's context splits */
 #define KDTREE_MAX_GROUP_EXPERTS 4096 /* moe_int4: experts the grouping kernel holds */
 #define KDTREE_FUSED_MAX_PAIRS 64     /* moe_int4's one-launch path: token-expert pairs */
+#define KDTREE_MAX_GROUP_PAIRS 16777215 /* moe_int4: token-expert pairs (T * k) of one call */
 
 typedef struct CUstream_st *kdtree_stream_t;
 

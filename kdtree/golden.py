@@ -5,7 +5,7 @@ function is the contract of a CUDA kernel in cuda/.
                         verify block, packed mask bits, the brute-force order oracle (tree_build.cu)
     walk_golden         walk / greedy_walk / sampled_walk, compact_kv (tree_walk.cu)
     verify_attn_golden  mla_tree_attention (verify_attn.cu)
-    moe_int4_golden     unpack_int4, dequant_int4, group_pairs, moe_int4 (moe_int4.cu)
+    moe_int4_golden     unpack_int4, dequant_int4, group_pairs, group_items, moe_int4 (moe_int4.cu)
     moe_bf16_golden     moe_bf16 (moe_bf16.cu)
     sglang_golden       SGLang's EAGLE tree format and its greedy accept (sglang_tree.cu)
     plan_estimates_golden  the auto budget's expected tokens per plan (plan_estimates.cu)
@@ -15,7 +15,7 @@ Every public and private name kdtree.golden had is here, bound to the same objec
 from __future__ import annotations
 
 from .ops.moe_bf16_golden import moe_bf16
-from .ops.moe_int4_golden import dequant_int4, group_pairs, moe_int4, unpack_int4
+from .ops.moe_int4_golden import dequant_int4, group_items, group_pairs, moe_int4, unpack_int4
 from .ops.plan_estimates_golden import plan_estimates
 from .ops.sglang_golden import (SGLANG_BITPACK_MAX_N, SGLANG_MODES, SglangTree, sglang_mask_bytes,
                                 sglang_tree, sglang_verify_greedy)
@@ -37,7 +37,7 @@ __all__ = [
     # ops.verify_attn_golden
     "mla_tree_attention",
     # ops.moe_int4_golden
-    "dequant_int4", "group_pairs", "moe_int4", "unpack_int4",
+    "dequant_int4", "group_items", "group_pairs", "moe_int4", "unpack_int4",
     # ops.moe_bf16_golden
     "moe_bf16",
     # ops.plan_estimates_golden

@@ -24,9 +24,10 @@ from .ops.loader import (PAGE_SIZE, POISON, _check_pages, _clear_compiled, _cupy
                          _kernel, _launch, _module, _need, _need_page_size, _on_one_gpu, _p, _SM90A_MODULES,
                          _sm90, _sm_count, _SMEM_OPTIN, _DEFINES, cuda_source_dir, cuda_sources,
                          compile_defines)
-from .ops.moe_int4 import (FUSED_BLOCKS_PER_SM, FUSED_MAX_PAIRS, MAX_GROUP_EXPERTS, MOE_TILE_TOKENS,
-                           _FUSED_SYNC, _fused_sync, _group_pairs_kernel, _group_pairs_torch, _moe_fused,
-                           MoeWeights, group_pairs, moe_int4, repack_int4_mma, repack_moe)
+from .ops.moe_int4 import (FUSED_BLOCKS_PER_SM, FUSED_MAX_PAIRS, MAX_GROUP_EXPERTS, MAX_GROUP_PAIRS,
+                           MOE_TILE_TOKENS, _FUSED_SYNC, _fused_sync, _group_items_torch, _group_kernel,
+                           _group_pairs_kernel, _group_pairs_torch, _moe_fused, MoeWeights, group_pairs,
+                           item_chunk, item_rows, moe_int4, repack_int4_mma, repack_moe)
 from .ops.moe_bf16 import moe_bf16
 from .ops.plan_estimates import plan_estimates
 from .ops.tree import (MAX_BUDGET, MAX_CANDIDATES, MAX_CHUNK, MAX_DEPTH, MAX_VOCAB, TOPK_BLOCK_FIXED_S,
@@ -51,8 +52,8 @@ __all__ = [
     "D_QK", "D_V", "MAX_SPLITS", "VERIFY_IMPLS", "VERIFY_SMEM", "VERIFY_WG_SMEM", "VERIFY_WS_SMEM",
     "available_verify_impls", "default_splits", "default_verify_impl", "pack_mask", "verify_attn",
     # ops.moe_int4
-    "FUSED_BLOCKS_PER_SM", "FUSED_MAX_PAIRS", "MAX_GROUP_EXPERTS", "MOE_TILE_TOKENS", "MoeWeights",
-    "group_pairs", "moe_int4", "repack_int4_mma", "repack_moe",
+    "FUSED_BLOCKS_PER_SM", "FUSED_MAX_PAIRS", "MAX_GROUP_EXPERTS", "MAX_GROUP_PAIRS", "MOE_TILE_TOKENS",
+    "MoeWeights", "group_pairs", "item_chunk", "item_rows", "moe_int4", "repack_int4_mma", "repack_moe",
     # ops.moe_bf16
     "moe_bf16",
     # ops.plan_estimates

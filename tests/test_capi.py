@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kdtree import capi, kernels
+from kdtree.ops import moe_int4
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = (ROOT / "include" / "kdtree.h").read_text()
@@ -49,7 +50,10 @@ def test_shared_constants_are_equal():
     assert _define("KDTREE_MAX_GROUP_EXPERTS") == kernels.MAX_GROUP_EXPERTS
     moe = (ROOT / "cuda" / "moe_int4.cu").read_text()
     assert _define("KDTREE_FUSED_MAX_PAIRS") == kernels.FUSED_MAX_PAIRS == _define("FUSED_MAX_PAIRS", moe)
+    assert _define("KDTREE_MAX_GROUP_PAIRS") == kernels.MAX_GROUP_PAIRS == 2 ** (64 - _define(
+        "GROUP_PAIRS_SHIFT", moe)) - 1
     cst = dict(re.findall(r"(\w+) = ([\d.e*+\- ]+)[,;]", SOURCE))
+    assert int(cst["kMaxGridY"]) == moe_int4.MAX_GRID_Y
     for name in ("MAX_CHUNK", "MAX_CANDIDATES", "TOPK_SMALL_K", "TREE_SMEM_LIMIT", "TOPK_BLOCK_FIXED_S",
                  "TOPK_COLUMN_S", "FUSED_BLOCKS_PER_SM"):
         assert eval(cst[name]) == getattr(kernels, name), name

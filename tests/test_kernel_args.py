@@ -190,6 +190,58 @@ def test_golden_group_pairs_is_the_torch_grouping():
         assert np.array_equal(got[0], want[0][:n].numpy()) and np.array_equal(got[1], want[1][:n].numpy())
 
 
+def test_group_items_torch_is_the_golden_items():
+    """The expert GEMMs' work items: the torch builder (moe_int4's path past the kernel's experts) equals
+    golden.group_items bit for bit, experts with none, few and many pairs, chunks of 1..32, spare rows -1;
+    a wrong item is caught (the check can fail)."""
+    from kdtree import golden
+    g = torch.Generator().manual_seed(12)
+    for T, k, E, chunk in ((1, 1, 5, 8), (9, 3, 7, 1), (40, 8, 384, 8), (129, 8, 16, 16), (65, 4, 9, 32)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        ids[: T // 2, 0] = E - 1  # one hot expert: several chunks
+        _, _, off, _ = K.group_pairs(ids, torch.rand(T, k, generator=g), E)
+        Y = K.item_rows(T * k, min(E, T * k), chunk)
+        got = K._group_items_torch(off, chunk, Y).numpy()
+        want = golden.group_items(off.numpy(), chunk, Y)
+        assert got.dtype == np.int32 and np.array_equal(got, want)
+        n = sum(-(-int(off[e + 1] - off[e]) // chunk) for e in range(E))
+        assert (want[n:] == -1).all() and (want[:n, 0] >= 0).all() and n < Y
+        bad = want.copy()
+        bad[n - 1, 1] += 1
+        assert not np.array_equal(got, bad)  # the check can fail
+
+
+def test_item_chunk_fits_the_grid():
+    """Pairs per work item: one pass of the tile while the items fit grid.y, else the least multiple of it
+    that fits; item_pairs given is kept."""
+    assert K.item_chunk(8, 8, 8) == 8 and K.item_rows(8, 8, 8) == 9
+    assert K.item_chunk(1032, 384, 16) == 16
+    assert K.item_chunk(262144, 384, 8) == 8
+    for P, S, tile in ((16 * 65535, 384, 16), ((1 << 24) - 1, 4096, 8)):
+        c = K.item_chunk(P, S, tile)
+        assert c > tile and c % tile == 0 and K.item_rows(P, S, c) <= 65535 < K.item_rows(P, S, c - tile)
+    assert K.item_chunk(1032, 384, 8, item_pairs=1032) == 1032
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5, True, "8"])
+def test_moe_int4_rejects_bad_item_pairs(bad):
+    mw = K.MoeWeights(*(torch.zeros(1),) * 4, 4, 32, 32)
+    with pytest.raises(ValueError, match="item_pairs="):
+        K.moe_int4(torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32),
+                   torch.ones(2, 1), mw, item_pairs=bad)
+
+
+def test_moe_int4_rejects_item_pairs_with_the_fused_path_and_too_many_pairs():
+    mw = K.MoeWeights(*(torch.zeros(1),) * 4, 4, 32, 32)
+    with pytest.raises(ValueError, match="item_pairs applies to the grouped GEMMs"):
+        K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 1), mw, item_pairs=8, fused=True)
+    T = (K.MAX_GROUP_PAIRS + 8) // 8  # x unfilled: the check reads no values
+    with pytest.raises(ValueError, match="topk_ids: expected at most 16777215 token-expert pairs"):
+        K.moe_int4(torch.empty(T, 32, dtype=torch.bfloat16),
+                   torch.zeros(1, 8, dtype=torch.int32).expand(T, 8), torch.ones(1, 8).expand(T, 8), mw)
+
+
 def test_moe_int4_rejects_an_unknown_tile():
     with pytest.raises(ValueError, match="tile_tokens=64"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),

@@ -49,22 +49,62 @@ def _check_golden(out, x, ids, wts, p13, s13, p2, s2):
     assert err <= 1e-2, err  # bf16 activations and workspace, fp32 accumulation
 
 
-# (tile_tokens, fused): 8-, 16- and 32-pair passes of the grouped path, the one-launch path (small cases), the
-# default
-MODES = [(8, False), (16, False), (32, False), (8, True), (None, None)]
+# (tile_tokens, fused, item_pairs): 8-, 16- and 32-pair passes of the grouped path (one pass a work item), the
+# one-launch path (small cases), the default, then items of several passes (an expert's passes in order in
+# one block: 10**6 pairs) and items that are not a multiple of the pass
+MODES = [(8, False, None), (16, False, None), (32, False, None), (8, True, None), (None, None, None),
+         (8, False, 10 ** 6), (16, False, 10 ** 6), (16, False, 24), (8, False, 3)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"tile{m[0]}-fused{m[1]}")
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"tile{m[0]}-fused{m[1]}-items{m[2]}")
 @pytest.mark.parametrize("p", CASES,
                          ids=lambda p: f"T{p.T}-D{p.D}-I{p.I}-E{p.E}-k{p.k}{'-skew' if p.skew else ''}")
 def test_moe_int4_matches_golden(p, mode):
     from kdtree import kernels
-    tile_tokens, fused = mode
+    tile_tokens, fused, item_pairs = mode
     if fused and p.T * p.k > kernels.FUSED_MAX_PAIRS:
         pytest.skip(f"the fused path takes at most {kernels.FUSED_MAX_PAIRS} pairs (this case: {p.T * p.k})")
-    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=p.T * 131 + p.D + (tile_tokens or 0) + 7 * bool(fused))
+    seed = p.T * 131 + p.D + (tile_tokens or 0) + 7 * bool(fused) + (item_pairs or 0) % 1000
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=seed)
     mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
-    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, tile_tokens=tile_tokens, fused=fused)
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, tile_tokens=tile_tokens, fused=fused,
+                           item_pairs=item_pairs)
+    _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+
+
+def test_moe_grouped_graph_replays_new_routing():
+    """The grouped path captured once (its work items sized from the shapes alone) replays routings it was not
+    captured with: spread over the experts, then every token on the same two experts (many work items of one
+    expert), each against the golden twin."""
+    from kdtree import kernels
+    p = MoeParam(48, 512, 128, 16, 4)
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=41)
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    xs, ids_s, w_s = x.cuda(), ids.cuda(), wts.cuda()
+    kernels.moe_int4(xs, ids_s, w_s, mw, fused=False)  # the module loaded before the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=False, check_values=False)
+    for seed, hot in ((42, False), (43, True)):
+        x, ids, wts, *_ = _case(p, seed=seed)
+        if hot:
+            ids[:, 0], ids[:, 1] = 3, 11
+        xs.copy_(x.cuda())
+        ids_s.copy_(ids.cuda())
+        w_s.copy_(wts.cuda())
+        out.fill_(float("nan"))
+        g.replay()
+        _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+
+
+def test_moe_int4_past_the_grouping_kernels_experts():
+    """More experts than moe_group holds: torch groups the pairs and builds the work items; same answer."""
+    from kdtree import kernels
+    p = MoeParam(24, 64, 32, kernels.MAX_GROUP_EXPERTS + 4, 2, skew=True)
+    x, ids, wts, p13, s13, p2, s2 = _case(p, seed=51)
+    ids[:, 1] = kernels.MAX_GROUP_EXPERTS + 1  # an expert past the kernel's reach, with every token
+    mw = kernels.repack_moe(*(t.cuda() for t in (p13, s13, p2, s2)))
+    out = kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=False)
     _check_golden(out, x, ids, wts, p13, s13, p2, s2)
 
 
@@ -142,7 +182,8 @@ def test_int4_experts_kernel_path_matches_reference_path():
                                               (1024, 8, 384, torch.int64, False),
                                               (700, 3, 7, torch.int32, True)])
 def test_moe_group_matches_golden(T, k, E, dtype, skew):
-    """moe_group_* vs golden.group_pairs: offsets and active slots bit for bit; within an expert the pairs as
+    """moe_group_* vs golden.group_pairs and group_items: offsets, active slots and work items bit for bit
+    (the items' spare rows poisoned first); within an expert the pairs as
     a multiset (the kernel's order there is unspecified). Fresh random routing per case; an id out of range is
     dropped."""
     from kdtree import kernels
@@ -153,9 +194,13 @@ def test_moe_group_matches_golden(T, k, E, dtype, skew):
     ids[T // 2, 0] = E  # out of range: dropped by both
     ids = ids.to(dtype)
     w = torch.rand(T, k, generator=g)
-    tok, pw, off, act = (t.cpu().numpy() for t in kernels._group_pairs_kernel(ids.cuda(), w.cuda(), E))
+    chunk = 1 + (T * k) % 13  # work items of 1..13 pairs
+    got = kernels._group_kernel(ids.cuda(), w.cuda(), E, chunk)
+    tok, pw, off, act, items = (t.cpu().numpy() for t in got)
     rt, rw, ro, ra = golden.group_pairs(ids.numpy(), w.numpy(), E)
     assert np.array_equal(off, ro) and np.array_equal(act, ra)
+    Y = kernels.item_rows(T * k, min(E, T * k), chunk)
+    assert np.array_equal(items, golden.group_items(ro, chunk, Y))
     n = int(ro[-1])
     assert n == T * k - 1
     for e in range(E):

@@ -326,11 +326,22 @@ int verify_impl(const char *fn, Ctx &c, int impl, int *out) {
 }
 
 struct MoeLayout {
-    size_t sync, h, pair_tok, pair_w, expert_off, active, total;
+    size_t sync, h, pair_tok, pair_w, expert_off, active, items, total;
 };
+
+// moe_int4's work items (kdtree/ops/moe_int4.py item_rows / item_chunk): pairs an item, rows of items [Y, 2]
+const long long kMaxGridY = 65535;
+long long item_rows(long long P, long long S, long long chunk) { return (P + chunk - 1) / chunk + S; }
+long long item_chunk(long long P, long long S, long long tile) {
+    long long room = kMaxGridY - S > 1 ? kMaxGridY - S : 1, m = (P + tile * room - 1) / (tile * room);
+    if (m < 1) m = 1;
+    while (item_rows(P, S, m * tile) > kMaxGridY) ++m;
+    return m * tile;
+}
 
 MoeLayout moe_layout(int T, int k, int E, int I) {
     const size_t P = (size_t)T * k, S = P < (size_t)E ? P : (size_t)E;
+    const size_t Y = (size_t)item_rows((long long)P, (long long)S, item_chunk((long long)P, (long long)S, 8));
     MoeLayout l;
     l.sync = 0;
     l.h = align16(4 * (4 + KDTREE_FUSED_MAX_PAIRS));
@@ -338,7 +349,8 @@ MoeLayout moe_layout(int T, int k, int E, int I) {
     l.pair_w = l.pair_tok + align16(4 * P);
     l.expert_off = l.pair_w + align16(4 * P);
     l.active = l.expert_off + align16(4 * ((size_t)E + 1));
-    l.total = l.active + align16(4 * S);
+    l.items = l.active + align16(4 * S);
+    l.total = l.items + align16(8 * Y);  // the most rows any tile needs (t8's)
     return l;
 }
 
@@ -349,6 +361,9 @@ int moe_sizes(const char *fn, int T, int k, int E, int D, int I) {
     CHECK(need_range(fn, "D", D, 32, 1 << 20));
     CHECK(need_range(fn, "I", I, 32, 1 << 20));
     if (D % 32 || I % 32) return fail(KDTREE_ERR_SIZE, "%s: D=%d and I=%d must be multiples of 32", fn, D, I);
+    if ((long long)T * k > KDTREE_MAX_GROUP_PAIRS)
+        return fail(KDTREE_ERR_LIMIT, "%s: T * k = %lld token-expert pairs, at most %d", fn, (long long)T * k,
+                    KDTREE_MAX_GROUP_PAIRS);
     return KDTREE_OK;
 }
 
@@ -748,17 +763,20 @@ int kdtree_moe_int4(const uint16_t *x, const void *topk_ids, int ids_dtype, cons
         return ok();
     }
     int S = P < E ? P : E;
-    void *ag[] = {(void *)&topk_ids, (void *)&topk_weights, &P, &k, &E, &S, &ptok, &pw, &off, &act};
+    if (tile_tokens == 0) tile_tokens = T <= 8 || P <= 8 * E ? 8 : 16;
+    const bool t8 = tile_tokens == 8;
+    int chunk = (int)item_chunk(P, S, tile_tokens), Y = (int)item_rows(P, S, chunk);
+    void *items = w + lay.items;
+    void *ag[] = {(void *)&topk_ids, (void *)&topk_weights, &P, &k, &E, &S, &chunk, &Y, &ptok, &pw, &off, &act,
+                  &items};
     CHECK(launch(fn, c, M_MOE, i64 ? "moe_group_i64" : "moe_group_i32", 1, 1, 1, 1024, 8 * (unsigned)E,
                  stream, ag));
     CUresult_t r = g_drv.MemsetD32Async((unsigned long long)(uintptr_t)out, 0, (size_t)T * D, stream);
     if (r) return cuda_fail(fn, "cuMemsetD32Async", r);
-    if (tile_tokens == 0) tile_tokens = T <= 8 || P <= 8 * E ? 8 : 16;
-    const bool t8 = tile_tokens == 8;
-    void *a1[] = {(void *)&x, &ptok, &off, &act, (void *)&w13, (void *)&s13, &D, &I, &h};
-    CHECK(launch(fn, c, M_MOE, t8 ? "moe_gate_up_t8" : "moe_gate_up_t16", I / 16, S, 1, 256, 0, stream, a1));
-    void *a2[] = {&h, &ptok, &pw, &off, &act, (void *)&w2, (void *)&s2, &D, &I, &out};
-    CHECK(launch(fn, c, M_MOE, t8 ? "moe_down_t8" : "moe_down_t16", D / 32, S, 1, 256, 0, stream, a2));
+    void *a1[] = {(void *)&x, &ptok, &off, &items, &chunk, (void *)&w13, (void *)&s13, &D, &I, &h};
+    CHECK(launch(fn, c, M_MOE, t8 ? "moe_gate_up_t8" : "moe_gate_up_t16", I / 16, Y, 1, 256, 0, stream, a1));
+    void *a2[] = {&h, &ptok, &pw, &off, &items, &chunk, (void *)&w2, (void *)&s2, &D, &I, &out};
+    CHECK(launch(fn, c, M_MOE, t8 ? "moe_down_t8" : "moe_down_t16", D / 32, Y, 1, 256, 0, stream, a2));
     return ok();
 }
 

@@ -206,18 +206,22 @@ def moe_routing(args, T: int, routing: str, device="cuda", seed: int = 0):
 
 def bench_moe_tiles(config: str = "kimi-k2.6", tokens=(1, 9, 17, 33, 65, 129), routings=ROUTINGS,
                     tiles=(8, 16, 32), repeats: int = 30, bandwidth: float | None = None,
-                    seed: int = 0) -> list[dict]:
+                    matmul: float | None = None, seed: int = 0) -> list[dict]:
     """moe_int4's grouped path per pass size (`tile_tokens`) at the config's shape, both routings
     (`moe_routing`), as CUDA-graph replays over two expert sets (rotated past L2), each output checked against
     tile 8's first: per (tokens, routing) {tokens, routing, experts_touched, max_pairs (the most pairs one
-    expert holds), tile_s {tile: s}, best_tile, floor_s (the touched experts' bytes over `bandwidth`, default
-    the copy rate measured here), fraction {tile: floor_s / s}, rel_diff {tile}}. GPU only."""
-    from .ceilings import copy_bandwidth
+    expert holds), tile_s {tile: s} (one pass a work item: the default), serial_s {tile: s} (each expert's
+    passes in order in one block: item_pairs = T k), best_tile, floor_s (the touched experts' bytes over
+    `bandwidth`, default the copy rate measured here), fraction {tile: floor_s / s}, mma_floor_s (the pairs'
+    3 I D multiply-adds at `matmul` FLOP/s, default torch.matmul's bf16 rate measured here), rel_diff
+    {tile}}. GPU only."""
+    from .ceilings import copy_bandwidth, matmul_rate
     if not torch.cuda.is_available():
         raise RuntimeError("bench_moe_tiles needs a CUDA GPU")
     args = load_config(config)
     D, I, E = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
     bw = bandwidth or copy_bandwidth()["bytes_per_s"]
+    mm = matmul or matmul_rate()
     from .. import kernels
     sets = [Int4Experts.random_kernel_only(E, D, I, device="cuda", seed=seed + i).kernel_weights()
             for i in range(2)]
@@ -228,16 +232,21 @@ def bench_moe_tiles(config: str = "kimi-k2.6", tokens=(1, 9, 17, 33, 65, 129), r
             x, w, ids = moe_routing(args, T, routing, "cuda", seed + T)
             counts = torch.bincount(ids.flatten().long(), minlength=E)
             row = {"tokens": T, "routing": routing, "experts_touched": int((counts > 0).sum()),
-                   "max_pairs": int(counts.max()), "tile_s": {}, "fraction": {}, "rel_diff": {}}
+                   "max_pairs": int(counts.max()), "tile_s": {}, "serial_s": {}, "fraction": {},
+                   "rel_diff": {}}
             row["floor_s"] = row["experts_touched"] * per_expert / bw
+            row["mma_floor_s"] = 2 * 3 * I * D * ids.numel() / mm
             ref = None
             for tile in tiles:
-                calls = [lambda s=s, t=tile: kernels.moe_int4(x, ids, w, s, check_values=False, tile_tokens=t,
-                                                               fused=False) for s in sets]
-                out = calls[0]()
-                ref = out if ref is None else ref
-                row["rel_diff"][tile] = float((out - ref).norm() / ref.norm())
-                row["tile_s"][tile] = measure(calls, repeats, "graph", warm_s=MOE_WARM_S).median
+                for key, item in (("tile_s", None), ("serial_s", ids.numel())):
+                    calls = [lambda s=s, t=tile, n=item: kernels.moe_int4(
+                        x, ids, w, s, check_values=False, tile_tokens=t, fused=False, item_pairs=n)
+                        for s in sets]
+                    out = calls[0]()
+                    ref = out if ref is None else ref
+                    diff = float((out - ref).norm() / ref.norm())
+                    row["rel_diff"][tile] = max(row["rel_diff"].get(tile, 0.0), diff)
+                    row[key][tile] = measure(calls, repeats, "graph", warm_s=MOE_WARM_S).median
                 row["fraction"][tile] = row["floor_s"] / row["tile_s"][tile]
             row["best_tile"] = min(row["tile_s"], key=row["tile_s"].get)
             rows.append(row)
@@ -267,7 +276,9 @@ def main(argv=None) -> dict:
         path.write_text(json.dumps(rec, indent=1) + "\n")
         for r in rec["tiles"]:
             print(f"{r['routing']:12s} T={r['tokens']:4d} max pairs {r['max_pairs']:4d}: " + "  ".join(
-                f"t{t} {s * 1e6:7.1f} us ({r['fraction'][t]:.2f})" for t, s in r["tile_s"].items()))
+                f"t{t} {s * 1e6:7.1f} us ({r['fraction'][t]:.2f}; serial {r['serial_s'][t] * 1e6:7.1f})"
+                for t, s in r["tile_s"].items()) + f"  floor {r['floor_s'] * 1e6:.1f} / mma "
+                f"{r['mma_floor_s'] * 1e6:.1f} us")
     if a.bf16:
         rec["bf16"] = bench_moe_bf16(repeats=a.repeats)
         path.write_text(json.dumps(rec, indent=1) + "\n")

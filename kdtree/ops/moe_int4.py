@@ -13,13 +13,16 @@ Contract:
     per SM).
   * group_pairs(topk_ids, topk_weights, E): moe_int4_golden.group_pairs (order within an expert unspecified on
     the GPU), no host sync; at most MAX_GROUP_EXPERTS experts for the kernel path.
+  * The expert GEMMs run one block per (feature tile, work item): an item is up to `chunk` pairs of one expert
+    (moe_int4_golden.group_items), so every pass of an expert with many pairs runs at once (item_pairs).
 Constants shared with moe_int4.cu: FUSED_MAX_PAIRS, FUSED_BLOCKS_PER_SM (MOE_FUSED_MINB), MAX_GROUP_EXPERTS,
-MOE_TILE_TOKENS.
+MAX_GROUP_PAIRS, MOE_TILE_TOKENS.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p, _sm_count
@@ -46,6 +49,24 @@ def _fused_sync(dev: torch.device) -> torch.Tensor:
 
 
 MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
+MAX_GROUP_PAIRS = (1 << 24) - 1  # moe_group_*: the pair offsets' field of its packed scan
+MAX_GRID_Y = 65535        # the expert GEMMs' work items go on grid.y
+
+
+def item_rows(P: int, S: int, chunk: int) -> int:
+    """Rows of moe_group's items [Y, 2] that hold every work item of P pairs on at most S experts."""
+    return -(-P // chunk) + S
+
+
+def item_chunk(P: int, S: int, tile_tokens: int, item_pairs: int | None = None) -> int:
+    """Pairs per work item: item_pairs if given, else one pass of the tile (tile_tokens pairs), made a
+    multiple of it just large enough for the items to fit grid.y (MAX_GRID_Y)."""
+    if item_pairs is not None:
+        return item_pairs
+    m = max(1, -(-P // (tile_tokens * max(1, MAX_GRID_Y - S))))
+    while item_rows(P, S, m * tile_tokens) > MAX_GRID_Y:
+        m += 1
+    return m * tile_tokens
 
 
 def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
@@ -64,6 +85,12 @@ def group_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: i
 
 
 def _group_pairs_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
+    return _group_kernel(topk_ids, topk_weights, n_experts, 0)[:4]
+
+
+def _group_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int, chunk: int):
+    """One launch of moe_group_*: group_pairs' four tensors, and the work items int32 [Y, 2] of `chunk` pairs
+    (Y = item_rows) when chunk > 0, else None."""
     T, k = topk_ids.shape
     P, dev = T * k, topk_ids.device
     ids = topk_ids.contiguous()
@@ -73,11 +100,28 @@ def _group_pairs_kernel(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_ex
     expert_off = _empty(n_experts + 1, dtype=torch.int32, device=dev)
     S = min(n_experts, P)
     active = _empty(S, dtype=torch.int32, device=dev)
+    Y = item_rows(P, S, chunk) if chunk > 0 else 0
+    items = _empty(Y, 2, dtype=torch.int32, device=dev) if chunk > 0 else None
     name = "moe_group_i32" if ids.dtype == torch.int32 else "moe_group_i64"
+    items_p = _p(items) if items is not None else np.uint64(0)
     _launch("moe_int4", name, (1,), (1024,),
-            (_p(ids), _p(w), _i(P), _i(k), _i(n_experts), _i(S), _p(pair_tok), _p(pair_w), _p(expert_off),
-             _p(active)), smem=8 * n_experts)
-    return pair_tok, pair_w, expert_off, active
+            (_p(ids), _p(w), _i(P), _i(k), _i(n_experts), _i(S), _i(chunk), _i(Y), _p(pair_tok), _p(pair_w),
+             _p(expert_off), _p(active), items_p), smem=8 * n_experts)
+    return pair_tok, pair_w, expert_off, active, items
+
+
+def _group_items_torch(expert_off: torch.Tensor, chunk: int, Y: int) -> torch.Tensor:
+    """moe_group's work items from the offsets with torch ops (no host sync): int32 [Y, 2]
+    (moe_int4_golden.group_items)."""
+    dev = expert_off.device
+    off = expert_off.to(torch.int64)
+    n = (off[1:] - off[:-1] + chunk - 1) // chunk                 # items of each expert
+    end = torch.cumsum(n, 0)                                     # [E] items through expert e
+    y = torch.arange(Y, device=dev)
+    e = torch.searchsorted(end, y, right=True).clamp_(max=off.shape[0] - 2)
+    p0 = off[e] + (y - (end[e] - n[e])) * chunk
+    live = y < end[-1]
+    return torch.stack([torch.where(live, e, -1), torch.where(live, p0, -1)], 1).to(torch.int32)
 
 
 def _group_pairs_torch(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_experts: int):
@@ -178,7 +222,7 @@ def check_ids(topk_ids: torch.Tensor, E: int) -> None:
 
 def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: MoeWeights,
              check_values: bool = True, tile_tokens: int | None = None,
-             fused: bool | None = None) -> torch.Tensor:
+             fused: bool | None = None, item_pairs: int | None = None) -> torch.Tensor:
     """Routed experts with INT4 weights (moe_int4_golden.moe_int4 on the checkpoint-format tensors).
 
     x bf16 [T, D]; topk_ids int32/int64 [T, k]; topk_weights float32 [T, k]; weights: repack_moe(...).
@@ -188,8 +232,11 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     pairs once, at one block an SM); default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else
     16. fused: the whole call in one launch (moe_fused_t8_*: grouping, zeroing, gate+up and down in a
     persistent grid of FUSED_BLOCKS_PER_SM blocks per SM) for at most FUSED_MAX_PAIRS pairs; default: for one
-    token (T == 1) unless tile_tokens is 16 or 32. check_values=True reads topk_ids to check them in [0, E)
-    (not for graph capture)."""
+    token (T == 1) unless tile_tokens is 16 or 32 or item_pairs is given. item_pairs: pairs of one expert
+    per block of the GEMMs (best a multiple of tile_tokens): default one pass (tile_tokens), so an expert's
+    passes run in parallel (item_chunk widens it only to fit grid.y); item_pairs >= T * k runs each expert's
+    passes in order in one block. check_values=True reads topk_ids to check them in [0, E) (not for graph
+    capture)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
     if fused and tile_tokens in (16, 32):
@@ -200,6 +247,15 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     E, D, I = weights.E, weights.D, weights.I
     T, k = check_routing(x, topk_ids, topk_weights, D)
     P = T * k
+    if P > MAX_GROUP_PAIRS:
+        raise ValueError(f"topk_ids: expected at most {MAX_GROUP_PAIRS} token-expert pairs (T * k), "
+                         f"got {T} x {k} = {P}")
+    if item_pairs is not None:
+        if isinstance(item_pairs, bool) or not isinstance(item_pairs, int) or item_pairs <= 0:
+            raise ValueError(f"item_pairs={item_pairs!r}: expected a positive int (pairs a work item) "
+                             f"or None")
+        if fused:
+            raise ValueError("item_pairs applies to the grouped GEMMs: expected fused None or False")
     if fused and P > FUSED_MAX_PAIRS:
         raise ValueError(f"fused=True: expected T * k <= {FUSED_MAX_PAIRS} token-expert pairs, "
                          f"got {T} x {k} = {P}")
@@ -208,22 +264,31 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if check_values:
         check_ids(topk_ids, E)
     if fused is None:
-        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens in (None, 8)
+        fused = T == 1 and P <= FUSED_MAX_PAIRS and tile_tokens in (None, 8) and item_pairs is None
     if fused:
         return _moe_fused(x, topk_ids, topk_weights, weights)
-    pair_tok, pair_w, expert_off, active = group_pairs(topk_ids, topk_weights, E)
-    slots = active.shape[0]
-    h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     if tile_tokens is None:
         tile_tokens = 8 if T <= 8 or T * k <= 8 * E else 16
+    S = min(E, P)
+    chunk = item_chunk(P, S, tile_tokens, item_pairs)
+    Y = item_rows(P, S, chunk)
+    if Y > MAX_GRID_Y:
+        raise ValueError(f"item_pairs={item_pairs}: {Y} work items exceed grid.y's {MAX_GRID_Y}; "
+                         f"expected at least {item_chunk(P, S, tile_tokens)} pairs an item")
+    if topk_ids.is_cuda and E <= MAX_GROUP_EXPERTS:
+        pair_tok, pair_w, expert_off, _, items = _group_kernel(topk_ids, topk_weights, E, chunk)
+    else:
+        pair_tok, pair_w, expert_off, _ = _group_pairs_torch(topk_ids, topk_weights, E)
+        items = _group_items_torch(expert_off, chunk, Y)
+    h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     t = f"t{tile_tokens}"
-    _launch("moe_int4", "moe_gate_up_" + t, (I // 16, slots), (256,),
-            (_p(x), _p(pair_tok), _p(expert_off), _p(active), _p(weights.w13), _p(weights.s13), _i(D), _i(I),
-             _p(h)))
-    _launch("moe_int4", "moe_down_" + t, (D // 32, slots), (256,),  # bf16 as raw pointers (uint16 in .cu)
-            (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(active), _p(weights.w2), _p(weights.s2),
-             _i(D), _i(I), _p(out)))
+    _launch("moe_int4", "moe_gate_up_" + t, (I // 16, Y), (256,),
+            (_p(x), _p(pair_tok), _p(expert_off), _p(items), _i(chunk), _p(weights.w13), _p(weights.s13),
+             _i(D), _i(I), _p(h)))
+    _launch("moe_int4", "moe_down_" + t, (D // 32, Y), (256,),  # bf16 as raw pointers (uint16 in .cu)
+            (_p(h), _p(pair_tok), _p(pair_w), _p(expert_off), _p(items), _i(chunk), _p(weights.w2),
+             _p(weights.s2), _i(D), _i(I), _p(out)))
     return out
 
 

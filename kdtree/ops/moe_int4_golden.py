@@ -1,5 +1,5 @@
 """Numpy golden twin of kdtree.ops.moe_int4 (cuda/moe_int4.cu): INT4 unpacking and dequantization of the
-checkpoint format, token-expert grouping, and the routed experts in float64.
+checkpoint format, token-expert grouping and work items, and the routed experts in float64.
 """
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ def group_pairs(topk_ids, topk_weights, n_experts: int):
     off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     active = np.concatenate([np.nonzero(counts > 0)[0], np.nonzero(counts == 0)[0]])[:min(n_experts, T * k)]
     return (order // k).astype(np.int32), wf[order], off, active.astype(np.int32)
+
+
+def group_items(expert_off, chunk: int, rows: int) -> np.ndarray:
+    """The expert GEMMs' work items (the contract of cuda/moe_int4.cu moe_group_*'s items): int32 [rows, 2],
+    (expert, first pair) for every `chunk` pairs of each expert that has pairs, experts by id, an expert's
+    chunks in order, then (-1, -1) rows. expert_off int [E + 1] as group_pairs returns it."""
+    off = np.asarray(expert_off, np.int64)
+    if chunk <= 0:
+        raise ValueError(f"chunk: expected a positive number of pairs, got {chunk}")
+    got = [(e, p) for e in range(off.shape[0] - 1) for p in range(int(off[e]), int(off[e + 1]), chunk)]
+    if len(got) > rows:
+        raise ValueError(f"rows: expected at least the {len(got)} items, got {rows}")
+    items = np.full((rows, 2), -1, np.int32)
+    if got:
+        items[:len(got)] = np.asarray(got, np.int32)
+    return items
 
 
 def moe_int4(x, topk_ids, topk_weights, w13_packed, w13_scale, w2_packed, w2_scale) -> np.ndarray:
