@@ -51,6 +51,7 @@ def _fused_sync(dev: torch.device) -> torch.Tensor:
 MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
 MAX_GROUP_PAIRS = (1 << 24) - 1  # moe_group_*: the pair offsets' field of its packed scan
 MAX_GRID_Y = 65535        # the expert GEMMs' work items go on grid.y
+SERIAL_PASSES = False     # True: item_pairs defaults to T * k (each expert's passes in order in one block)
 
 
 def item_rows(P: int, S: int, chunk: int) -> int:
@@ -270,7 +271,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if tile_tokens is None:
         tile_tokens = 8 if T <= 8 or T * k <= 8 * E else 16
     S = min(E, P)
-    chunk = item_chunk(P, S, tile_tokens, item_pairs)
+    chunk = item_chunk(P, S, tile_tokens, P if item_pairs is None and SERIAL_PASSES else item_pairs)
     Y = item_rows(P, S, chunk)
     if Y > MAX_GRID_Y:
         raise ValueError(f"item_pairs={item_pairs}: {Y} work items exceed grid.y's {MAX_GRID_Y}; "
