@@ -237,6 +237,25 @@ def test_fit_layers_keeps_twelve_layers_at_batch_8_and_room_for_the_largest_tree
     assert fit_layers(2**30, 1, 4096, 129, 16) == 0
 
 
+def test_fit_cell_counts_only_what_the_built_weights_leave_free():
+    """A cell on a model already built: its engine must fit beside every built layer's weights. The H100
+    case that ran out of memory (a 6-layer model, about 11 GiB left, batch 32 at 4K with trees of 33 rows)
+    gets no layer here, where fit_layers (which counts only the layers the cell runs) had given it 5; a
+    cell that fits keeps the built count; fewer free bytes never give more layers. bench_k26 now builds
+    min over its cells of fit_layers, so each cell fits by construction."""
+    from kdtree import k26 as K
+    from kdtree.bench.k26 import cell_bytes, fit_cell, fit_layers
+    a = K.target_args(1)
+    d = K.drafter_args(a)
+    free = int(79.2 * 2**30)  # before the build: the model takes the most demanding cell's count
+    assert fit_layers(free, 32, 4096, 33, 16) == 5 < fit_layers(free, 1, 32768, 33, 16) == 6
+    assert fit_cell(11 * 2**30, a, d, 32, 4096, 33, 6) == 0
+    assert fit_cell(11 * 2**30, a, d, 1, 32768, 33, 6) == 6
+    need = cell_bytes(a, d, 8, 4096, 33, 6)
+    assert fit_cell(need, a, d, 8, 4096, 33, 6) == 6 and fit_cell(need - 1, a, d, 8, 4096, 33, 6) < 6
+    assert fit_cell(0, a, d, 1, 4096, 33, 6) == 0
+
+
 def test_autos_overhead_splits_into_its_parts():
     """bench.steps.overhead: auto's decode seconds beyond AR's, split into drafted rounds beyond AR's median
     step, catch-up steps, the last step and the per-round rest (which sum to the total)."""

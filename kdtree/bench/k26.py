@@ -4,8 +4,9 @@ DIR/e2e_k26.json per cell and profile (`merge`: a long sweep runs as several com
 too; every row names its run, and each ratio pairs rows of one run).
 
 The target: `k26.build_target` (real dimensions, distinct random layers, INT4 experts in one copy) with as
-many MoE layers as fit the largest cell asked for, and in each (context, batch) cell the same layer count for
-every mode (`fit_layers`; a cell that needs fewer runs on the first layers of the same model). The drafter:
+many MoE layers as fit the largest cell asked for (`fit_layers`), and in each (context, batch) cell the same
+layer count for every mode (a cell whose engine does not fit beside the built weights, `fit_cell`, runs on
+fewer of the same model's layers, or is skipped). The drafter:
 Kimi-K2.5-DFlash's shape, random, run every round (its cost is real). Acceptance: `kdtree.simulate` profiles
 (chain tau with the drafter's block: 3 and 5 at block 8, 8 at block 16; `--trained FILE`: the trained pair's
 realized curve fitted as one more, `Profile.fit`); every kernel of the round runs at its real shape on real
@@ -48,7 +49,7 @@ from .e2e import _cell
 from .floors import draft_stage_parts, round_floor, round_floor_parts
 from .k26_cells import (BUDGETS, CELLS, DECODE_PATHS, MAX_NEW, MIN_LAYERS, PROFILES, PROMPT,  # noqa: F401
                         _first_layers, _with_block, cell_bytes, cell_engine, cell_prompts, check_sweep,
-                        fit_layers, max_new)
+                        fit_cell, fit_layers, max_new)
 from .k26_record import _queued, _targets, cell_targets, draft_times, merge  # noqa: F401
 from .layer import count_experts, routed_kernel_s
 from .serve import run_engine, write_record
@@ -116,9 +117,11 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
-    n_model = layers or max(fit_layers(free, b, c, rows, n_max) for c, b in cells)
+    # every cell runs on the model built once: as many layers as the most demanding cell leaves room for
+    n_model = layers or min(fit_layers(free, b, c, rows, n_max) for c, b in cells)
     if n_model == 0:
-        raise ValueError(f"bench_k26: no cell of {list(cells)} fits in {free / 2**30:.0f} GiB")
+        raise ValueError(f"bench_k26: the cells {list(cells)} do not all fit in {free / 2**30:.0f} GiB "
+                         f"free with one MoE layer: ask for the larger cells in a command of their own")
     t0 = time.perf_counter()
     target = k26.build_target(n_model, device=device, args=args, kernel_only=gpu, routing=routing)
     if decode_path != "default":
@@ -135,13 +138,22 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     weights = k26.weight_bytes(target) + k26.weight_bytes(drafter)
     if gpu:   # the byte floors' divisor, measured in this run (`floors`)
         rec["copy_bytes_per_s"] = copy_bandwidth()["bytes_per_s"]
-    free_after = torch.cuda.mem_get_info()[0] + weights if gpu else 0
     sweep = _Sweep(profiles, fitted, budgets, repeats, queue, rows, gpu, device, weights, run_id, decode_path,
                    rec.get("copy_bytes_per_s"))
     for context, batch in cells:
-        n = min(n_model, fit_layers(free_after, batch, context, rows, n_model)) if gpu else n_model
+        # every built layer stays resident: the cell's engine must fit in what the weights leave free
+        if gpu:
+            torch.cuda.empty_cache()   # the last cell's engines: their cached blocks count as used
+        free_now = torch.cuda.mem_get_info()[0] if gpu else 0
+        n = fit_cell(free_now, target.args, drafter.args, batch, context, rows, n_model) if gpu else n_model
         rec["layers"][f"{context}:{batch}"] = n
         if n == 0:
+            need = cell_bytes(target.args, drafter.args, batch, context, rows, 1)
+            why = (f"its engine (~{need / 2**30:.1f} GiB) does not fit in the {free_now / 2**30:.1f} GiB the "
+                   f"{n_model}-layer model leaves free")
+            rec.setdefault("skipped", []).append({"cell": f"{context}:{batch}", "reason": why})
+            if progress:
+                print(f"K2.6 cell {context}:{batch} skipped: {why}")
             continue
         t, d = _first_layers(target, drafter, n)
         rows_cell = _cell_rows(sweep, rec, t, d, context, batch, n, on_engine, progress)

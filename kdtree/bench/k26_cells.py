@@ -79,6 +79,15 @@ def fit_layers(free: int, batch: int, context: int, rows: int, n_max: int) -> in
     return 0
 
 
+def fit_cell(free: int, args, dargs, batch: int, context: int, rows: int, n_max: int) -> int:
+    """The most MoE layers (<= n_max) of a model already built whose engine for the cell fits in `free` bytes
+    (what its weights leave free): 0 if none."""
+    for n in range(n_max, 0, -1):
+        if cell_bytes(args, dargs, batch, context, rows, n) <= free:
+            return n
+    return 0
+
+
 def _first_layers(target, drafter, n_moe: int):
     """The model on its first 1 + n_moe layers (the same modules) and a drafter reading layers mapped onto
     them (the same weights)."""
