@@ -24,16 +24,23 @@ pytestmark = pytest.mark.slow  # the library's build: ~20 s of nvcc
 
 @pytest.fixture(scope="session")
 def lib(tmp_path_factory):
-    """The library: KDTREE_LIB if set, else `make lib` into a scratch folder (skips without nvcc)."""
+    """The library: KDTREE_LIB if set, else `make lib` into a scratch folder, which KDTREE_LIB then names
+    for the session (skips without nvcc)."""
     if os.environ.get("KDTREE_LIB"):
-        return capi.library(os.environ["KDTREE_LIB"])
+        yield capi.library(os.environ["KDTREE_LIB"])
+        return
     if shutil.which("nvcc") is None or shutil.which("bin2c") is None:
         pytest.skip("nvcc / bin2c not on PATH: libkdtree.so cannot be built here")
     out = tmp_path_factory.mktemp("lib")
     r = subprocess.run(["make", "-s", "lib", f"LIB_DIR={out}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return capi.library(str(out / "libkdtree.so"))
+    # the wrappers (capi.tree_build, ...) load capi.library() with no path: point it at this build
+    os.environ["KDTREE_LIB"] = str(out / "libkdtree.so")
+    try:
+        yield capi.library(os.environ["KDTREE_LIB"])
+    finally:
+        del os.environ["KDTREE_LIB"]
 
 
 def _define(name: str, text: str = HEADER) -> int:
