@@ -37,6 +37,12 @@ class AttnMeta:
     moe: str = "loop"                 # MoE.forward's path for MLP experts: "loop" | "dense" | "grouped"
     attn_impl: str = "absorb"         # MLA's path: "naive" | "absorb" | "kernel"
     start: int | None = None          # cache layout: rows cached before the block; None: paged
+    # the prefix / rest split (`with_prefix`, attn_impl "kernel", paged): a planned prefix pass (e.g.
+    # ops.flashinfer_prefix.FlashInferPrefix: run(q, pool) -> (o, lse)) over each request's first
+    # prefix_rows rows, and verify_attn over the rest through rest_page_table / rest_seq_len
+    prefix: object | None = None
+    rest_page_table: torch.Tensor | None = None   # int32 [B, P]: the pages after the prefix
+    rest_seq_len: torch.Tensor | None = None      # int32 [B]: seq_len - prefix rows
 
     def __post_init__(self):
         if self.moe not in MOE_PATHS:
@@ -72,6 +78,24 @@ class AttnMeta:
             bias = torch.zeros(B, T, kv_cap, device=dev).masked_fill(~vis, float("-inf"))
         return cls(page_table, slots, positions.long(), seq_len, words, bias, kv_cap, page_size, moe,
                    attn_impl)
+
+    def with_prefix(self, prefix, prefix_rows: torch.Tensor) -> "AttnMeta":
+        """This metadata with its attention split at prefix_rows (int32 [B] on the device, whole pages, at
+        most seq_len - T each: the caller's contract, not read back): `prefix` (planned for those rows)
+        attends the first prefix_rows rows, verify_attn the rest, merged by log-sum-exp
+        (ops.attn_split). Paged layout with attn_impl "kernel" only; no host reads (capturable)."""
+        import dataclasses
+
+        from .ops.attn_split import shift_pages
+        if self.attn_impl != "kernel" or self.start is not None:
+            raise ValueError(f"with_prefix: expected the paged layout with attn_impl 'kernel', got "
+                             f"attn_impl={self.attn_impl!r}, start={self.start!r}")
+        B = self.page_table.shape[0]
+        if not isinstance(prefix_rows, torch.Tensor) or tuple(prefix_rows.shape) != (B,):
+            raise ValueError(f"prefix_rows: expected an int tensor [{B}], got "
+                             f"{getattr(prefix_rows, 'shape', type(prefix_rows).__name__)}")
+        pt, seq = shift_pages(self.page_table, self.seq_len, prefix_rows, self.page_size)
+        return dataclasses.replace(self, prefix=prefix, rest_page_table=pt, rest_seq_len=seq)
 
     @classmethod
     def for_cache(cls, cache: "KVCache", start: int, positions, mask, attn_impl: str) -> "AttnMeta":

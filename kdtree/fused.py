@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import AttnMeta
-from .layers import _launch, apply_rope
+from .layers import _launch, apply_rope, kernel_attention
 from .moe import MLP, Gate, Int4Experts, MoE
 from .ops import decode as dec
 from .ops import gemv
@@ -183,7 +183,6 @@ def _attention(attn, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool
                meta: AttnMeta) -> torch.Tensor:
     """MLA over the paged latent cache (MLA._paged / _attend with attn_impl 'kernel'): y bf16 [M, D] ->
     [M, D]; writes the block's latent rows to pool rows meta.slots."""
-    from . import kernels
     a = attn.args
     B, T = meta.slots.shape
     M = B * T
@@ -201,9 +200,7 @@ def _attention(attn, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool
         q_lat = torch.einsum("mhd,hdr->mhr", qb[..., :Dn], w[:, :Dn])
         q_pe = apply_rope(qb[..., Dn:], cos[:, None], sin[:, None], a.rope_interleave)
         qk = torch.cat([q_lat, q_pe], -1).contiguous()
-    o_lat, _ = _launch(kernels.verify_attn, qk.view(B, T, H, R + P), pool, meta.page_table, meta.seq_len,
-                       meta.mask_words, a.softmax_scale, page_size=meta.page_size, check_values=False,
-                       max_seq_len=meta.kv_cap)                                         # [B, T, H, R]
+    o_lat = kernel_attention(qk.view(B, T, H, R + P), pool, meta, a.softmax_scale)     # [B, T, H, R]
     o_lat = o_lat.view(M, H, R)
     if M <= ABSORB_ROWS:
         o = _eager(dec.uv_absorb, o_lat, w, Dn)                                         # [M, H Dv]

@@ -30,7 +30,7 @@ from torch import nn
 from . import checks
 from .cache import ATTN_IMPLS, AttnMeta, KVCache, PagedMeta, check_memory, free_bytes  # noqa: F401
 from .config import ModelArgs
-from .layers import RMSNorm, _launch, _refresh, apply_rope, rope_inv_freq  # noqa: F401
+from .layers import RMSNorm, _launch, _refresh, apply_rope, kernel_attention, rope_inv_freq  # noqa: F401
 from .moe import (GATHER_PAIRS_MAX, MLP, MOE_PATHS, RANK_TOPK_MAX, AbsentExpert, Gate,  # noqa: F401
                   Int4Experts, MoE, _repack_chunks)
 
@@ -124,12 +124,10 @@ class MLA(nn.Module):
         H, Dn, Dv, R = a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
         scale, S, bias, attn_impl = a.softmax_scale, meta.kv_cap, meta.bias, meta.attn_impl
         if attn_impl == "kernel":
-            from . import kernels
             w = self.kv_b_proj.weight.view(H, Dn + Dv, R)
             q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w[:, :Dn])  # [B, T, H, R]
             qk = torch.cat([q_lat, q_pe], dim=-1).to(torch.bfloat16).contiguous()  # [B, T, H, 576]
-            o_lat, _ = _launch(kernels.verify_attn, qk, rows, meta.page_table, meta.seq_len, meta.mask_words,
-                               scale, page_size=meta.page_size, check_values=False, max_seq_len=S)
+            o_lat = kernel_attention(qk, rows, meta, scale)                                # [B, T, H, R]
             o = torch.einsum("bthr,hdr->bthd", o_lat.to(x.dtype), w[:, Dn:])  # [B, T, H, Dv]
         elif attn_impl == "naive":
             kvb = self.kv_b_proj(kv_all).view(B, S, H, Dn + Dv)
