@@ -22,6 +22,7 @@ from .requests import check_drafter
 MODES = ("ar", "dflash", "ddtree")
 BACKENDS = ("golden", "kernel")
 ADMISSIONS = ("eager", "grouped")
+PREFIX_ATTNS = ("off", "flashinfer")   # the verify attention's prefix pass (`engine.prefix`)
 PAGE_SIZE = 64   # the latent cache's page rows (the attention kernel's)
 
 
@@ -47,6 +48,7 @@ class EngineConfig:
     overlap: bool = True
     admission: str = "eager"
     auto: object = None          # budget="auto": a kdtree.budget.AutoConfig (None: its defaults)
+    prefix_attn: str = "off"     # "flashinfer": the committed pages through FlashInfer (`engine.prefix`)
     block_size: int = 0          # the drafter's L + 1 (set by resolve; 0 in mode ar)
 
     # ------------------------------------------------------------- derived (a resolved config)
@@ -102,6 +104,7 @@ class EngineConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: expected True or False")
         moe = moe_path(model, self.moe, deterministic)
+        _check_prefix_attn(self.prefix_attn, model, backend, auto)
         buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         return dataclasses.replace(
             self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
@@ -180,6 +183,25 @@ class EngineConfig:
                              f"rows does not fit a request of max_len={max_len} in a pool of "
                              f"max_tokens={max_tokens}")
         return max_batch, prefill_chunk, max_len, max_tokens, buckets
+
+
+def _check_prefix_attn(prefix_attn, model: Transformer, backend: str, auto) -> None:
+    """prefix_attn "flashinfer" needs the kernel attention on a GPU, fixed budgets and FlashInfer."""
+    checks.one_of("prefix_attn", prefix_attn, PREFIX_ATTNS)
+    if prefix_attn == "off":
+        return
+    if backend != "kernel" or model.attn_impl != "kernel" or model.device.type != "cuda":
+        raise ValueError(f"prefix_attn={prefix_attn!r}: needs the kernel backend and attention on a GPU "
+                         f"(backend {backend!r}, attn_impl {model.attn_impl!r}, device {model.device})")
+    if auto is not None:
+        raise ValueError(f"prefix_attn={prefix_attn!r}: budget='auto' verifies rounds of several shapes, "
+                         f"each would need its own plan; use a fixed budget")
+    if getattr(model, "tp", None) is not None:
+        raise ValueError(f"prefix_attn={prefix_attn!r}: not under tensor parallelism")
+    from ..ops.flashinfer_prefix import available
+    why = available()
+    if why is not None:
+        raise ValueError(f"prefix_attn={prefix_attn!r}: {why} (pip install the `peers` extra)")
 
 
 def _deterministic_buckets(model: Transformer, buckets, max_batch: int) -> tuple[int]:

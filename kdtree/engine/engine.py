@@ -82,7 +82,9 @@ class Engine:
     idle slots' lost seconds stay below an admission's fixed cost: `Scheduler.due`); overlap: run() launches
     each round before the previous round's bookkeeping (off under debug, a host drafter or tensor
     parallelism; step() always lands its own round); simulate: a `kdtree.simulate.Profile` (simulated
-    acceptance at real shapes: every mode emits the profile's tokens; `simulated` names it).
+    acceptance at real shapes: every mode emits the profile's tokens; `simulated` names it); prefix_attn
+    "off" | "flashinfer" (the verify attention over each request's committed pages through FlashInfer's MLA,
+    the rest through verify_attn, merged: `engine.prefix`; fixed budgets, FlashInfer installed).
 
     Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the
     row), drawn on the device as Gumbel noise, so its samples do not depend on its batch mates, the bucket or
@@ -118,6 +120,10 @@ class Engine:
                         and getattr(model, "tp", None) is None)
         self._flight = None   # the launched round whose bookkeeping waits (overlap)
         self.runner, self.prefill = Runner(self, cfg.compile), Prefill(self)
+        self.prefix = None
+        if cfg.prefix_attn == "flashinfer":
+            from .prefix import PrefixSplit
+            self.prefix = PrefixSplit(self)
         self.policy = FixedBudget(self)
         if cfg.is_auto:
             from ..budget.auto import AutoBudget

@@ -103,6 +103,8 @@ class Runner:
         lens = e.lens[:b]
         meta = PagedMeta.build(e.page_table[:b], lens, positions, mask, e.page_size,
                                e.model.attn_impl, e.moe, mask_words)
+        if e.prefix is not None:
+            meta = e.prefix.meta(meta, b)
         out = e.model.forward_paged(tokens.long(), e.pool, meta, e.layers)
         choice = choose(out.logits, e.temp[:b], e.seed[:b], lens, sampling)
         feats = torch.cat([out.hidden[i] for i in e.layers], -1) if e.layers else None   # [b, N, F]
@@ -162,6 +164,8 @@ class Runner:
         for r in e.active:
             e.scheduler.grow(r, r.length + e.rows + (e.max_accept if ahead else 0))
         b = e.bucket(n)
+        if e.prefix is not None:
+            e.prefix.plan(b)
         sampling = any(r.temperature > 0 for r in e.active)
         t0 = time.perf_counter()
         clock = Clock(e.device)

@@ -47,10 +47,12 @@ class FlashInferPrefix:
     """FlashInfer's BatchMLAPagedAttentionWrapper over the prefix rows of max_pages pages at most a request.
     graph=True: fixed buffers for exactly max_batch requests (an engine's batch bucket, its padding slots
     planned with 0 prefix rows), so that a captured run() replays after each plan(); graph=False: up to
-    max_batch requests a plan."""
+    max_batch requests a plan. workspace: FlashInfer's float workspace (uint8, WORKSPACE_BYTES) to share
+    with other instances whose runs never overlap (one stream, one round at a time); default its own."""
 
     def __init__(self, heads: int, scale: float, max_batch: int, max_pages: int, page_size: int = 64,
-                 device="cuda", backend: str = "fa3", graph: bool = True):
+                 device="cuda", backend: str = "fa3", graph: bool = True,
+                 workspace: torch.Tensor | None = None):
         self.heads = checks.int_in("heads", heads, 1, 1024)
         self.scale = checks.finite_float("scale", scale, 1e-30)
         self.max_batch = checks.int_in("max_batch", max_batch, 1, 1 << 16)
@@ -68,7 +70,15 @@ class FlashInferPrefix:
         why = available()
         if why is not None:
             raise ValueError(f"FlashInferPrefix: {why}")
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if workspace is None:
+            ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or \
+                workspace.dim() != 1 or workspace.numel() < WORKSPACE_BYTES or not workspace.is_cuda:
+            raise ValueError(f"workspace: expected a CUDA uint8 tensor of at least {WORKSPACE_BYTES} bytes, "
+                             f"got {getattr(workspace, 'dtype', type(workspace).__name__)} "
+                             f"{tuple(getattr(workspace, 'shape', ()))}")
+        else:
+            ws = workspace
         self.device = ws.device   # with its index ("cuda" -> "cuda:0"), as the tensors it meets report it
         i32 = dict(dtype=torch.int32, device=self.device)
         self._empty = torch.zeros(self.max_batch, dtype=torch.bool, device=self.device)   # prefix of 0 rows

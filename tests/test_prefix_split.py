@@ -1,0 +1,116 @@
+"""The engine's verify attention split at the committed pages (prefix_attn="flashinfer",
+kdtree.engine.prefix): refusals on any machine; on a GPU with flashinfer installed, the split metadata
+against the whole and an engine with the split against one without."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import golden
+from kdtree.cache import AttnMeta
+from kdtree.engine.config import EngineConfig
+from kdtree.ops import flashinfer_prefix as fp
+
+PAGE = 64
+
+
+def test_prefix_attn_is_checked_before_anything_is_built():
+    from kdtree.config import TINY_A
+    from kdtree.model import build_model
+    m = build_model(TINY_A, seed=1)
+    with pytest.raises(ValueError, match="prefix_attn='fast'"):
+        EngineConfig(prefix_attn="fast").resolve(m)
+    with pytest.raises(ValueError, match="prefix_attn='flashinfer': needs the kernel backend and "
+                                         "attention on a GPU"):
+        EngineConfig(prefix_attn="flashinfer").resolve(m)
+    assert EngineConfig().resolve(m).prefix_attn == "off"
+
+
+def test_with_prefix_refuses_the_torch_paths_and_a_wrong_shape():
+    meta = AttnMeta(torch.zeros(2, 3, dtype=torch.int32), None, torch.zeros(2, 1), torch.ones(2), None, None,
+                    192, PAGE, attn_impl="absorb")
+    with pytest.raises(ValueError, match="with_prefix: expected the paged layout with attn_impl 'kernel'"):
+        meta.with_prefix(object(), torch.zeros(2, dtype=torch.int32))
+    meta = AttnMeta(torch.zeros(2, 3, dtype=torch.int32), None, torch.zeros(2, 1),
+                    torch.ones(2, dtype=torch.int32), None, None, 192, PAGE, attn_impl="kernel")
+    with pytest.raises(ValueError, match=r"prefix_rows: expected an int tensor \[2\]"):
+        meta.with_prefix(object(), torch.zeros(3, dtype=torch.int32))
+    got = meta.with_prefix("pass", torch.tensor([64, 0], dtype=torch.int32))
+    assert got.prefix == "pass" and got.rest_seq_len.tolist() == [-63, 1] and meta.prefix is None
+
+
+def _need():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    why = fp.available()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_outputs")
+def test_kernel_attention_with_the_split_is_the_whole():
+    """layers.kernel_attention over AttnMeta.with_prefix (FlashInfer's prefix, verify_attn's rest, merged)
+    against the same metadata without the split, a tree block over three requests of different lengths, cuts
+    at 0, some and all committed pages; rows copied to the device that disagree with the plan give another
+    answer (the check can fail)."""
+    _need()
+    from kdtree.layers import kernel_attention
+    H, scale, dev, N = 16, 0.1352, "cuda", 9
+    lens = [700, 64, 1000]                    # rows cached before the block
+    cuts = [640, 0, 896]
+    b, P = len(lens), -(-(max(lens) + N) // PAGE)
+    g = torch.Generator().manual_seed(3)
+    pool = (torch.randn(b * P * PAGE, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    table = torch.randperm(b * P, generator=g).to(torch.int32).view(b, P).to(dev)
+    q = (torch.randn(b, N, H, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    tree = golden.ddtree(np.random.default_rng(1).standard_normal((15, 64)).astype(np.float32) * 2, N - 1)
+    mask = torch.from_numpy(golden.compile_tree(tree, 0, 0).mask)[None].expand(b, N, N).to(dev)
+    cache_len = torch.tensor(lens, device=dev)
+    pos = cache_len[:, None] + torch.arange(N, device=dev)
+    meta = AttnMeta.build(table, cache_len, pos, mask, PAGE, "kernel")
+    whole = kernel_attention(q, pool, meta, scale).double()
+    pre = fp.FlashInferPrefix(H, scale, max_batch=b, max_pages=P, graph=False)
+    pre.plan(cuts, N, table)
+    split = kernel_attention(q, pool, meta.with_prefix(pre, torch.tensor(cuts, dtype=torch.int32,
+                                                                          device=dev)), scale).double()
+    err = float((split - whole).norm() / whole.norm())
+    assert err <= 1e-2, err
+    wrong = kernel_attention(q, pool, meta.with_prefix(pre, torch.tensor([0, 0, 0], dtype=torch.int32,
+                                                                          device=dev)), scale).double()
+    assert float((wrong - whole).norm() / whole.norm()) > 0.05   # rows past the plan: counted twice
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 8)])
+def test_an_engine_with_the_split_matches_one_without(mode, budget):
+    """The mid config's dimensions (2 layers, INT4 experts, a K2.5-DFlash-shaped drafter), 600 synthetic
+    context rows, graphed: round by round (step, no overlap) the verify logits of the engine with
+    prefix_attn="flashinfer" equal those without within bf16 rounding, and run() (overlapped rounds) emits
+    the same greedy tokens but for near ties."""
+    _need()
+    from kdtree import k26
+    from kdtree.engine import Engine
+    from tests.test_engine_gpu import MID_DRAFTER
+    t = k26.build_target(2, device="cuda", config="mid")
+    d = None if mode == "ar" else k26.build_drafter(t, args=k26.drafter_args(t.args, **MID_DRAFTER))
+    prompts = [[11 + i, 12, 13, 14] for i in range(3)]
+    kw = dict(mode=mode, budget=budget, max_batch=4, max_len=1024)
+    engines = [Engine(t, d, **kw), Engine(t, d, prefix_attn="flashinfer", **kw)]
+    assert engines[1].prefix is not None and engines[1].graph_reason is None
+    for e in engines:
+        for i, p in enumerate(prompts):
+            e.add_request(p, 24, synthetic_context=600 + 70 * i)
+    for _ in range(6):
+        logits = []
+        for e in engines:
+            e.step()
+            logits.append(e.last_logits.double())
+        err = float((logits[1] - logits[0]).norm() / logits[0].norm())
+        assert err <= 1e-2, err
+    runs = []
+    for e in engines:
+        ids = [e.add_request(p, 32, synthetic_context=650) for p in prompts]
+        out = e.run()
+        runs.append([tok for i in ids for tok in out[i].tokens])
+    same = sum(x == y for x, y in zip(*runs)) / len(runs[0])
+    assert same >= 0.95, same
