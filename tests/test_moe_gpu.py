@@ -49,6 +49,17 @@ def _check_golden(out, x, ids, wts, p13, s13, p2, s2):
     assert err <= 1e-2, err  # bf16 activations and workspace, fp32 accumulation
 
 
+def _replay_golden(g, out, statics, cases, weights):
+    """Each case's (x, ids, wts) copied into the captured graph's inputs, `out` poisoned, g replayed, checked
+    against the golden twin."""
+    for x, ids, wts in cases:
+        for dst, src in zip(statics, (x, ids, wts)):
+            dst.copy_(src.cuda())
+        out.fill_(float("nan"))
+        g.replay()
+        _check_golden(out, x, ids, wts, *weights)
+
+
 # (tile_tokens, fused, item_pairs): 8-, 16- and 32-pair passes of the grouped path (one pass a work item), the
 # one-launch path (small cases), the default, then items of several passes (an expert's passes in order in
 # one block: 10**6 pairs) and items that are not a multiple of the pass
@@ -85,16 +96,9 @@ def test_moe_grouped_graph_replays_new_routing():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=False, check_values=False)
-    for seed, hot in ((42, False), (43, True)):
-        x, ids, wts, *_ = _case(p, seed=seed)
-        if hot:
-            ids[:, 0], ids[:, 1] = 3, 11
-        xs.copy_(x.cuda())
-        ids_s.copy_(ids.cuda())
-        w_s.copy_(wts.cuda())
-        out.fill_(float("nan"))
-        g.replay()
-        _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+    cases = [_case(p, seed=42)[:3], _case(p, seed=43)[:3]]
+    cases[1][1][:, 0], cases[1][1][:, 1] = 3, 11
+    _replay_golden(g, out, (xs, ids_s, w_s), cases, (p13, s13, p2, s2))
 
 
 def test_moe_int4_past_the_grouping_kernels_experts():
@@ -127,14 +131,7 @@ def test_moe_fused_repeated_calls_int64_ids_and_a_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = kernels.moe_int4(xs, ids_s, w_s, mw, fused=True, check_values=False)
-    for seed in (201, 202):
-        x, ids, wts, *_ = _case(p, seed=seed)
-        xs.copy_(x.cuda())
-        ids_s.copy_(ids.cuda())
-        w_s.copy_(wts.cuda())
-        out.fill_(float("nan"))
-        g.replay()
-        _check_golden(out, x, ids, wts, p13, s13, p2, s2)
+    _replay_golden(g, out, (xs, ids_s, w_s), [_case(p, seed=s)[:3] for s in (201, 202)], (p13, s13, p2, s2))
     x, ids, wts, *_ = _case(p, seed=203)  # eager calls keep working after the replays
     _check_golden(kernels.moe_int4(x.cuda(), ids.cuda(), wts.cuda(), mw, fused=True), x, ids, wts, p13, s13,
                   p2, s2)
