@@ -123,14 +123,16 @@ class FlashInferPrefix:
             if r % self.page_size:
                 raise ValueError(f"rows[{i}]={r}: expected a whole number of pages of {self.page_size}")
             pages.append(r // self.page_size)
-        kv_indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        flat = torch.cat([torch.arange(n, dtype=torch.int64) + i * P for i, n in enumerate(pages)])
+        # FlashInfer never sees an empty request: an empty prefix reads its first page (its answer is
+        # masked to lse -inf below, which merge_lse ignores), so every plan has work in every request
+        seen = [max(n, 1) for n in pages]
+        kv_indptr = torch.tensor([0] + seen, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        flat = torch.cat([torch.arange(n, dtype=torch.int64) + i * P for i, n in enumerate(seen)])
         kv_indices = page_table.reshape(-1)[flat.to(self.device, non_blocking=True)]   # [sum pages] int32
-        if kv_indices.numel() == 0:   # every prefix empty: one valid index so the buffers are not empty
-            kv_indices = page_table.reshape(-1)[:1]
-        self.wrapper.plan(torch.arange(0, b * N + 1, N, dtype=torch.int32), kv_indptr, kv_indices,
-                          torch.tensor(rows, dtype=torch.int32), self.heads, 512, 64, self.page_size, False,
-                          self.scale, torch.bfloat16, torch.bfloat16)
+        kv_len = torch.tensor([r or self.page_size for r in rows], dtype=torch.int32)
+        self.wrapper.plan(torch.arange(0, b * N + 1, N, dtype=torch.int32), kv_indptr, kv_indices, kv_len,
+                          self.heads, 512, 64, self.page_size, False, self.scale, torch.bfloat16,
+                          torch.bfloat16)
         self._empty[:b].copy_(torch.tensor([r == 0 for r in rows]), non_blocking=True)
         self.planned = (b, N)
         self._copied = torch.cuda.Event()
