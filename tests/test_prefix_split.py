@@ -38,6 +38,37 @@ def test_with_prefix_refuses_the_torch_paths_and_a_wrong_shape():
     assert got.prefix == "pass" and got.rest_seq_len.tolist() == [-63, 1] and meta.prefix is None
 
 
+def test_each_launch_plans_the_committed_pages_and_copies_the_same_rows():
+    """PrefixSplit.plan: each active request cut at its host length rounded down to whole pages (padding
+    slots 0), the bucket's pass planned with exactly the rows copied to the device (the invariant a captured
+    round relies on)."""
+    from types import SimpleNamespace
+
+    from kdtree.engine.prefix import PrefixSplit
+    planned = {}
+
+    class Pass:
+        def __init__(self, b):
+            self.b = b
+
+        def plan(self, rows, nodes, page_table):
+            planned[self.b] = (list(rows), nodes, tuple(page_table.shape))
+
+    reqs = [SimpleNamespace(slot=1, length=700), SimpleNamespace(slot=0, length=63),
+            SimpleNamespace(slot=2, length=128)]
+    e = SimpleNamespace(active=reqs, page_size=PAGE, rows=9, page_table=torch.zeros(8, 20, dtype=torch.int32))
+    split = PrefixSplit.__new__(PrefixSplit)
+    split.e, split.rows = e, torch.full((8,), -1, dtype=torch.int32)
+    split.passes = {b: Pass(b) for b in (4, 8)}
+    split.plan(4)
+    assert planned[4] == ([0, 640, 128, 0], 9, (4, 20))
+    assert split.rows.tolist() == [0, 640, 128, 0, -1, -1, -1, -1]
+    meta = AttnMeta(torch.zeros(4, 20, dtype=torch.int32), None, torch.zeros(4, 9),
+                    torch.full((4,), 709, dtype=torch.int32), None, None, 20 * PAGE, PAGE, attn_impl="kernel")
+    got = split.meta(meta, 4)
+    assert got.prefix is split.passes[4] and got.rest_seq_len.tolist() == [709, 69, 581, 709]
+
+
 def _need():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU on this machine")
