@@ -116,6 +116,13 @@ def test_build_drafter_at_small_dimensions_drafts():
     assert out.shape == (1, 7, SMALL.vocab_size) and torch.isfinite(out).all()
 
 
+def test_bench_k26_names_a_bad_prefix_attn_before_building():
+    from kdtree.bench import k26 as bench_k26
+    with pytest.raises(ValueError, match="prefix_attn='fi': expected one of"):
+        bench_k26.run(cells=[(96, 2)], profiles=[(4.0, 8)], budgets=(4,), repeats=1, progress=False,
+                      device="cpu", args=SMALL, layers=2, prefix_attn="fi")
+
+
 @pytest.mark.slow   # ~30-40 s on 2 idle cores, minutes beside other CPU load
 def test_bench_k26_smoke_on_a_cpu():
     """The K2.6 sweep's code path at small dimensions: every mode of a cell ran, rows labelled simulated,
@@ -131,6 +138,7 @@ def test_bench_k26_smoke_on_a_cpu():
     assert not any(c.get("error") for c in cells), [c.get("error") for c in cells]
     assert all(c["profile"].startswith("simulated") for c in cells[1:])
     assert all(c["elapsed_s"] > 0 for c in cells)
+    assert rec["prefix_attn"] == "off" and {c["prefix_attn"] for c in cells} == {"off"}
     taus = {c["budget"]: c["tau"] for c in cells if c["mode"] == "ddtree"}
     assert taus[16] > taus[4] > 1.5
     names = [t["name"] for t in rec["targets"]]
@@ -220,6 +228,11 @@ def test_staged_sweeps_merge_into_one_record():
     with pytest.raises(ValueError, match="routing 'uniform' sweep"):
         merge(old, dict(new, routing="uniform"))
     assert merge(dict(old, routing="uniform"), dict(new, routing="uniform"))["routing"] == "uniform"
+    with pytest.raises(ValueError, match="a prefix_attn 'flashinfer' sweep into a prefix_attn 'off' record"):
+        merge(old, dict(new, prefix_attn="flashinfer"))
+    with pytest.raises(ValueError, match="a decode_path 'torch' sweep into a decode_path 'fused' record"):
+        merge(dict(old, decode_path="fused"), dict(new, decode_path="torch"))
+    assert merge(old, dict(new, decode_path="fused"))["decode_path"] == "fused"   # an older record: no path
 
 
 def test_fit_layers_keeps_twelve_layers_at_batch_8_and_room_for_the_largest_tree_at_batch_32():

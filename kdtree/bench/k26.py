@@ -97,7 +97,8 @@ def measure_routing(engine: Engine, prompts, rounds: int = 3, **add) -> dict:
 
 def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max: int = 16,
         progress: bool = True, device="cuda", args=None, dargs=None, layers: int | None = None,
-        on_engine=None, routing: str = "model", queue: int = 2, decode_path: str = "default") -> dict:
+        on_engine=None, routing: str = "model", queue: int = 2, decode_path: str = "default",
+        prefix_attn: str = "off") -> dict:
     """The cells (module docstring) -> {"cells": [...], "targets": [...], "layers": {cell: MoE layers}}.
     device / args / dargs / layers: a smaller model and a fixed layer count (tests on a CPU).
     on_engine(record so far): called after every engine (a long sweep keeps what it measured if cut off).
@@ -114,6 +115,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     profiles = check_sweep(cells, profiles, budgets, repeats, queue)
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"decode_path={decode_path!r}: expected one of {DECODE_PATHS}")
+    from ..engine.config import PREFIX_ATTNS
+    if prefix_attn not in PREFIX_ATTNS:
+        raise ValueError(f"prefix_attn={prefix_attn!r}: expected one of {PREFIX_ATTNS}")
     rows = max(budgets) + 1
     gpu = torch.device(device).type == "cuda"
     free = torch.cuda.mem_get_info()[0] if gpu else None
@@ -138,8 +142,9 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     weights = k26.weight_bytes(target) + k26.weight_bytes(drafter)
     if gpu:   # the byte floors' divisor, measured in this run (`floors`)
         rec["copy_bytes_per_s"] = copy_bandwidth()["bytes_per_s"]
+    rec["prefix_attn"] = prefix_attn
     sweep = _Sweep(profiles, fitted, budgets, repeats, queue, rows, gpu, device, weights, run_id, decode_path,
-                   rec.get("copy_bytes_per_s"))
+                   rec.get("copy_bytes_per_s"), prefix_attn)
     for context, batch in cells:
         # every built layer stays resident: the cell's engine must fit in what the weights leave free
         if gpu:
@@ -177,6 +182,7 @@ class _Sweep:
     run_id: str           # each row's `run`
     decode_path: str      # the path taken: "fused" or "torch"
     copy_bytes_per_s: float | None = None   # the copy rate measured in the run (GPU): the floors' divisor
+    prefix_attn: str = "off"   # the engines' prefix_attn (budget="auto" keeps "off": it plans several shapes)
 
 
 def _cell_rows(sweep: _Sweep, rec: dict, t, d, context: int, batch: int, n: int, on_engine,
@@ -216,6 +222,9 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
         kw["budget"] = budget
     if budget == "auto":
         kw.update(budgets=tuple(sweep.budgets))
+    prefix_attn = "off" if budget == "auto" else sweep.prefix_attn
+    if prefix_attn != "off":
+        kw["prefix_attn"] = prefix_attn
     if prof is not None:
         kw["simulate"] = prof
     dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
@@ -244,7 +253,7 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
              tau_chain=None if prof is None else prof.tau_chain,
              block=None if prof is None else prof.depth + 1,
              fitted=sweep.fitted[spec_i], elapsed_s=time.perf_counter() - start,
-             decode_path=sweep.decode_path)
+             decode_path=sweep.decode_path, prefix_attn=prefix_attn)
     return c
 
 
@@ -378,6 +387,9 @@ def main(argv=None) -> None:
                     help="the target's layers as the model does by default (Transformer.fused), through "
                     "kdtree.fused's kernels, or the torch path (a same-run baseline: write it to another "
                     "--out)")
+    ap.add_argument("--prefix-attn", choices=("off", "flashinfer"), default="off",
+                    help="the AR and fixed-budget engines' verify attention over committed pages through "
+                    "FlashInfer (Engine prefix_attn; budget='auto' rows stay off): write it to another --out")
     ap.add_argument("--trained", default=None,
                     help="an e2e_auto.json (or the lab's e2e.json) whose calibration_check (the trained "
                     "pair's realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")
@@ -420,7 +432,7 @@ def main(argv=None) -> None:
         else:
             write_record(path, rec)
     save(run(cells, profiles, tuple(a.budgets), a.repeats, on_engine=save, routing=a.routing, queue=a.queue,
-             decode_path=a.decode_path))
+             decode_path=a.decode_path, prefix_attn=a.prefix_attn))
 
 
 if __name__ == "__main__":

@@ -123,13 +123,18 @@ def merge(old: dict | None, new: dict, targets: bool = True) -> dict:
     profile (records from before AR read the profile's text) is kept while rows of its run remain, a cell's
     fitted profile (`_fitted`) keeps only its newest run's rows, and every cell's targets are formed again
     from its rows (each ratio within one run; targets=False: left to the caller, for a fold whose later
-    records replace a cell's rows of another layer count). ValueError for another routing, or (targets) for a
-    cell whose layer count would mix."""
+    records replace a cell's rows of another layer count). ValueError for another routing, decode path or
+    prefix_attn, or (targets) for a cell whose layer count would mix."""
     if not old:
         return new if targets else {**new, "targets": []}
     if old.get("routing", "model") != new.get("routing", "model"):
         raise ValueError(f"merge: a routing {new.get('routing')!r} sweep into a routing "
                          f"{old.get('routing', 'model')!r} record (each routing has its own record)")
+    for name, default in (("prefix_attn", "off"), ("decode_path", None)):
+        a, b = old.get(name, default), new.get(name, default)
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"merge: a {name} {b!r} sweep into a {name} {a!r} record (write it to "
+                             f"another --out)")
     key = (lambda c: (c["context"], c["batch"], c.get("tau_chain")) if c.get("tau_chain") is not None else
            (c["context"], c["batch"], None, c.get("run")))
     fresh = {key(c) for c in new["cells"]}
