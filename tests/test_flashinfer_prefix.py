@@ -91,9 +91,11 @@ def test_the_prefix_pass_merged_with_verify_attn_is_the_whole(b, ctx, N, cuts):
 
 
 @pytest.mark.gpu
-def test_a_captured_prefix_pass_replays_after_each_new_plan():
-    """graph=True: run() captured once, then planned again with other prefix rows (the same batch and nodes)
-    and replayed: each replay against the float64 prefix twin; an empty prefix gives lse -inf."""
+@pytest.mark.parametrize("first", [[640, 320], [0, 0]], ids=["captured-with-rows", "captured-empty"])
+def test_a_captured_prefix_pass_replays_after_each_new_plan(first):
+    """graph=True: run() captured once after a plan of `first` (an engine captures its rounds on padding
+    slots: every prefix empty), then planned again with other prefix rows (the same batch and nodes) and
+    replayed: each replay against the float64 prefix twin; an empty prefix gives lse -inf."""
     _need_flashinfer()
     H, scale, b, N, per, dev = 16, 0.1352, 2, 4, 20, "cuda"
     g = torch.Generator().manual_seed(7)
@@ -102,7 +104,7 @@ def test_a_captured_prefix_pass_replays_after_each_new_plan():
     table = torch.arange(b * per, dtype=torch.int32).view(b, per)
     pool_d, q_d, table_d = cache.to(dev), q.to(dev), table.to(dev)
     pre = fp.FlashInferPrefix(H, scale, max_batch=b, max_pages=per)
-    pre.plan([640, 320], N, table_d)
+    pre.plan(first, N, table_d)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
