@@ -131,13 +131,15 @@ def test_an_engine_with_the_split_matches_one_without(mode, budget, graphs):
     for e in engines:
         for i, p in enumerate(prompts):
             e.add_request(p, 24, synthetic_context=600 + 70 * i)
+    errs = []   # per round: (error, the requests' lengths): which round parts first shows in a failure
     for _ in range(6):
         logits = []
         for e in engines:
             e.step()
             logits.append(e.last_logits.double())
-        err = float((logits[1] - logits[0]).norm() / logits[0].norm())
-        assert err <= 1e-2, (err, [r.length for r in engines[1].active])
+        errs.append((float((logits[1] - logits[0]).norm() / logits[0].norm()),
+                     [r.length for r in engines[1].active]))
+    assert max(err for err, _ in errs) <= 1e-2, errs
     runs = []
     for e in engines:
         ids = [e.add_request(p, 32, synthetic_context=650) for p in prompts]
