@@ -11,6 +11,7 @@ each with its numpy golden twin beside it:
     decode       the fused decode layer's small kernels          (decode_fused.cu) twin: decode_golden
     gemv         gemv: skinny bf16 GEMMs                         (gemv.cu)         twin: gemv_golden
     draft_attn   draft_attn: the drafter's GQA attention         (draft_attn.cu)   twin: draft_attn_golden
+    attn_merge   merge_states: two passes merged by lse          (attn_merge.cu)   twin: attn_merge_golden
     (kdtree.bridge launches sglang_tree.cu)                                         twin: sglang_golden
   and the torch glue of a verify split at a page boundary (a prefix / rest cascade):
     attn_split   split_rows, shift_pages, merge_lse              (torch)           twin: verify_attn_golden
