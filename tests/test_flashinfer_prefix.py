@@ -91,13 +91,14 @@ def test_the_prefix_pass_merged_with_verify_attn_is_the_whole(b, ctx, N, cuts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("first", [[640, 320], [0, 0]], ids=["captured-with-rows", "captured-empty"])
-def test_a_captured_prefix_pass_replays_after_each_new_plan(first):
+@pytest.mark.parametrize("first,N", [([640, 320], 4), ([0, 0], 4), ([0, 0], 9)],
+                         ids=["captured-with-rows", "captured-empty", "captured-empty-N9"])
+def test_a_captured_prefix_pass_replays_after_each_new_plan(first, N):
     """graph=True: run() captured once after a plan of `first` (an engine captures its rounds on padding
     slots: every prefix empty), then planned again with other prefix rows (the same batch and nodes) and
     replayed: each replay against the float64 prefix twin; an empty prefix gives lse -inf."""
     _need_flashinfer()
-    H, scale, b, N, per, dev = 16, 0.1352, 2, 4, 20, "cuda"
+    H, scale, b, per, dev = 16, 0.1352, 2, 20, "cuda"   # N x H above 64: FlashInfer's two-CTA clusters
     g = torch.Generator().manual_seed(7)
     cache = (torch.randn(b * per * PAGE, 576, generator=g) * 0.5).to(torch.bfloat16)
     q = (torch.randn(b, N, H, 576, generator=g) * 0.5).to(torch.bfloat16)

@@ -111,13 +111,72 @@ def test_kernel_attention_with_the_split_is_the_whole():
     assert float((wrong - whole).norm() / whole.norm()) > 0.05   # rows past the plan: counted twice
 
 
+def _whole_logits(e, tokens, lens, mask, meta_fn=None):
+    """The target's verify logits of `tokens` [n, T] over the engine's pool after `lens` cached rows, eager,
+    without the split (or with meta_fn(meta) applied)."""
+    from kdtree.model import PagedMeta
+    n, T = tokens.shape
+    positions = lens[:, None] + torch.arange(T, device=lens.device)
+    meta = PagedMeta.build(e.page_table[:n], lens, positions, mask, e.page_size, e.model.attn_impl, e.moe)
+    if meta_fn is not None:
+        meta = meta_fn(meta)
+    return e.model.forward_paged(tokens.long(), e.pool, meta).logits.double()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,budget,graphs", [("ar", None, False), ("ar", None, True), ("ddtree", 8, True)])
-def test_an_engine_with_the_split_matches_one_without(mode, budget, graphs):
-    """The mid config's dimensions (2 layers, INT4 experts, a K2.5-DFlash-shaped drafter), 600 synthetic
-    context rows, graphed: round by round (step, no overlap) the verify logits of the engine with
-    prefix_attn="flashinfer" equal those without within bf16 rounding, and run() (overlapped rounds) emits
-    the same greedy tokens but for near ties."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_engines_split_rounds_equal_the_whole_attention(graphs):
+    """AR with prefix_attn="flashinfer" at the mid config's dimensions (2 layers, INT4 experts), 600-740
+    synthetic context rows, graphs off / on: each round's verify logits (planned per launch, replayed)
+    against the same round recomputed eagerly without the split from the state before it (the same inputs:
+    no drift between two engines); then on the final state a 9-row tree block through forward_paged with
+    and without a split at each request's committed pages; run() then serves to the end."""
+    _need()
+    from kdtree import k26
+    from kdtree.engine import Engine
+    t = k26.build_target(2, device="cuda", config="mid")
+    e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
+    assert e.prefix is not None and (e.graph_reason is None) == graphs
+    for i in range(3):
+        e.add_request([11 + i, 12, 13, 14], 24, synthetic_context=600 + 70 * i)
+    e.step()
+    errs = []
+    for _ in range(5):
+        n = len(e.active)
+        root, lens = e.root[:n].clone(), e.lens[:n].clone()
+        e.step()
+        got = e.last_logits[:n].double()
+        want = _whole_logits(e, root[:, None], lens, torch.ones(n, 1, 1, dtype=torch.bool, device="cuda"))
+        errs.append((float((got - want).norm() / want.norm()), lens.tolist()))
+    assert max(err for err, _ in errs) <= 1e-2, errs
+    # a tree block on the final state, the split planned here
+    N, n = 9, len(e.active)
+    for r in e.active:
+        e.scheduler.grow(r, r.length + N)
+    lens = e.lens[:n].clone()
+    tree = golden.ddtree(np.random.default_rng(2).standard_normal((15, 64)).astype(np.float32) * 2, N - 1)
+    mask = torch.from_numpy(golden.compile_tree(tree, 0, 0).mask)[None].expand(n, N, N).to("cuda")
+    tokens = torch.randint(0, t.args.vocab_size, (n, N), device="cuda")
+    cuts = [r.length // PAGE * PAGE for r in sorted(e.active, key=lambda r: r.slot)]
+    assert all(c > 0 for c in cuts)
+    a = t.args
+    pre = fp.FlashInferPrefix(a.num_attention_heads, a.softmax_scale, n, e.pages_per_req, graph=False)
+    pre.plan(cuts, N, e.page_table[:n])
+    cut_dev = torch.tensor(cuts, dtype=torch.int32, device="cuda")
+    whole = _whole_logits(e, tokens, lens, mask)
+    split = _whole_logits(e, tokens, lens, mask, lambda m: m.with_prefix(pre, cut_dev))
+    err = float((split - whole).norm() / whole.norm())
+    assert err <= 1e-2, err
+    out = e.run()
+    assert all(len(res.tokens) == 24 for res in out.values()) and e.free_pages == e.pages.capacity
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 8)])
+def test_an_engine_with_the_split_serves_like_one_without(mode, budget):
+    """Two engines, with and without the split, graphed, serving the same requests to the end (run():
+    overlapped rounds): the greedy tokens agree but for near ties, whose flips then carry a request apart
+    (so the bound is loose), and every page comes back."""
     _need()
     from kdtree import k26
     from kdtree.engine import Engine
@@ -125,25 +184,11 @@ def test_an_engine_with_the_split_matches_one_without(mode, budget, graphs):
     t = k26.build_target(2, device="cuda", config="mid")
     d = None if mode == "ar" else k26.build_drafter(t, args=k26.drafter_args(t.args, **MID_DRAFTER))
     prompts = [[11 + i, 12, 13, 14] for i in range(3)]
-    kw = dict(mode=mode, budget=budget, max_batch=4, max_len=1024, graphs=graphs)
-    engines = [Engine(t, d, **kw), Engine(t, d, prefix_attn="flashinfer", **kw)]
-    assert engines[1].prefix is not None and (engines[1].graph_reason is None) == graphs
-    for e in engines:
-        for i, p in enumerate(prompts):
-            e.add_request(p, 24, synthetic_context=600 + 70 * i)
-    errs = []   # per round: (error, the requests' lengths): which round parts first shows in a failure
-    for _ in range(6):
-        logits = []
-        for e in engines:
-            e.step()
-            logits.append(e.last_logits.double())
-        errs.append((float((logits[1] - logits[0]).norm() / logits[0].norm()),
-                     [r.length for r in engines[1].active]))
-    assert max(err for err, _ in errs) <= 1e-2, errs
+    kw = dict(mode=mode, budget=budget, max_batch=4, max_len=1024)
     runs = []
-    for e in engines:
+    for e in (Engine(t, d, **kw), Engine(t, d, prefix_attn="flashinfer", **kw)):
         ids = [e.add_request(p, 32, synthetic_context=650) for p in prompts]
         out = e.run()
-        runs.append([tok for i in ids for tok in out[i].tokens])
-    same = sum(x == y for x, y in zip(*runs)) / len(runs[0])
-    assert same >= 0.95, same
+        runs.append([out[i].tokens[:8] for i in ids])
+        assert e.free_pages == e.pages.capacity
+    assert sum(a == b for a, b in zip(*runs)) >= 2, runs   # the first 8 tokens of most requests
