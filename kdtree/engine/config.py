@@ -263,6 +263,10 @@ def check_engine_memory(cfg: EngineConfig, model: Transformer, drafter) -> None:
                  * (cfg.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
     if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
         need += cfg.max_batch * cfg.rows * cfg.kv_cap * 4
+    if cfg.prefix_attn == "flashinfer":   # one float workspace, each bucket's 8 MB int workspace and buffers
+        from ..ops.flashinfer_prefix import WORKSPACE_BYTES
+        need += WORKSPACE_BYTES + len(cfg.buckets) * (8 << 20) + 4 * sum(b * cfg.pages_per_req for b in
+                                                                           cfg.buckets)
     check_memory(f"max_batch={cfg.max_batch}, max_len={cfg.max_len}, max_tokens={cfg.max_tokens}, "
-                 f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's mask)",
-                 need, model.device)
+                 f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's mask"
+                 f"{', the prefix pass workspaces' if cfg.prefix_attn != 'off' else ''})", need, model.device)
