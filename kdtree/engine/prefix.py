@@ -1,6 +1,6 @@
 """The verify attention split at each request's committed pages (prefix_attn="flashinfer"): FlashInfer's
 paged MLA over the prefix, verify_attn over the rest with the block's mask, merged by log-sum-exp
-(ops.attn_split, layers.kernel_attention).
+(ops.attn_split, ops.attn_merge, layers.kernel_attention).
 
     split = PrefixSplit(engine)      # one FlashInferPrefix per batch bucket, one shared float workspace
     split.plan(b)                    # host, before each launch: the rows cut at, planned and copied
