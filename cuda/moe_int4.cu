@@ -356,6 +356,151 @@ MOE_GEMMS(t8, 1, MOE_T8_U, MOE_T8_UD, MOE_T8_MINB)
 MOE_GEMMS(t16, 2, 2, 2, 2)
 MOE_GEMMS(t32, 4, 2, 2, 1)  // 148 registers: one block per SM; every pair of an expert with up to 32 in one pass
 
+// ------------------------------------------------------------------------------------ 64-pair passes
+// moe_gate_up_w64   grid (I / 16, Y), block 256, static smem 24 KB, two blocks an SM (arguments as moe_gate_up_t*)
+// moe_down_w64      grid (D / 32, Y), block 256, static smem 20 KB, two blocks an SM (arguments as moe_down_t*)
+//   Passes of up to 64 pairs of one expert, for experts that hold many (routing concentrated on few experts):
+//   each group's A fragments are dequantized ONCE into shared memory (two per warp a stage of W64_KC groups,
+//   the next stage's words loaded while this one computes) and read there by the warps, which split the
+//   pass's pairs instead of the inputs: warp w takes tile w / 4 (gate_up: the gate or the up rows of the 16
+//   features; down: the first or second 16 outputs) and pairs 16 (w % 4) .. + 15 over every input, so no
+//   partial sums meet across warps. gate_up trades its gate sums for the up warps' through shared memory
+//   once a pass; down adds pair_w[p] * sum to out with fp32 atomics, as the t* kernels do.
+#define W64_KC 8   // groups of 32 inputs a stage
+
+template <bool DOWN>
+__device__ __forceinline__ void w64_pass(uint4 (*sa)[W64_KC][2][32], float2 (*ss)[W64_KC][32],
+                                         float (*sg)[16], const uint16_t* __restrict__ xb, int ld,
+                                         const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
+                                         int pc, int p1, const int32_t* __restrict__ wr,
+                                         const uint16_t* __restrict__ sr, size_t tile0, size_t tile1, int G,
+                                         int f0, int I, int D, uint16_t* __restrict__ h, float* __restrict__ out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tw = warp >> 2, pq = warp & 3;
+    // this warp's two B rows (16 pairs: two n8 tiles); rows past the pass's last pair repeat a valid one
+    const uint32_t* xr[2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const int p = min(pc + 16 * pq + 8 * nt + (lane >> 2), p1 - 1);
+        xr[nt] = reinterpret_cast<const uint32_t*>(xb + (size_t)(DOWN ? p : pair_tok[p]) * ld) + (lane & 3);
+    }
+    // the two fragments this warp dequantizes each stage: f = 2 warp + j -> tile f & 1, group f >> 1
+    const uint2* wsrc[2];
+    const uint32_t* ssrc[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int f = 2 * warp + j;
+        const size_t t = (f & 1) ? tile1 : tile0;
+        wsrc[j] = reinterpret_cast<const uint2*>(wr + t * G * 64) + (f >> 1) * 32 + lane;
+        ssrc[j] = reinterpret_cast<const uint32_t*>(sr + t * G * 16) + (f >> 1) * 8 + (lane >> 2);
+    }
+    float acc[2][4] = {};
+    uint2 wn[2];
+    uint32_t sn[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+        if ((2 * warp + j) >> 1 < G) { wn[j] = ld_stream(wsrc[j]); sn[j] = ld_stream(ssrc[j]); }
+    for (int g0 = 0; g0 < G; g0 += W64_KC) {
+        const int kc = min(W64_KC, G - g0);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int f = 2 * warp + j, grp = f >> 1;
+            if (grp < kc) {
+                const uint2 w = wn[j];
+                sa[f & 1][grp][0][lane] = make_uint4(deq_pair<0>(w.x), deq_pair<1>(w.x), deq_pair<2>(w.x),
+                                                     deq_pair<3>(w.x));
+                sa[f & 1][grp][1][lane] = make_uint4(deq_pair<0>(w.y), deq_pair<1>(w.y), deq_pair<2>(w.y),
+                                                     deq_pair<3>(w.y));
+                ss[f & 1][grp][lane] = make_float2(bf16f(sn[j] & 0xffffu), bf16f(sn[j] >> 16));
+            }
+            if (g0 + W64_KC + grp < G) {   // the next stage's words, in flight while this one computes
+                wn[j] = ld_stream(wsrc[j] + (size_t)(g0 + W64_KC) * 32);
+                sn[j] = ld_stream(ssrc[j] + (size_t)(g0 + W64_KC) * 8);
+            }
+        }
+        __syncthreads();
+        for (int gi = 0; gi < kc; ++gi) {
+            const uint4 q0 = sa[tw][gi][0][lane], q1 = sa[tw][gi][1][lane];
+            const uint32_t a0[4] = {q0.x, q0.y, q0.z, q0.w}, a1[4] = {q1.x, q1.y, q1.z, q1.w};
+            const float2 sc = ss[tw][gi][lane];
+            const int g = g0 + gi;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                uint32_t b[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) b[j] = __ldg(xr[nt] + 16 * g + 4 * j);
+                float t[4] = {0.f, 0.f, 0.f, 0.f};
+                mma16816(t, a0, b[0], b[1]);
+                mma16816(t, a1, b[2], b[3]);
+                acc[nt][0] += t[0] * sc.x; acc[nt][1] += t[1] * sc.x;
+                acc[nt][2] += t[2] * sc.y; acc[nt][3] += t[3] * sc.y;
+            }
+        }
+        __syncthreads();   // the stage's fragments read before the next stage overwrites them
+    }
+    // C fragment: acc[nt][i] is row (lane >> 2) + 8 (i >= 2), pair 16 pq + 8 nt + 2 (lane & 3) + (i & 1)
+    if (DOWN) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = (lane >> 2) + ((i & 2) ? 8 : 0), p = pc + 16 * pq + 8 * nt + 2 * (lane & 3) + (i & 1);
+                if (p < p1) atomicAdd(out + (size_t)pair_tok[p] * D + f0 + 16 * tw + row, pair_w[p] * acc[nt][i]);
+            }
+        return;
+    }
+    if (tw == 0)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                sg[16 * pq + 8 * nt + 2 * (lane & 3) + (i & 1)][(lane >> 2) + ((i & 2) ? 8 : 0)] = acc[nt][i];
+    __syncthreads();
+    if (tw == 1)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = (lane >> 2) + ((i & 2) ? 8 : 0), k = 16 * pq + 8 * nt + 2 * (lane & 3) + (i & 1);
+                const int p = pc + k;
+                if (p < p1) {
+                    const float gs = sg[k][row];
+                    const __nv_bfloat16 hv = __float2bfloat16_rn(gs / (1.0f + __expf(-gs)) * acc[nt][i]);
+                    h[(size_t)p * I + f0 + row] = *reinterpret_cast<const uint16_t*>(&hv);
+                }
+            }
+    __syncthreads();   // sg free for the next pass
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_w64(
+    const uint16_t* __restrict__ x, const int32_t* __restrict__ pair_tok, const int32_t* __restrict__ expert_off,
+    const int32_t* __restrict__ items, int chunk, const int32_t* __restrict__ w13r,
+    const uint16_t* __restrict__ s13r, int D, int I, uint16_t* __restrict__ h) {
+    __shared__ uint4 sa[2][W64_KC][2][32];
+    __shared__ float2 ss[2][W64_KC][32];
+    __shared__ float sg[64][16];
+    int e, p0, p1;
+    if (!item_work(items, expert_off, chunk, e, p0, p1)) return;
+    const size_t tiles = 2 * (size_t)I / 16, gate = (size_t)e * tiles + blockIdx.x, up = gate + I / 16;
+    for (int pc = p0; pc < p1; pc += 64)
+        w64_pass<false>(sa, ss, sg, x, D, pair_tok, nullptr, pc, min(p1, pc + 64), w13r, s13r, gate, up, D / 32,
+                        16 * blockIdx.x, I, D, h, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_w64(
+    const uint16_t* __restrict__ h, const int32_t* __restrict__ pair_tok, const float* __restrict__ pair_w,
+    const int32_t* __restrict__ expert_off, const int32_t* __restrict__ items, int chunk,
+    const int32_t* __restrict__ w2r, const uint16_t* __restrict__ s2r, int D, int I, float* __restrict__ out) {
+    __shared__ uint4 sa[2][W64_KC][2][32];
+    __shared__ float2 ss[2][W64_KC][32];
+    int e, p0, p1;
+    if (!item_work(items, expert_off, chunk, e, p0, p1)) return;
+    const size_t t0 = (size_t)e * (D / 16) + 2 * blockIdx.x;
+    for (int pc = p0; pc < p1; pc += 64)
+        w64_pass<true>(sa, ss, nullptr, h, I, pair_tok, pair_w, pc, min(p1, pc + 64), w2r, s2r, t0, t0 + 1, I / 32,
+                       32 * blockIdx.x, I, D, nullptr, out);
+}
+
 // ------------------------------------------------------------------------------------ pair grouping
 // One block: counts per expert (shared atomics), one exclusive scan that carries the pair offset (bits 40..63),
 // the work items (13..39) and the number of non-empty experts (0..12) before e, then a scatter through
