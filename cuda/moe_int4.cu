@@ -366,7 +366,8 @@ MOE_GEMMS(t32, 4, 2, 2, 1)  // 148 registers: one block per SM; every pair of an
 //   features; down: the first or second 16 outputs) and pairs 16 (w % 4) .. + 15 over every input, so no
 //   partial sums meet across warps. gate_up trades its gate sums for the up warps' through shared memory
 //   once a pass; down adds pair_w[p] * sum to out with fp32 atomics, as the t* kernels do.
-#define W64_KC 8   // groups of 32 inputs a stage
+#define W64_KC 8   // groups of 32 inputs a stage: one per warp, two fragments (gate / up or two tiles) each
+static_assert(W64_KC == WARPS, "w64: each of the block's 8 warps dequantizes one group of both tiles a stage");
 
 template <bool DOWN>
 __device__ __forceinline__ void w64_pass(uint4 (*sa)[W64_KC][2][32], float2 (*ss)[W64_KC][32],

@@ -8,7 +8,7 @@ Contract:
     moe_int4.cu).
   * moe_int4(x, topk_ids, topk_weights, weights): x bf16 [T, D], topk_ids int32/int64 [T, k] in [0, E),
     topk_weights fp32 [T, k] -> fp32 [T, D] = moe_int4_golden.moe_int4 on the checkpoint-format tensors.
-    Either three launches (moe_group_*, moe_gate_up_t{8,16}, moe_down_t{8,16}) or, for at most
+    Either three launches (moe_group_*, moe_gate_up_{t8,t16,t32,w64}, moe_down_*) or, for at most
     FUSED_MAX_PAIRS token-expert pairs, one persistent launch of moe_fused_t8_* (FUSED_BLOCKS_PER_SM blocks
     per SM).
   * group_pairs(topk_ids, topk_weights, E): moe_int4_golden.group_pairs (order within an expert unspecified on
