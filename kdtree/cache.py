@@ -3,7 +3,7 @@ pool, the engine's layout; cache: a contiguous per-request cache, `KVCache`), an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,9 +83,7 @@ class AttnMeta:
         """This metadata with its attention split at prefix_rows (int32 [B] on the device, whole pages, at
         most seq_len - T each: the caller's contract, not read back): `prefix` (planned for those rows)
         attends the first prefix_rows rows, verify_attn the rest, merged by log-sum-exp
-        (ops.attn_split). Paged layout with attn_impl "kernel" only; no host reads (capturable)."""
-        import dataclasses
-
+        (layers.kernel_attention). Paged layout with attn_impl "kernel" only; no host reads (capturable)."""
         from .ops.attn_split import shift_pages
         if self.attn_impl != "kernel" or self.start is not None:
             raise ValueError(f"with_prefix: expected the paged layout with attn_impl 'kernel', got "
@@ -95,7 +93,7 @@ class AttnMeta:
             raise ValueError(f"prefix_rows: expected an int tensor [{B}], got "
                              f"{getattr(prefix_rows, 'shape', type(prefix_rows).__name__)}")
         pt, seq = shift_pages(self.page_table, self.seq_len, prefix_rows, self.page_size)
-        return dataclasses.replace(self, prefix=prefix, rest_page_table=pt, rest_seq_len=seq)
+        return replace(self, prefix=prefix, rest_page_table=pt, rest_seq_len=seq)
 
     @classmethod
     def for_cache(cls, cache: "KVCache", start: int, positions, mask, attn_impl: str) -> "AttnMeta":

@@ -12,7 +12,8 @@ Contract:
     The lengths stay on the host; the page indices are gathered on the device. One plan serves every layer.
   * run(q, pool): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's paged
     cache (pages of page_size rows). Reads the pool in place through strided views (its latent and rope
-    columns). A request with an empty prefix gets lse -inf (its o is then ignored by `attn_split.merge_lse`).
+    columns). A request with an empty prefix gets lse -inf (its o is then ignored by the merge:
+    `attn_merge.merge_states`, `attn_split.merge_lse`).
   * Graphs (graph=True): a run() captured after a plan replays correctly after any later plan of the same
     batch and nodes (FlashInfer sizes its launch from them at plan time); plan() itself runs outside.
   * `available()`: None where FlashInfer imports, else the reason.
@@ -124,7 +125,7 @@ class FlashInferPrefix:
                 raise ValueError(f"rows[{i}]={r}: expected a whole number of pages of {self.page_size}")
             pages.append(r // self.page_size)
         # FlashInfer never sees an empty request: an empty prefix reads its first page (its answer is
-        # masked to lse -inf below, which merge_lse ignores), so every plan has work in every request
+        # masked to lse -inf below, which the merge ignores), so every plan has work in every request
         seen = [max(n, 1) for n in pages]
         kv_indptr = torch.tensor([0] + seen, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         flat = torch.cat([torch.arange(n, dtype=torch.int64) + i * P for i, n in enumerate(seen)])
