@@ -39,34 +39,61 @@ def test_with_prefix_refuses_the_torch_paths_and_a_wrong_shape():
 
 
 def test_each_launch_plans_the_committed_pages_and_copies_the_same_rows():
-    """PrefixSplit.plan: each active request cut at its host length rounded down to whole pages (padding
-    slots 0), the bucket's pass planned with exactly the rows copied to the device (the invariant a captured
-    round relies on)."""
+    """PrefixSplit.plan(b, N): each active request cut at its host length rounded down to whole pages (padding
+    slots 0), the pass of (bucket, N) planned with exactly the rows copied to the device (the invariant a
+    captured round relies on); meta picks the pass by the block's rows."""
     from types import SimpleNamespace
 
     from kdtree.engine.prefix import PrefixSplit
     planned = {}
 
     class Pass:
-        def __init__(self, b):
-            self.b = b
+        def __init__(self, key):
+            self.key = key
 
         def plan(self, rows, nodes, page_table):
-            planned[self.b] = (list(rows), nodes, tuple(page_table.shape))
+            planned[self.key] = (list(rows), nodes, tuple(page_table.shape))
 
     reqs = [SimpleNamespace(slot=1, length=700), SimpleNamespace(slot=0, length=63),
             SimpleNamespace(slot=2, length=128)]
-    e = SimpleNamespace(active=reqs, page_size=PAGE, rows=9, page_table=torch.zeros(8, 20, dtype=torch.int32))
+    e = SimpleNamespace(active=reqs, page_size=PAGE, page_table=torch.zeros(8, 20, dtype=torch.int32))
     split = PrefixSplit.__new__(PrefixSplit)
     split.e, split.rows = e, torch.full((8,), -1, dtype=torch.int32)
-    split.passes = {b: Pass(b) for b in (4, 8)}
-    split.plan(4)
-    assert planned[4] == ([0, 640, 128, 0], 9, (4, 20))
+    split.passes = {(b, N): Pass((b, N)) for b in (4, 8) for N in (1, 9)}
+    split.plan(4, 9)
+    assert planned == {(4, 9): ([0, 640, 128, 0], 9, (4, 20))}
     assert split.rows.tolist() == [0, 640, 128, 0, -1, -1, -1, -1]
     meta = AttnMeta(torch.zeros(4, 20, dtype=torch.int32), None, torch.zeros(4, 9),
                     torch.full((4,), 709, dtype=torch.int32), None, None, 20 * PAGE, PAGE, attn_impl="kernel")
     got = split.meta(meta, 4)
-    assert got.prefix is split.passes[4] and got.rest_seq_len.tolist() == [709, 69, 581, 709]
+    assert got.prefix is split.passes[4, 9] and got.rest_seq_len.tolist() == [709, 69, 581, 709]
+    split.plan(4, 1)   # an AR plan's round (budget="auto") plans the pass of one row
+    assert planned[4, 1] == ([0, 640, 128, 0], 1, (4, 20))
+    meta1 = AttnMeta(torch.zeros(4, 20, dtype=torch.int32), None, torch.zeros(4, 1),
+                     torch.full((4,), 701, dtype=torch.int32), None, None, 20 * PAGE, PAGE,
+                     attn_impl="kernel")
+    assert split.meta(meta1, 4).prefix is split.passes[4, 1]
+
+
+def test_the_split_has_a_pass_for_every_block_the_policy_verifies():
+    """prefix_nodes: a fixed budget's block rows; budget="auto": AR's 1, the chain's L + 1 and each candidate
+    tree's B + 1; the policies' verify_rows say the same of a built engine."""
+    from kdtree import weights
+    from kdtree.budget.config import AutoConfig
+    from kdtree.engine import Engine
+    from kdtree.engine.config import prefix_nodes
+    m = weights.load("data/trained/target").eval()
+    d = weights.load_drafter("data/trained/drafter", m)
+    L1 = d.block_size
+    assert prefix_nodes(EngineConfig(mode="ddtree", budget=8).resolve(m, d)) == (9,)
+    assert prefix_nodes(EngineConfig(mode="ar").resolve(m)) == (1,)
+    assert prefix_nodes(EngineConfig(mode="dflash").resolve(m, d)) == (L1,)
+    cfg = EngineConfig(mode="ddtree", budget="auto", auto=AutoConfig(budgets=(4, 16))).resolve(m, d)
+    assert prefix_nodes(cfg) == tuple(sorted({1, L1, 5, 17}))
+    e = Engine(m, d, mode="ddtree", budget="auto", budgets=(4, 16), max_batch=2, max_len=128)
+    assert e.policy.verify_rows() == prefix_nodes(cfg)
+    e = Engine(m, d, mode="ddtree", budget=8, max_batch=2, max_len=128)
+    assert e.policy.verify_rows() == (9,)
 
 
 def _need():
@@ -172,7 +199,7 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 8)])
+@pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 8), ("ddtree", "auto")])
 def test_an_engine_with_the_split_serves_like_one_without(mode, budget):
     """Two engines, with and without the split, graphed, serving the same requests to the end (run():
     overlapped rounds): the greedy tokens agree but for near ties, whose flips then carry a request apart

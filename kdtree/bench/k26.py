@@ -182,7 +182,7 @@ class _Sweep:
     run_id: str           # each row's `run`
     decode_path: str      # the path taken: "fused" or "torch"
     copy_bytes_per_s: float | None = None   # the copy rate measured in the run (GPU): the floors' divisor
-    prefix_attn: str = "off"   # the engines' prefix_attn (budget="auto" keeps "off": it plans several shapes)
+    prefix_attn: str = "off"   # every engine's prefix_attn
 
 
 def _cell_rows(sweep: _Sweep, rec: dict, t, d, context: int, batch: int, n: int, on_engine,
@@ -222,9 +222,8 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
         kw["budget"] = budget
     if budget == "auto":
         kw.update(budgets=tuple(sweep.budgets))
-    prefix_attn = "off" if budget == "auto" else sweep.prefix_attn
-    if prefix_attn != "off":
-        kw["prefix_attn"] = prefix_attn
+    if sweep.prefix_attn != "off":
+        kw["prefix_attn"] = sweep.prefix_attn
     if prof is not None:
         kw["simulate"] = prof
     dd = None if mode == "ar" else _with_block(d, prof.depth + 1)
@@ -253,7 +252,7 @@ def _engine_row(sweep: _Sweep, t, d, context: int, batch: int, n: int, prompts, 
              tau_chain=None if prof is None else prof.tau_chain,
              block=None if prof is None else prof.depth + 1,
              fitted=sweep.fitted[spec_i], elapsed_s=time.perf_counter() - start,
-             decode_path=sweep.decode_path, prefix_attn=prefix_attn)
+             decode_path=sweep.decode_path, prefix_attn=sweep.prefix_attn)
     return c
 
 
@@ -388,8 +387,8 @@ def main(argv=None) -> None:
                     "kdtree.fused's kernels, or the torch path (a same-run baseline: write it to another "
                     "--out)")
     ap.add_argument("--prefix-attn", choices=("off", "flashinfer"), default="off",
-                    help="the AR and fixed-budget engines' verify attention over committed pages through "
-                    "FlashInfer (Engine prefix_attn; budget='auto' rows stay off): write it to another --out")
+                    help="every engine's verify attention over committed pages through FlashInfer (Engine "
+                    "prefix_attn): write it to another --out")
     ap.add_argument("--trained", default=None,
                     help="an e2e_auto.json (or the lab's e2e.json) whose calibration_check (the trained "
                     "pair's realized tokens per truncation) becomes one more profile (Profile.fit, block 16)")

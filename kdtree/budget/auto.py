@@ -121,6 +121,9 @@ class AutoBudget:
     def max_budget(self) -> int:
         return max(self.tree_ops)
 
+    def verify_rows(self) -> tuple:
+        return tuple(sorted({p.rows for p in self.plans}))
+
     def start(self) -> None:
         startup.measure_costs(self)
         self.policy.widen(self.e.buckets)
@@ -314,7 +317,10 @@ class AutoBudget:
             self.pending = 0
         t = Ticket(i, b, n, ctx, build, build is not None, self.e.runner.launched)
         whole = graphs.whole(b, sampling, i)
+        prefix = self.e.prefix
         if build is not None and not ar_probe and whole in self.e.cache:   # front and block in one replay
+            if prefix is not None:
+                prefix.plan(b, self.plans[i].rows)
             t.f0 = self.stamps(ev)
             self.e.cache.graphs[whole].replay()
             t.b1 = self.stamps(ev + 3)
@@ -334,6 +340,8 @@ class AutoBudget:
                     ar = self.plans[i].kind == "ar"   # an AR probe: AR's block stays a candidate
                     i = t.plan = self.agree(pol.after(b, self.ests.expected(self.e.active, fresh), ctx, build,
                                                       ar))[0]
+            if prefix is not None:   # the plan is final now (after "sync"'s re-pick)
+                prefix.plan(b, self.plans[i].rows)
             same = build is not None and pol.decide == "previous"
             t.b0 = t.f1 if same else self.stamps(ev + 2)
             logits = self.phase(b, sampling, i, clock=clock)

@@ -104,7 +104,7 @@ class EngineConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: expected True or False")
         moe = moe_path(model, self.moe, deterministic)
-        _check_prefix_attn(self.prefix_attn, model, backend, auto)
+        _check_prefix_attn(self.prefix_attn, model, backend)
         buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         return dataclasses.replace(
             self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
@@ -185,17 +185,22 @@ class EngineConfig:
         return max_batch, prefill_chunk, max_len, max_tokens, buckets
 
 
-def _check_prefix_attn(prefix_attn, model: Transformer, backend: str, auto) -> None:
-    """prefix_attn "flashinfer" needs the kernel attention on a GPU, fixed budgets and FlashInfer."""
+def prefix_nodes(cfg) -> tuple:
+    """The verify rows a request that a resolved config's rounds can have: the block's, or under
+    budget="auto" each plan's (AR 1, the chain's L + 1, each candidate tree's B + 1)."""
+    if not cfg.is_auto:
+        return (cfg.rows,)
+    return tuple(sorted({1, cfg.block_size} | {B + 1 for B in cfg.auto.budgets}))
+
+
+def _check_prefix_attn(prefix_attn, model: Transformer, backend: str) -> None:
+    """prefix_attn "flashinfer" needs the kernel attention on a GPU, one GPU and FlashInfer."""
     checks.one_of("prefix_attn", prefix_attn, PREFIX_ATTNS)
     if prefix_attn == "off":
         return
     if backend != "kernel" or model.attn_impl != "kernel" or model.device.type != "cuda":
         raise ValueError(f"prefix_attn={prefix_attn!r}: needs the kernel backend and attention on a GPU "
                          f"(backend {backend!r}, attn_impl {model.attn_impl!r}, device {model.device})")
-    if auto is not None:
-        raise ValueError(f"prefix_attn={prefix_attn!r}: budget='auto' verifies rounds of several shapes, "
-                         f"each would need its own plan; use a fixed budget")
     if getattr(model, "tp", None) is not None:
         raise ValueError(f"prefix_attn={prefix_attn!r}: not under tensor parallelism")
     from ..ops.flashinfer_prefix import available
@@ -263,10 +268,11 @@ def check_engine_memory(cfg: EngineConfig, model: Transformer, drafter) -> None:
                  * (cfg.kv_cap + da.block_size) * da.head_dim * drafter.fc.weight.element_size())
     if model.attn_impl != "kernel":  # the torch attention paths' visibility bias [B, N, kv_cap] float32
         need += cfg.max_batch * cfg.rows * cfg.kv_cap * 4
-    if cfg.prefix_attn == "flashinfer":   # one float workspace, each bucket's 8 MB int workspace and buffers
+    if cfg.prefix_attn == "flashinfer":   # one float workspace; each pass's 8 MB int workspace and buffers
         from ..ops.flashinfer_prefix import WORKSPACE_BYTES
-        need += WORKSPACE_BYTES + len(cfg.buckets) * (8 << 20) + 4 * sum(b * cfg.pages_per_req for b in
-                                                                           cfg.buckets)
+        nodes = len(prefix_nodes(cfg))
+        need += WORKSPACE_BYTES + nodes * (len(cfg.buckets) * (8 << 20) + 4 * sum(b * cfg.pages_per_req
+                                                                                  for b in cfg.buckets))
     check_memory(f"max_batch={cfg.max_batch}, max_len={cfg.max_len}, max_tokens={cfg.max_tokens}, "
                  f"{cfg.rows} verify rows (the page pool, the drafter's context, the verify block's mask"
                  f"{', the prefix pass workspaces' if cfg.prefix_attn != 'off' else ''})", need, model.device)

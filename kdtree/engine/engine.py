@@ -84,7 +84,7 @@ class Engine:
     parallelism; step() always lands its own round); simulate: a `kdtree.simulate.Profile` (simulated
     acceptance at real shapes: every mode emits the profile's tokens; `simulated` names it); prefix_attn
     "off" | "flashinfer" (the verify attention over each request's committed pages through FlashInfer's MLA,
-    the rest through verify_attn, merged: `engine.prefix`; fixed budgets, FlashInfer installed).
+    the rest through verify_attn, merged: `engine.prefix`; FlashInfer installed, one GPU).
 
     Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the
     row), drawn on the device as Gumbel noise, so its samples do not depend on its batch mates, the bucket or
@@ -120,14 +120,14 @@ class Engine:
                         and getattr(model, "tp", None) is None)
         self._flight = None   # the launched round whose bookkeeping waits (overlap)
         self.runner, self.prefill = Runner(self, cfg.compile), Prefill(self)
-        self.prefix = None
-        if cfg.prefix_attn == "flashinfer":
-            from .prefix import PrefixSplit
-            self.prefix = PrefixSplit(self)
         self.policy = FixedBudget(self)
         if cfg.is_auto:
             from ..budget.auto import AutoBudget
             self.policy = AutoBudget(self, cfg.auto)
+        self.prefix = None
+        if cfg.prefix_attn == "flashinfer":
+            from .prefix import PrefixSplit
+            self.prefix = PrefixSplit(self, self.policy.verify_rows())
         if self.graph_reason is None:
             self._capture()
             self.prefill.buffers()

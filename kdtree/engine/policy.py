@@ -11,7 +11,9 @@ size each round from measured costs and the draft's estimates, with graphs of it
 The hooks, with what the fixed budget does:
     capture(capture_fn)       capture the policy's graphs for every bucket (the engine's round per bucket)
     start()                   after the capture, before any request (nothing)
-    launch(...)               the round, replayed or eager -> (logits, whether a graph ran, ticket)
+    verify_rows()             the verify rows a request its rounds can have (the prefix split's passes)
+    launch(...)               the round, replayed or eager -> (logits, whether a graph ran, ticket); with
+                              the prefix split (`engine.prefix`), its pass planned first
     copy_out(ticket, buf, n)  more device -> host copies of the launched round (none)
     block(b, plan)            the verify block of a planned round (the fixed budget plans none)
     walked(plan, acc, b)      the walk's accepted rows, inside the round (nothing)
@@ -44,8 +46,13 @@ class FixedBudget:
     def start(self) -> None:
         pass
 
+    def verify_rows(self) -> tuple:
+        return (self.e.rows,)
+
     def launch(self, b: int, n: int, sampling: bool, clock):
         e, key = self.e, Round(b, sampling)
+        if e.prefix is not None:
+            e.prefix.plan(b, e.rows)
         if key in e.cache:
             return e.cache.replay(key), True, None
         return e.runner.round(b, sampling, clock), False, None

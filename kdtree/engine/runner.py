@@ -164,8 +164,6 @@ class Runner:
         for r in e.active:
             e.scheduler.grow(r, r.length + e.rows + (e.max_accept if ahead else 0))
         b = e.bucket(n)
-        if e.prefix is not None:
-            e.prefix.plan(b)
         sampling = any(r.temperature > 0 for r in e.active)
         t0 = time.perf_counter()
         clock = Clock(e.device)
