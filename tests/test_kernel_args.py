@@ -243,9 +243,9 @@ def test_moe_int4_rejects_item_pairs_with_the_fused_path_and_too_many_pairs():
 
 
 def test_moe_int4_rejects_an_unknown_tile():
-    with pytest.raises(ValueError, match="tile_tokens=128"):
+    with pytest.raises(ValueError, match="tile_tokens=64"):
         K.moe_int4(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
-                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=128)
+                   torch.ones(1, 1), K.MoeWeights(*(torch.zeros(1),) * 4, 1, 32, 32), tile_tokens=64)
 
 
 def test_moe_int4_rejects_fused_beyond_its_limits():

@@ -205,7 +205,7 @@ def moe_routing(args, T: int, routing: str, device="cuda", seed: int = 0):
 
 
 def bench_moe_tiles(config: str = "kimi-k2.6", tokens=(1, 9, 17, 33, 65, 129), routings=ROUTINGS,
-                    tiles=(8, 16, 32, 64), repeats: int = 30, bandwidth: float | None = None,
+                    tiles=(8, 16, 32), repeats: int = 30, bandwidth: float | None = None,
                     matmul: float | None = None, seed: int = 0) -> list[dict]:
     """moe_int4's grouped path per pass size (`tile_tokens`) at the config's shape, both routings
     (`moe_routing`), as CUDA-graph replays over two expert sets (rotated past L2), each output checked against

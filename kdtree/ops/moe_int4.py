@@ -8,7 +8,7 @@ Contract:
     moe_int4.cu).
   * moe_int4(x, topk_ids, topk_weights, weights): x bf16 [T, D], topk_ids int32/int64 [T, k] in [0, E),
     topk_weights fp32 [T, k] -> fp32 [T, D] = moe_int4_golden.moe_int4 on the checkpoint-format tensors.
-    Either three launches (moe_group_*, moe_gate_up_{t8,t16,t32,w64}, moe_down_*) or, for at most
+    Either three launches (moe_group_*, moe_gate_up_t{8,16}, moe_down_t{8,16}) or, for at most
     FUSED_MAX_PAIRS token-expert pairs, one persistent launch of moe_fused_t8_* (FUSED_BLOCKS_PER_SM blocks
     per SM).
   * group_pairs(topk_ids, topk_weights, E): moe_int4_golden.group_pairs (order within an expert unspecified on
@@ -27,7 +27,7 @@ import torch
 
 from .loader import _empty, _i, _launch, _need, _on_one_gpu, _p, _sm_count
 
-MOE_TILE_TOKENS = (8, 16, 32, 64)  # moe_int4's expert GEMMs: pairs a pass (moe_*_t8 .. _t32, moe_*_w64)
+MOE_TILE_TOKENS = (8, 16, 32)  # moe_int4's expert GEMMs: pairs per pass of one expert (moe_*_t8 .. _t32)
 FUSED_MAX_PAIRS = 64       # moe_fused_t8_*: the whole call in one launch up to this many token-expert pairs
 FUSED_BLOCKS_PER_SM = 4    # moe_fused_t8_*'s persistent grid (moe_int4.cu's MOE_FUSED_MINB: its registers)
 _FUSED_SYNC: dict = {}     # (device, stream) -> int32 [4 + FUSED_MAX_PAIRS] counters, zero between calls
@@ -52,7 +52,6 @@ MAX_GROUP_EXPERTS = 4096  # moe_group_*: two int32 per expert in shared memory
 MAX_GROUP_PAIRS = (1 << 24) - 1  # moe_group_*: the pair offsets' field of its packed scan
 MAX_GRID_Y = 65535        # the expert GEMMs' work items go on grid.y
 SERIAL_PASSES = False     # True: item_pairs defaults to T * k (each expert's passes in order in one block)
-WIDE_FROM_TOKENS = None   # an int: tile_tokens defaults to 64 (moe_*_w64) from that many tokens; None: never
 
 
 def item_rows(P: int, S: int, chunk: int) -> int:
@@ -231,18 +230,17 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     Returns float32 [T, D]. Pairs are grouped by expert in one launch (group_pairs, no host sync), then two
     launches: gate+up with SiLU * mul into a bf16 workspace, down + combine. tile_tokens (MOE_TILE_TOKENS):
     pairs per pass of one expert (a pass streams the expert's rows once; 32 reads an expert holding up to 32
-    pairs once, at one block an SM; 64: moe_*_w64, each group's weights dequantized once into shared memory
-    for the pass's 64 pairs, for experts that hold many); default 8 while experts hold few pairs (T <= 8, or
-    T * k <= 8 E), else 16. fused: the whole call in one launch (moe_fused_t8_*: grouping, zeroing, gate+up
-    and down in a persistent grid of FUSED_BLOCKS_PER_SM blocks per SM) for at most FUSED_MAX_PAIRS pairs;
-    default: for one token (T == 1) unless tile_tokens is 16, 32 or 64 or item_pairs is given. item_pairs:
-    pairs of one expert per block of the GEMMs (best a multiple of tile_tokens): default one pass
-    (tile_tokens), so an expert's passes run in parallel (item_chunk widens it only to fit grid.y);
-    item_pairs >= T * k runs each expert's passes in order in one block. check_values=True reads topk_ids to
-    check them in [0, E) (not for graph capture)."""
+    pairs once, at one block an SM); default 8 while experts hold few pairs (T <= 8, or T * k <= 8 E), else
+    16. fused: the whole call in one launch (moe_fused_t8_*: grouping, zeroing, gate+up and down in a
+    persistent grid of FUSED_BLOCKS_PER_SM blocks per SM) for at most FUSED_MAX_PAIRS pairs; default: for one
+    token (T == 1) unless tile_tokens is 16 or 32 or item_pairs is given. item_pairs: pairs of one expert
+    per block of the GEMMs (best a multiple of tile_tokens): default one pass (tile_tokens), so an expert's
+    passes run in parallel (item_chunk widens it only to fit grid.y); item_pairs >= T * k runs each expert's
+    passes in order in one block. check_values=True reads topk_ids to check them in [0, E) (not for graph
+    capture)."""
     if tile_tokens is not None and tile_tokens not in MOE_TILE_TOKENS:
         raise ValueError(f"tile_tokens={tile_tokens!r}: expected one of {MOE_TILE_TOKENS} or None")
-    if fused and tile_tokens in (16, 32, 64):
+    if fused and tile_tokens in (16, 32):
         raise ValueError("fused=True runs 8-pair passes: expected tile_tokens None or 8")
     if not isinstance(weights, MoeWeights):
         raise ValueError(f"weights: expected a MoeWeights from kernels.repack_moe, "
@@ -271,8 +269,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if fused:
         return _moe_fused(x, topk_ids, topk_weights, weights)
     if tile_tokens is None:
-        wide = WIDE_FROM_TOKENS is not None and T >= WIDE_FROM_TOKENS
-        tile_tokens = 64 if wide else 8 if T <= 8 or T * k <= 8 * E else 16
+        tile_tokens = 8 if T <= 8 or T * k <= 8 * E else 16
     S = min(E, P)
     chunk = item_chunk(P, S, tile_tokens, P if item_pairs is None and SERIAL_PASSES else item_pairs)
     Y = item_rows(P, S, chunk)
@@ -286,7 +283,7 @@ def moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         items = _group_items_torch(expert_off, chunk, Y)
     h = _empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    t = "w64" if tile_tokens == 64 else f"t{tile_tokens}"
+    t = f"t{tile_tokens}"
     _launch("moe_int4", "moe_gate_up_" + t, (I // 16, Y), (256,),
             (_p(x), _p(pair_tok), _p(expert_off), _p(items), _i(chunk), _p(weights.w13), _p(weights.s13),
              _i(D), _i(I), _p(h)))
