@@ -50,7 +50,7 @@ def test_arguments_are_named_before_any_launch():
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("shape", [(5, 3, 16, 512), (1, 8), (300, 64)])
+@pytest.mark.parametrize("shape", [(5, 3, 16, 512), (4, 8), (300, 64)])
 def test_merge_states_equals_its_twin(shape):
     """Fresh random passes (empty ones with NaN rows among them) against the float64 twin: o within bf16
     rounding, lse within fp32's; the passes swapped in their lse give another answer (the check can fail)."""
