@@ -162,7 +162,8 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs):
     from kdtree import k26
     from kdtree.engine import Engine
     t = k26.build_target(2, device="cuda", config="mid")
-    e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
+    with pytest.warns(UserWarning, match="prefix_attn='flashinfer' is experimental"):
+        e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
     assert e.prefix is not None and (e.graph_reason is None) == graphs
     for i in range(3):
         e.add_request([11 + i, 12, 13, 14], 24, synthetic_context=600 + 70 * i)
