@@ -42,6 +42,7 @@ import torch
 
 from .. import k26
 from ..engine import Engine
+from ..engine.config import PREFIX_ATTNS
 from ..simulate import Profile
 from .clocks import gpu_state
 from .ceilings import copy_bandwidth
@@ -115,7 +116,6 @@ def run(cells=CELLS, profiles=PROFILES, budgets=BUDGETS, repeats: int = 3, n_max
     profiles = check_sweep(cells, profiles, budgets, repeats, queue)
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"decode_path={decode_path!r}: expected one of {DECODE_PATHS}")
-    from ..engine.config import PREFIX_ATTNS
     if prefix_attn not in PREFIX_ATTNS:
         raise ValueError(f"prefix_attn={prefix_attn!r}: expected one of {PREFIX_ATTNS}")
     rows = max(budgets) + 1
@@ -386,7 +386,7 @@ def main(argv=None) -> None:
                     help="the target's layers as the model does by default (Transformer.fused), through "
                     "kdtree.fused's kernels, or the torch path (a same-run baseline: write it to another "
                     "--out)")
-    ap.add_argument("--prefix-attn", choices=("off", "flashinfer"), default="off",
+    ap.add_argument("--prefix-attn", choices=PREFIX_ATTNS, default="off",
                     help="every engine's verify attention over committed pages through FlashInfer (Engine "
                     "prefix_attn): write it to another --out")
     ap.add_argument("--trained", default=None,
