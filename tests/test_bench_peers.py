@@ -89,6 +89,16 @@ def test_targets_compare_ours_with_the_best_peer_and_the_cascade():
     assert "sglang" in t[0]["name"] and "N=64" in t[2]["name"]
 
 
+def test_the_engines_split_is_a_target_against_the_best_peer_not_a_peer():
+    rows = [{"heads": 64, "context": 32768, "nodes": 16, "batch": 1, "kind": "chain",
+             "best_peer": "flashinfer_fa3", "ours_over_best_peer": 0.63, "split_over_best_peer": 0.95}]
+    t = peers.build_targets(rows)
+    assert [(x["key"], x["measured"], x["met"]) for x in t] == [
+        ("peers_attention_vs_best", 0.63, False), ("peers_split_vs_best", 0.95, False)]
+    assert "prefix split" in t[1]["name"] and "flashinfer_fa3" in t[1]["name"]
+    assert {"ours", "cascade", "split"} <= set(peers.OURS_SIDES)   # never counted as the best peer
+
+
 def test_bad_repeats_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         peers.main(["--repeats", "0"])

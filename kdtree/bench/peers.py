@@ -14,6 +14,9 @@ FlashInfer: split ckv / kpe pages; SGLang: token slots), rotated past L2; times 
 queued eager calls. A peer's time counts only where its output agrees with ours (max |diff| / max |ours| <=
 AGREE) and ours with the float64 golden twin on request 0 (contexts up to GOLDEN_MAX_KEYS). Trees also get
 "cascade": FlashInfer non-causal over the prefix, ours over the block's pages only, merged by merge_state.
+Every cell where FlashInfer loads also gets "split": the engine's own prefix_attn="flashinfer" path
+(ops.flashinfer_prefix over the context, verify_attn over the block with its mask, ops.attn_merge), the
+path a user turns on where it beats "ours", the engine's default.
 
 Then the engine's AR at batch 1 on the trained target, graphed and with compile=True, against transformers'
 compiled static-cache generate (same checkpoint, bf16, tokens compared; `ar_section`).
@@ -25,8 +28,8 @@ draft's per-position top-k against torch and FlashInfer, bf16 GEMMs (bench.decod
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
 {side: agreement}, FlashInfer's plan() host seconds), the AR section, `flashinfer_in_engine` (what taking
 FlashInfer for the engine's non-tree rounds would gain and cost a round), the sections' rows ("moe", "topk",
-"gemm") and `targets` (ours against the best peer; a tree's fused kernel against the cascade; the engine's AR
-against transformers' compiled generate; each section's family).
+"gemm") and `targets` (ours and the split against the best peer; a tree's fused kernel against the cascade;
+the engine's AR against transformers' compiled generate; each section's family).
 """
 from __future__ import annotations
 
@@ -193,6 +196,7 @@ def _sglang(api, x, H, ctx, N, b, scale, tree):
     return [lambda c=c: call(c) for c in x["caches"]]
 
 
+OURS_SIDES = ("ours", "cascade", "split")   # a cell's sides that are not a peer's kernel alone
 MERGE_HEADS = 16   # FlashInfer's merge_state: 32 x heads threads a block at head_dim 512 (at most 1,024)
 
 
@@ -213,6 +217,26 @@ def _cascade(api, x, H, ctx, N, b, scale):
                                   o_b.reshape(-1, g, 512), (lse_b / math.log(2)).reshape(-1, g).contiguous())
         return o.view(b * N, H, 512)
     return [lambda i=i, c=c: call(i, c) for i, c in enumerate(x["caches"])]
+
+
+def _split(x, H, ctx, N, b, scale):
+    """The engine's own split (prefix_attn="flashinfer": engine.prefix, layers.kernel_attention): FlashInfer
+    over the ctx committed rows (ops.flashinfer_prefix, reading our pool in place), verify_attn over the
+    block's rows with its mask, merged by ops.attn_merge; callables returning out [b, N, H, 512]."""
+    from ..ops.attn_merge import merge_states
+    from ..ops.attn_split import shift_pages
+    from ..ops.flashinfer_prefix import FlashInferPrefix
+    from ..ops.verify_attn import verify_attn
+    pre = FlashInferPrefix(H, scale, max_batch=b, max_pages=x["pages"], graph=False)
+    pre.plan([ctx] * b, N, x["page_table"])
+    cut = torch.full((b,), ctx, dtype=torch.int32, device=x["q"].device)
+    pt, seq = shift_pages(x["page_table"], x["seq_len"], cut, 64)
+
+    def call(c):
+        o_p, l_p = pre.run(x["q"], c)
+        o_r, l_r = verify_attn(x["q"], c, pt, seq, x["words"], scale, check_values=False)
+        return merge_states(o_p, l_p, o_r, l_r)[0]
+    return [lambda c=c: call(c) for c in x["caches"]]
 
 
 # ----------------------------------------------------------------------------- a cell, the run
@@ -251,6 +275,7 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
                     plan_s=plans.setdefault("flashinfer_fa3_pool", []))]
         else:
             sides["cascade"] = lambda: _cascade(api, x, H, ctx, N, b, SCALE)
+        sides["split"] = lambda: _split(x, H, ctx, N, b, SCALE)
     if peers["sglang"]["available"]:
         sides["sglang"] = lambda: _sglang(peers["sglang"]["api"], x, H, ctx, N, b, SCALE, kind == "tree")
     for name, make in sides.items():
@@ -267,12 +292,16 @@ def run_cell(peers: dict, H: int, ctx: int, N: int, b: int, kind: str, repeats: 
             _clear_cuda_error()
     # host seconds of the plan() each FlashInfer round needs first (with the round's lengths on the host)
     row["plan_s"] = {k: v[0] for k, v in plans.items() if v and k in row["time_s"]}
-    peer_t = {k: v for k, v in row["time_s"].items() if k not in ("ours", "cascade")}
+    peer_t = {k: v for k, v in row["time_s"].items() if k not in OURS_SIDES}
     if peer_t:
         best = min(peer_t, key=peer_t.get)
         row["best_peer"], row["ours_over_best_peer"] = best, peer_t[best] / row["time_s"]["ours"]
     if "cascade" in row["time_s"]:
         row["ours_over_cascade"] = row["time_s"]["cascade"] / row["time_s"]["ours"]
+    if "split" in row["time_s"]:   # the engine's prefix_attn="flashinfer" path against its default ("off")
+        row["split_over_ours"] = row["time_s"]["ours"] / row["time_s"]["split"]
+        if peer_t:
+            row["split_over_best_peer"] = peer_t[row["best_peer"]] / row["time_s"]["split"]
     x = None
     torch.cuda.empty_cache()
     return row
@@ -339,6 +368,9 @@ def build_targets(rows: list[dict], ar: dict | None = None) -> list[dict]:
                                     peer=r["best_peer"], **where))
         if "ours_over_cascade" in r:
             out.append(goals.target("peers_tree_vs_cascade", r["ours_over_cascade"], **where))
+        if "split_over_best_peer" in r:
+            out.append(goals.target("peers_split_vs_best", r["split_over_best_peer"], peer=r["best_peer"],
+                                    **where))
     return out
 
 
