@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from kdtree.bench import peers, peers_common, peers_moe, peers_sections
+from kdtree.bench import peers, peers_common, peers_moe, peers_sections, peers_sides
 from kdtree.bench.timer import measure
 
 
@@ -96,7 +96,7 @@ def test_the_engines_split_is_a_target_against_the_best_peer_not_a_peer():
     assert [(x["key"], x["measured"], x["met"]) for x in t] == [
         ("peers_attention_vs_best", 0.63, False), ("peers_split_vs_best", 0.95, False)]
     assert "prefix split" in t[1]["name"] and "flashinfer_fa3" in t[1]["name"]
-    assert {"ours", "cascade", "split"} <= set(peers.OURS_SIDES)   # never counted as the best peer
+    assert {"ours", "cascade", "split"} <= set(peers_sides.OURS_SIDES)   # never counted as the best peer
 
 
 def test_bad_repeats_is_refused_naming_it(capsys):
