@@ -118,12 +118,18 @@ def test_flashinfer_in_engine_weighs_the_kernels_gain_against_plan_and_lost_over
                 "plan_s": {k: plan for k in t if k != "ours"}}
     rows = [row("decode", 23e-6, 21e-6), row("decode", 20e-6, 25e-6, 30e-6), row("tree", 50e-6, 1e-6, N=64),
             row("chain", 45e-6, 36e-6, 35e-6, plan=30e-6, N=16)]
+    rows[2]["time_s"]["split"] = 40e-6
     got = peers.flashinfer_in_engine(rows, {"overlap_gain_s": 40e-6})
-    assert len(got) == 3   # trees are the cascade's: left out
+    assert len(got) == 4
     assert got[0]["backend"] == "flashinfer_fa3" and got[0]["layers_to_pay"] == 30     # 60 us / 2 us
     assert got[1]["gain_per_layer_s"] < 0 and got[1]["layers_to_pay"] is None          # FlashInfer slower
-    assert got[2]["backend"] == "flashinfer_fa2" and got[2]["layers_to_pay"] == 7      # 70 us / 10 us
+    assert got[3]["backend"] == "flashinfer_fa2" and got[3]["layers_to_pay"] == 7      # 70 us / 10 us
     assert "not faster" in got[1]["why"]
+    # a tree: no whole pass (no tree mask), the split's gain where it was timed
+    assert got[2]["gain_per_layer_s"] is None and "split only" in got[2]["why"]
+    assert got[2]["split_gain_per_layer_s"] == pytest.approx(10e-6)
+    text = peers.format_in_engine(got)
+    assert "pays from 30 layers" in text and "split +10.0 us a layer" in text and "never" not in text
     # without the AR section, only plan() is charged; a record without plan_s says so
     assert peers.flashinfer_in_engine(rows[:1])[0]["layers_to_pay"] == 10
     old = [{k: v for k, v in rows[0].items() if k != "plan_s"}]

@@ -27,9 +27,10 @@ draft's per-position top-k against torch and FlashInfer, bf16 GEMMs (bench.decod
 
 Record `peers.json`: device, versions, the peers found or skipped, one row per cell ({side: seconds},
 {side: agreement}, FlashInfer's plan() host seconds), the AR section, `flashinfer_in_engine` (what taking
-FlashInfer for the engine's non-tree rounds would gain and cost a round), the sections' rows ("moe", "topk",
-"gemm") and `targets` (ours and the split against the best peer; a tree's fused kernel against the cascade;
-the engine's AR against transformers' compiled generate; each section's family).
+FlashInfer whole for the engine's non-tree rounds, or the split for any round, would gain and cost), the
+sections' rows ("moe", "topk", "gemm") and `targets` (ours and the split against the best peer; a tree's
+fused kernel against the cascade; the engine's AR against transformers' compiled generate; each section's
+family).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import torch
 from . import goals
 from .peers_common import AGREE, QUEUE_CYCLES, SGLANG_FILES, rel_diff  # noqa: F401  (re-exported)
 from .peers_common import clear_cuda_error as _clear_cuda_error
-from .peers_common import flashinfer_in_engine  # noqa: F401  (re-exported)
+from .peers_common import flashinfer_in_engine, format_in_engine  # noqa: F401  (re-exported)
 from .peers_common import sglang_stubs as _sglang_stubs
 from .peers_common import version as _version
 from . import peers_sides as ps
@@ -298,7 +299,8 @@ def main(argv=None) -> dict:
         print(rec["skipped"])
     else:
         att = format_rows(rec["attention"]) if rec["attention"] else ""
-        print("\n".join(p for p in (att, peers_sections.format_sections(rec)) if p))
+        eng = format_in_engine(rec.get("flashinfer_in_engine") or [])
+        print("\n".join(p for p in (att, eng, peers_sections.format_sections(rec)) if p))
         if "engine_over_hf_compiled" in rec.get("ar", {}):
             a_ = rec["ar"]
             eng, comp, hf = a_["engine"], a_["engine_compiled"], a_["hf_compiled"]

@@ -138,26 +138,36 @@ def best_peer(row: dict, exclude=("ours",)) -> dict:
 
 
 def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]:
-    """Whether the engine would gain by taking FlashInfer's MLA for its non-tree rounds (decode and chains),
-    per such cell where FlashInfer ran: the kernel's gain a layer (ours - FlashInfer's best side, the pool
-    read in place included), its plan() host seconds (one a round, with the round's kv lengths given on
-    the host) and the overlap the engine gives up for it (ar's overlap_gain_s, where measured);
-    "layers_to_pay": the layers a round needs before the gain covers both costs, None with "why" where
-    FlashInfer is not faster or its plan() was not timed (an older record). The overlap is measured on the
-    AR section's engine (the trained target, batch 1) and charged to every cell alike."""
+    """Whether the engine would gain by taking FlashInfer's MLA, per cell where FlashInfer ran. Whole (decode
+    and chains): the kernel's gain a layer (ours - FlashInfer's best side, the pool read in place included),
+    its plan() host seconds (one a round, with the round's kv lengths given on the host) and the overlap the
+    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
+    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
+    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch 1)
+    and charged to every cell alike. The split (prefix_attn="flashinfer", every kind, trees included, where
+    the record timed it): "split_gain_per_layer_s" = ours - the split; it keeps the overlap (its plan covers
+    the rows committed at launch), so its plan() is host work done while the round before runs."""
     lost = (ar or {}).get("overlap_gain_s")
     out = []
     for r in rows:
-        fi = {k: v for k, v in r["time_s"].items() if k.startswith("flashinfer_")}
-        if r["kind"] == "tree" or not fi:
+        t = r["time_s"]
+        fi = {k: v for k, v in t.items() if k.startswith("flashinfer_")}
+        if not fi and "split" not in t:
+            continue
+        row = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
+               "kind": r["kind"], "backend": None, "gain_per_layer_s": None, "plan_s": None,
+               "overlap_lost_s": lost, "layers_to_pay": None}
+        if "split" in t:
+            row["split_gain_per_layer_s"] = t["ours"] - t["split"]
+        if r["kind"] == "tree" or not fi:   # FlashInfer has no tree mask: only the split can serve a tree
+            row["why"] = "no whole FlashInfer pass for this kind (the split only)"
+            out.append(row)
             continue
         best = min(fi, key=fi.get)
-        gain = r["time_s"]["ours"] - fi[best]
+        gain = t["ours"] - fi[best]
         plan = r.get("plan_s", {}).get(best)
         cost = None if plan is None else plan + max(lost or 0.0, 0.0)
-        row = {"heads": r["heads"], "context": r["context"], "nodes": r["nodes"], "batch": r["batch"],
-               "backend": best, "gain_per_layer_s": gain, "plan_s": plan, "overlap_lost_s": lost,
-               "layers_to_pay": None}
+        row.update(backend=best, gain_per_layer_s=gain, plan_s=plan)
         if gain <= 0:
             row["why"] = "FlashInfer is not faster than ours here"
         elif cost is None:
@@ -166,3 +176,23 @@ def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]
             row["layers_to_pay"] = math.ceil(cost / gain - 1e-9)
         out.append(row)
     return out
+
+
+def format_in_engine(rows: list[dict]) -> str:
+    """flashinfer_in_engine's rows, a line each: the whole pass's gain a layer and its costs a round, and
+    the split's gain a layer where timed."""
+    lines = []
+    for r in rows:
+        head = f"FlashInfer in the engine, {r['heads']} heads, ctx {r['context']}, {r.get('kind', '')} " \
+               f"N={r['nodes']}, b {r['batch']}: "
+        parts = []
+        if r["gain_per_layer_s"] is not None:
+            pay = r["layers_to_pay"]
+            plan, lost = 1e6 * (r["plan_s"] or 0), 1e6 * (r["overlap_lost_s"] or 0)
+            parts.append(f"whole {1e6 * r['gain_per_layer_s']:+.1f} us a layer, plan() {plan:.1f} us and "
+                         f"{lost:.1f} us of overlap a round: "
+                         + (f"pays from {pay} layers" if pay else r.get("why", "never pays")))
+        if r.get("split_gain_per_layer_s") is not None:
+            parts.append(f"split {1e6 * r['split_gain_per_layer_s']:+.1f} us a layer (overlap kept)")
+        lines.append(head + ("; ".join(parts) or r.get("why", "")))
+    return "\n".join(lines)
