@@ -99,6 +99,22 @@ def test_the_engines_split_is_a_target_against_the_best_peer_not_a_peer():
     assert {"ours", "cascade", "split"} <= set(peers_sides.OURS_SIDES)   # never counted as the best peer
 
 
+def test_cells_parse_and_bad_ones_are_refused_naming_them(capsys):
+    assert peers.parse_cell("64:32768:16:1:chain") == (64, 32768, 16, 1, "chain")
+    for bad, why in (("64:32768:16:1", "heads:context:nodes:batch:kind"),
+                     ("64:100:1:1:decode", "multiple of 64"), ("64:4096:x:1:tree", "must be ints"),
+                     ("64:4096:16:1:cascade", "kind 'cascade'"),
+                     ("64:4096:4:1:decode", "a decode cell has 1 node"), ("64:4096:1:1:tree", "at least 2")):
+        with pytest.raises(ValueError, match=why):
+            peers.parse_cell(bad)
+    with pytest.raises(SystemExit):
+        peers.main(["--cells", "8:4096:1:1:decode", "64:0:1:1:decode"])
+    assert "--cells '64:0:1:1:decode'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        peers.main(["--cells", "8:4096:1:1:decode", "--quick"])
+    assert "without --quick" in capsys.readouterr().err
+
+
 def test_bad_repeats_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         peers.main(["--repeats", "0"])

@@ -273,6 +273,30 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+KINDS = ("decode", "chain", "tree")
+
+
+def parse_cell(text: str) -> tuple:
+    """'H:ctx:N:b:kind' -> (heads, context, nodes, batch, kind): context a positive multiple of 64, decode
+    cells one node, the rest at least two; ValueError naming what is wrong."""
+    parts = text.split(":")
+    if len(parts) != 5:
+        raise ValueError(f"--cells {text!r}: expected heads:context:nodes:batch:kind, e.g. "
+                         "64:32768:16:1:chain")
+    *nums, kind = parts
+    try:
+        H, ctx, N, b = (int(x) for x in nums)
+    except ValueError:
+        raise ValueError(f"--cells {text!r}: heads, context, nodes and batch must be ints") from None
+    if kind not in KINDS:
+        raise ValueError(f"--cells {text!r}: kind {kind!r}, expected one of {KINDS}")
+    if min(H, ctx, N, b) < 1 or ctx % 64:
+        raise ValueError(f"--cells {text!r}: expected positive ints and a context that is a multiple of 64")
+    if (kind == "decode") != (N == 1):
+        raise ValueError(f"--cells {text!r}: a decode cell has 1 node, a chain or a tree at least 2")
+    return H, ctx, N, b, kind
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m kdtree.bench.peers",
                                  description="our MLA attention beside FlashInfer's, SGLang's (peers.json)")
@@ -280,19 +304,29 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK_CELLS)} cells instead of {len(CELLS)}")
     ap.add_argument("--repeats", type=int, default=30, help="timed calls a side (median)")
     ap.add_argument("--no-ar", action="store_true", help="leave out the AR section (engine vs transformers)")
+    ap.add_argument("--cells", nargs="+", default=None, metavar="H:CTX:N:B:KIND",
+                    help="these attention cells instead of the default list (kind: decode, chain or tree)")
     from . import peers_sections
     peers_sections.add_arguments(ap)
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats {a.repeats}: expected a positive int")
     on = peers_sections.chosen(a)
+    cells = None
+    if a.cells is not None:
+        try:
+            cells = [parse_cell(c) for c in a.cells]
+        except ValueError as e:
+            ap.error(str(e))
+        if a.quick or not on["attention"]:
+            ap.error("--cells: choose the attention cells without --quick or --no-attention")
     if a.no_ar and not any(on.values()):
         ap.error("every section is left out (--no-ar, " + ", ".join(f"--no-{s}" for s in on)
                  + "): nothing to run")
     from ..lab import output_dir, record_dir_or_exit
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out = record_dir_or_exit(a.out, dev, "python -m kdtree.bench.peers") if a.out else output_dir(dev)
-    rec = run(out, quick=a.quick, repeats=a.repeats, ar=not a.no_ar, **on)
+    rec = run(out, quick=a.quick, repeats=a.repeats, cells=cells, ar=not a.no_ar, **on)
     for name, p in rec["peers"].items():
         print(f"{name} {p.get('version')}: " + ("found" if p["available"] else f"skipped ({p['reason']})"))
     if rec.get("skipped"):
