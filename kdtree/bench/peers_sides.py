@@ -146,20 +146,17 @@ def cascade(api, x, H, ctx, N, b, scale):
 
 
 def split(x, H, ctx, N, b, scale):
-    """The engine's own split (prefix_attn="flashinfer": engine.prefix, layers.kernel_attention): FlashInfer
-    over the ctx committed rows (ops.flashinfer_prefix, reading our pool in place), verify_attn over the
-    block's rows with its mask, merged by ops.attn_merge; callables returning out [b, N, H, 512]."""
-    from ..ops.attn_merge import merge_states
-    from ..ops.attn_split import shift_pages
+    """The engine's own split (prefix_attn="flashinfer"): layers.kernel_attention over the metadata with
+    the prefix at the ctx committed rows (AttnMeta.with_prefix: FlashInfer over them, reading our pool in
+    place; verify_attn over the block's rows with its mask; ops.attn_merge); callables returning out
+    [b, N, H, 512]."""
+    from ..cache import AttnMeta
+    from ..layers import kernel_attention
     from ..ops.flashinfer_prefix import FlashInferPrefix
-    from ..ops.verify_attn import verify_attn
+    dev = x["q"].device
     pre = FlashInferPrefix(H, scale, max_batch=b, max_pages=x["pages"], graph=False)
     pre.plan([ctx] * b, N, x["page_table"])
-    cut = torch.full((b,), ctx, dtype=torch.int32, device=x["q"].device)
-    pt, seq = shift_pages(x["page_table"], x["seq_len"], cut, 64)
-
-    def call(c):
-        o_p, l_p = pre.run(x["q"], c)
-        o_r, l_r = verify_attn(x["q"], c, pt, seq, x["words"], scale, check_values=False)
-        return merge_states(o_p, l_p, o_r, l_r)[0]
-    return [lambda c=c: call(c) for c in x["caches"]]
+    cached = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    meta = AttnMeta.build(x["page_table"], cached, cached[:, None] + torch.arange(N, device=dev), x["mask"],
+                          64, "kernel", mask_words=x["words"]).with_prefix(pre, cached)
+    return [lambda c=c: kernel_attention(x["q"], c, meta, scale) for c in x["caches"]]
