@@ -150,33 +150,78 @@ def _whole_logits(e, tokens, lens, mask, meta_fn=None):
     return e.model.forward_paged(tokens.long(), e.pool, meta).logits.double()
 
 
+class _SplitCheck:
+    """Stands in for layers.kernel_attention in the model's layers: a call with a split also runs the whole
+    attention on the same inputs and writes each request's relative error into errs[layer, request] on the
+    device, no host reads, so a captured round's replay rewrites them (layers by their pool)."""
+
+    def __init__(self, layers: int, batch: int, device="cuda"):
+        self.errs = torch.full((layers, batch), float("nan"), device=device)
+        self.layer: dict[int, int] = {}
+
+    def __call__(self, qk, pool, meta, scale):
+        import dataclasses
+
+        from kdtree.layers import kernel_attention
+        o = kernel_attention(qk, pool, meta, scale)
+        if meta.prefix is not None:
+            whole = kernel_attention(qk, pool, dataclasses.replace(meta, prefix=None), scale).float()
+            i = self.layer.setdefault(pool.data_ptr(), len(self.layer))
+            err = (o.float() - whole).flatten(1).norm(dim=1) / whole.flatten(1).norm(dim=1)   # [b]
+            self.errs[i, :err.shape[0]].copy_(err)
+        return o
+
+    def round_errors(self, n: int) -> list[float]:
+        """The worst relative error of each layer over the first n requests since the last call."""
+        got = self.errs[:len(self.layer), :n].amax(dim=1).tolist()
+        self.errs.fill_(float("nan"))
+        return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_engines_split_rounds_equal_the_whole_attention(graphs):
-    """AR with prefix_attn="flashinfer" at the mid config's dimensions (2 layers, INT4 experts), 600-740
-    synthetic context rows, graphs off / on: each round's verify logits (planned per launch, replayed)
-    against the same round recomputed eagerly without the split from the state before it (the same inputs:
-    no drift between two engines); then on the final state a 9-row tree block through forward_paged with
-    and without a split at each request's committed pages; run() then serves to the end."""
+def test_the_engines_split_rounds_equal_the_whole_attention(graphs, monkeypatch):
+    """AR with prefix_attn="flashinfer" at the mid config's dimensions (2 MoE layers, INT4 experts), 600-740
+    synthetic context rows, graphs off / on: in each round, every layer's split attention (planned per
+    launch, replayed) against the whole attention over the same queries and cache; then on the final state a
+    9-row tree block through forward_paged with a split at each request's committed pages. The logits are
+    not compared: two bf16 roundings of one attention move a row to another expert set now and then, which
+    moves its logits far (docs/engine.md). A device cut a page before the plan's fails the check; run() then
+    serves to the end."""
     _need()
+    import kdtree.fused
+    import kdtree.model
     from kdtree import k26
     from kdtree.engine import Engine
+    from kdtree.engine.prefix import PrefixSplit
     t = k26.build_target(2, device="cuda", config="mid")
+    layers = t.args.num_hidden_layers
+    check = _SplitCheck(layers, 4)
+    monkeypatch.setattr(kdtree.model, "kernel_attention", check)
+    monkeypatch.setattr(kdtree.fused, "kernel_attention", check)
     with pytest.warns(UserWarning, match="prefix_attn='flashinfer' is experimental"):
         e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
     assert e.prefix is not None and (e.graph_reason is None) == graphs
     for i in range(3):
         e.add_request([11 + i, 12, 13, 14], 24, synthetic_context=600 + 70 * i)
     e.step()
+    check.round_errors(4)
     errs = []
-    for _ in range(5):
-        n = len(e.active)
-        root, lens = e.root[:n].clone(), e.lens[:n].clone()
+    for _ in range(6):
+        lens = e.lens[:len(e.active)].tolist()
         e.step()
-        got = e.last_logits[:n].double()
-        want = _whole_logits(e, root[:, None], lens, torch.ones(n, 1, 1, dtype=torch.bool, device="cuda"))
-        errs.append((float((got - want).norm() / want.norm()), lens.tolist()))
-    assert max(err for err, _ in errs) <= 1e-2, errs
+        errs.append((check.round_errors(len(lens)), lens))
+    assert len(check.layer) == layers and all(len(x) == layers for x, _ in errs), errs
+    assert max(max(x) for x, _ in errs) <= 1e-2, errs   # NaN (a layer that did not write) fails too
+    plan = PrefixSplit._plan
+
+    def off_by_a_page(self, b, N, rows):   # the device's cut a page before the plan's: that page twice
+        plan(self, b, N, rows)
+        self.rows[:b].copy_(torch.tensor([max(r - PAGE, 0) for r in rows], dtype=torch.int32))
+    monkeypatch.setattr(PrefixSplit, "_plan", off_by_a_page)
+    e.step()
+    assert max(check.round_errors(len(e.active))) > 0.05   # the check can fail
+    monkeypatch.setattr(PrefixSplit, "_plan", plan)
     # a tree block on the final state, the split planned here
     N, n = 9, len(e.active)
     for r in e.active:
@@ -191,10 +236,9 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs):
     pre = fp.FlashInferPrefix(a.num_attention_heads, a.softmax_scale, n, e.pages_per_req, graph=False)
     pre.plan(cuts, N, e.page_table[:n])
     cut_dev = torch.tensor(cuts, dtype=torch.int32, device="cuda")
-    whole = _whole_logits(e, tokens, lens, mask)
-    split = _whole_logits(e, tokens, lens, mask, lambda m: m.with_prefix(pre, cut_dev))
-    err = float((split - whole).norm() / whole.norm())
-    assert err <= 1e-2, err
+    _whole_logits(e, tokens, lens, mask, lambda m: m.with_prefix(pre, cut_dev))
+    tree_errs = check.round_errors(n)
+    assert len(tree_errs) == layers and max(tree_errs) <= 1e-2, tree_errs
     out = e.run()
     assert all(len(res.tokens) == 24 for res in out.values()) and e.free_pages == e.pages.capacity
 
