@@ -392,9 +392,23 @@ def test_the_gemm_target_is_the_worst_agreeing_row_of_each_matrix():
                  "skipped": {"gemv": "output differs from float32"}})          # no ratio: not counted
     rows.append({"name": "router", "out": 384, "in": 7168, "rows": 32, "time_s": 1e-6})   # cuBLAS only
     t = peers_sections.build_targets({"gemm": rows})
-    assert [(x["key"], x["matrix"], x["rows"]) for x in t] == [("peers_gemm_vs_cublas", "o_proj", 8)]
-    assert t[0]["measured"] == pytest.approx(1.25) and t[0]["met"]
+    assert [(x["key"], x["matrix"], x["rows"]) for x in t] == [
+        ("peers_gemm_vs_cublas", "o_proj", 8), ("peers_gemm_engine_vs_cublas", "o_proj", 1),
+        ("peers_gemm_engine_vs_cublas", "router", 32)]
+    assert t[0]["measured"] == pytest.approx(1.25) and t[0]["met"] and t[0]["info"]
     assert "7168 x 8192" in t[0]["name"]
+    assert t[1]["measured"] == 1.0 and t[1]["path"] == "cuBLAS" and "(cuBLAS)" in t[1]["name"]
+
+
+def test_the_engine_s_gemm_target_follows_its_projection_path(monkeypatch):
+    """Up to fused.GEMV_ROWS rows the engine runs ops.gemv, so its target is ours against cuBLAS there: a
+    slow gemv at 1 row fails it."""
+    import kdtree.fused
+    monkeypatch.setattr(kdtree.fused, "GEMV_ROWS", 1)
+    rows = [{"name": "q_b", "out": 12288, "in": 1536, "rows": r, "time_s": 1e-5, "gemv_time_s": g,
+             "cublas_over_gemv": 1e-5 / g} for r, g in ((1, 2e-5), (8, 8e-6))]
+    t = [x for x in peers_sections.build_targets({"gemm": rows}) if x["key"] == "peers_gemm_engine_vs_cublas"]
+    assert [(x["rows"], x["path"], x["measured"], x["met"]) for x in t] == [(1, "ops.gemv", 0.5, False)]
 
 
 def test_the_sections_are_written_row_by_row_with_their_targets(tmp_path, monkeypatch):
@@ -429,8 +443,8 @@ def test_the_sections_are_written_row_by_row_with_their_targets(tmp_path, monkey
     assert on_disk == [0, 1] and json.loads(path.read_text()) == rec
     assert rec["device"] == "fake GPU" and rec["attention"] == [] and len(rec["moe"]) == 2
     assert rec["moe_setup"]["experts"] == 384 and rec["moe_setup"]["group"] == 32
-    assert [t["key"] for t in rec["targets"]] == ["peers_moe_vs_sglang"] * 2 + ["peers_topk_vs_best",
-                                                                                "peers_gemm_vs_cublas"]
+    assert [t["key"] for t in rec["targets"]] == ["peers_moe_vs_sglang"] * 2 + [
+        "peers_topk_vs_best", "peers_gemm_vs_cublas", "peers_gemm_engine_vs_cublas"]
     assert all(t["met"] for t in rec["targets"])
     text = peers_sections.format_sections(rec)
     assert "uniform" in text and "torch_topk 3000000.0" in text and "q_b" in text

@@ -13,7 +13,9 @@ peers.json row by row (`run_sections`), each with its family of targets (`build_
          1 and 32; peers_topk_vs_best: the fastest agreeing side / ours (a side doing less work included).
   gemm   bf16 GEMMs of 1-64 rows over K2.6's projections: bench.decode.gemm_table's rows (cuBLAS through
          F.linear, ours through ops.gemv up to GEMV_MAX_ROWS rows), each checked against float32 first
-         (`gemm_agreement`); peers_gemm_vs_cublas: per matrix, the worst of cuBLAS time / ours over the rows.
+         (`gemm_agreement`); peers_gemm_engine_vs_cublas: per matrix, the worst over the rows of cuBLAS
+         time / the engine's own projection (`engine_path`: ops.gemv up to fused.GEMV_ROWS rows, else
+         cuBLAS); peers_gemm_vs_cublas (info): the same for ops.gemv alone.
 """
 from __future__ import annotations
 
@@ -182,6 +184,21 @@ def gemm_section(rows, repeats: int = 30, progress: bool = True) -> list[dict]:
     return table
 
 
+def engine_path(rows: int) -> str:
+    """The projection the engine's fused decode runs for `rows` rows: ops.gemv up to fused.GEMV_ROWS rows,
+    else cuBLAS."""
+    from ..fused import GEMV_ROWS
+    return "ops.gemv" if rows <= GEMV_ROWS else "cuBLAS"
+
+
+def engine_over_cublas(r: dict) -> float | None:
+    """cuBLAS time / the time of the engine's own projection (engine_path) in a gemm row: 1.0 where the
+    engine runs cuBLAS, cublas_over_gemv where it runs ours; None where that side was not measured."""
+    if not r.get("time_s"):
+        return None
+    return 1.0 if engine_path(r["rows"]) == "cuBLAS" else r.get("cublas_over_gemv")
+
+
 # ----------------------------------------------------------------------------- the record
 def start(rec: dict, **on) -> dict:
     """An empty row list in rec for each section of SECTIONS that `on` does not turn off (moe=False, ...)."""
@@ -215,9 +232,9 @@ def run_sections(rec: dict, peers: dict, save, quick: bool = False, repeats: int
 
 
 def build_targets(rec: dict) -> list[dict]:
-    """The sections' targets: peers_moe_vs_sglang per MoE row, peers_topk_vs_best per top-k row, and
-    peers_gemm_vs_cublas per matrix (the worst over its row counts); rows without a measured ratio give
-    none."""
+    """The sections' targets: peers_moe_vs_sglang per MoE row, peers_topk_vs_best per top-k row, and per
+    matrix (the worst over its row counts) peers_gemm_engine_vs_cublas and peers_gemm_vs_cublas (info);
+    rows without a measured ratio give none."""
     from .peers_moe import moe_targets
     out = moe_targets(rec.get("moe", []))
     for r in rec.get("topk", []):
@@ -225,14 +242,20 @@ def build_targets(rec: dict) -> list[dict]:
             out.append(goals.target("peers_topk_vs_best", r["ours_over_best_peer"], k=r["k"],
                                     vocab=r["vocab"], batch=r["batch"], positions=r["positions"],
                                     peer=r["best_peer"]))
-    worst = {}
+    worst, engine = {}, {}
     for r in rec.get("gemm", []):
         if "cublas_over_gemv" in r and (r["name"] not in worst
                                         or r["cublas_over_gemv"] < worst[r["name"]]["cublas_over_gemv"]):
             worst[r["name"]] = r
+        ratio = engine_over_cublas(r)
+        if ratio is not None and (r["name"] not in engine or ratio < engine[r["name"]][0]):
+            engine[r["name"]] = (ratio, r)
     for name, r in worst.items():
         out.append(goals.target("peers_gemm_vs_cublas", r["cublas_over_gemv"], matrix=name,
                                 shape=f"{r['out']} x {r['in']}", rows=r["rows"]))
+    for name, (ratio, r) in engine.items():
+        out.append(goals.target("peers_gemm_engine_vs_cublas", ratio, matrix=name,
+                                shape=f"{r['out']} x {r['in']}", rows=r["rows"], path=engine_path(r["rows"])))
     return out
 
 
