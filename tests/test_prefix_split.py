@@ -199,8 +199,7 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs, monkeypatch)
     check = _SplitCheck(layers, 4)
     monkeypatch.setattr(kdtree.model, "kernel_attention", check)
     monkeypatch.setattr(kdtree.fused, "kernel_attention", check)
-    with pytest.warns(UserWarning, match="prefix_attn='flashinfer' is experimental"):
-        e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
+    e = Engine(t, mode="ar", max_batch=4, max_len=1024, graphs=graphs, prefix_attn="flashinfer")
     assert e.prefix is not None and (e.graph_reason is None) == graphs
     for i in range(3):
         e.add_request([11 + i, 12, 13, 14], 24, synthetic_context=600 + 70 * i)

@@ -120,9 +120,8 @@ def test_the_engines_split_rounds_equal_the_whole_on_a_cpu(stand_ins, mode, budg
         t.args, num_hidden_layers=1, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=256))
     sim = None if mode == "ar" else Profile(4.0, depth=7, K=16)
-    with pytest.warns(UserWarning, match="experimental"):
-        e = Engine(t, d, mode=mode, budget=budget, max_batch=4, max_len=1024, prefix_attn="flashinfer",
-                   simulate=sim, **({"budgets": (4, 16)} if budget == "auto" else {}))
+    e = Engine(t, d, mode=mode, budget=budget, max_batch=4, max_len=1024, prefix_attn="flashinfer",
+               simulate=sim, **({"budgets": (4, 16)} if budget == "auto" else {}))
     assert e.prefix is not None and e.model.attn_impl == "kernel"
     for i in range(3):
         e.add_request([11 + i, 12, 13, 14], 160, synthetic_context=600 + 70 * i)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 
 import torch
 
@@ -128,8 +127,6 @@ class Engine:
         self.prefix = None
         if cfg.prefix_attn == "flashinfer":
             from .prefix import PrefixSplit
-            warnings.warn("prefix_attn='flashinfer' is experimental: an engine's split rounds have been seen "
-                          "to leave the unsplit attention (docs/engine.md, 'The prefix split')", stacklevel=2)
             self.prefix = PrefixSplit(self, self.policy.verify_rows())
         if self.graph_reason is None:
             self._capture()
