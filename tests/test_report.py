@@ -220,3 +220,22 @@ def test_a_folder_with_both_decode_paths_gets_a_before_after_line(tmp_path):
     (gpu / "other").mkdir()
     (gpu / "e2e_k26_torch_elsewhere.json").rename(gpu / "other" / "e2e_k26_torch.json")
     assert "- The fused decode layers" not in "\n".join(report.headline(tmp_path / "outputs"))
+
+
+def test_a_record_in_one_subfolder_is_read_and_earlier_runs_are_not(tmp_path):
+    """A GPU folder's expected record at its top, else in exactly one subfolder (not `earlier/`): its
+    targets count, and the section says where it lies; two candidates or only an earlier run count as none."""
+    g = tmp_path / "outputs" / "h100"
+    rec = {"targets": [{"key": "peers_ar_vs_hf_compiled", "name": "x", "measured": 6.4, "goal": 3.0,
+                        "met": True}]}
+    (g / "earlier" / "abc").mkdir(parents=True)
+    (g / "earlier" / "peers.json").write_text(json.dumps(rec))
+    page = report.report(tmp_path / "outputs")
+    assert "No record yet: `python -m kdtree.bench.peers --out outputs/<gpu>` writes it." in page
+    (g / "peers").mkdir()
+    (g / "peers" / "peers.json").write_text(json.dumps(rec))
+    page = report.report(tmp_path / "outputs")
+    assert "Recorded in `peers/`" in page and "| 6.4 | 3 | met |" in page
+    (g / "other").mkdir()
+    (g / "other" / "peers.json").write_text(json.dumps(rec))
+    assert "Recorded in" not in report.report(tmp_path / "outputs")
