@@ -43,6 +43,7 @@ class AttnMeta:
     prefix: object | None = None
     rest_page_table: torch.Tensor | None = None   # int32 [B, P]: the pages after the prefix
     rest_seq_len: torch.Tensor | None = None      # int32 [B]: seq_len - prefix rows
+    prefix_whole: bool = False   # the prefix pass is the whole attention (a one-row block): no rest, no merge
 
     def __post_init__(self):
         if self.moe not in MOE_PATHS:
@@ -93,7 +94,17 @@ class AttnMeta:
             raise ValueError(f"prefix_rows: expected an int tensor [{B}], got "
                              f"{getattr(prefix_rows, 'shape', type(prefix_rows).__name__)}")
         pt, seq = shift_pages(self.page_table, self.seq_len, prefix_rows, self.page_size)
-        return replace(self, prefix=prefix, rest_page_table=pt, rest_seq_len=seq)
+        return replace(self, prefix=prefix, rest_page_table=pt, rest_seq_len=seq, prefix_whole=False)
+
+    def with_whole(self, prefix) -> "AttnMeta":
+        """This metadata with the whole attention through `prefix`, planned over every key of a one-row
+        block (seq_len rows a request, its own included: FlashInferPrefix.plan(..., whole=True)); paged
+        layout, attn_impl "kernel", T = 1."""
+        if self.attn_impl != "kernel" or self.start is not None or self.positions.shape[1] != 1:
+            raise ValueError(f"with_whole: expected the paged layout with attn_impl 'kernel' and a one-row "
+                             f"block, got attn_impl={self.attn_impl!r}, start={self.start!r}, "
+                             f"T={self.positions.shape[1]}")
+        return replace(self, prefix=prefix, rest_page_table=None, rest_seq_len=None, prefix_whole=True)
 
     @classmethod
     def for_cache(cls, cache: "KVCache", start: int, positions, mask, attn_impl: str) -> "AttnMeta":

@@ -79,12 +79,15 @@ def kernel_attention(qk: torch.Tensor, pool: torch.Tensor, meta, scale: float) -
     """MLA attention of attn_impl "kernel" over one layer's paged cache: qk bf16 [B, T, H, 576] (absorbed
     latent + rope), pool bf16 [rows, 576] -> o bf16 [B, T, H, 512]. verify_attn over meta's pages; with
     meta.prefix (AttnMeta.with_prefix) the prefix pass over each request's first rows and verify_attn over
-    the rest, merged by log-sum-exp in one launch (ops.attn_merge; both lse in natural log)."""
+    the rest, merged by log-sum-exp in one launch (ops.attn_merge; both lse in natural log); with
+    meta.prefix_whole (AttnMeta.with_whole) the pass alone."""
     from . import kernels
     if meta.prefix is None:
         o, _ = _launch(kernels.verify_attn, qk, pool, meta.page_table, meta.seq_len, meta.mask_words, scale,
                        page_size=meta.page_size, check_values=False, max_seq_len=meta.kv_cap)
         return o
+    if meta.prefix_whole:   # AttnMeta.with_whole: the pass sees every key
+        return _launch(meta.prefix.run, qk, pool)[0]
     from .ops.attn_merge import merge_states
     o_pre, lse_pre = _launch(meta.prefix.run, qk, pool)                          # [B, T, H, 512], [B, T, H]
     o_rest, lse_rest = _launch(kernels.verify_attn, qk, pool, meta.rest_page_table, meta.rest_seq_len,

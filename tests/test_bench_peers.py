@@ -137,7 +137,9 @@ def test_flashinfer_in_engine_weighs_the_kernels_gain_against_plan_and_lost_over
     rows[2]["time_s"]["split"] = 40e-6
     got = peers.flashinfer_in_engine(rows, {"overlap_gain_s": 40e-6})
     assert len(got) == 4
-    assert got[0]["backend"] == "flashinfer_fa3" and got[0]["layers_to_pay"] == 30     # 60 us / 2 us
+    # decode: the engine's AR keeps its overlap with the whole pass, so only plan() is charged
+    assert got[0]["backend"] == "flashinfer_fa3" and got[0]["layers_to_pay"] == 10     # 20 us / 2 us
+    assert got[0]["overlap_lost_s"] == 0.0 and got[3]["overlap_lost_s"] == 40e-6
     assert got[1]["gain_per_layer_s"] < 0 and got[1]["layers_to_pay"] is None          # FlashInfer slower
     assert got[3]["backend"] == "flashinfer_fa2" and got[3]["layers_to_pay"] == 7      # 70 us / 10 us
     assert "not faster" in got[1]["why"]
@@ -145,9 +147,9 @@ def test_flashinfer_in_engine_weighs_the_kernels_gain_against_plan_and_lost_over
     assert got[2]["gain_per_layer_s"] is None and "split only" in got[2]["why"]
     assert got[2]["split_gain_per_layer_s"] == pytest.approx(10e-6)
     text = peers.format_in_engine(got)
-    assert "pays from 30 layers" in text and "split +10.0 us a layer" in text and "never" not in text
+    assert "pays from 10 layers" in text and "split +10.0 us a layer" in text and "never" not in text
     # without the AR section, only plan() is charged; a record without plan_s says so
-    assert peers.flashinfer_in_engine(rows[:1])[0]["layers_to_pay"] == 10
+    assert peers.flashinfer_in_engine(rows[3:])[0]["layers_to_pay"] == 3               # 30 us / 10 us
     old = [{k: v for k, v in rows[0].items() if k != "plan_s"}]
     assert "not timed" in peers.flashinfer_in_engine(old)[0]["why"]
 

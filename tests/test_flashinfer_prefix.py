@@ -128,3 +128,42 @@ def test_a_captured_prefix_pass_replays_after_each_new_plan(first, N):
             got = o[i].double().cpu().numpy()
             assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-2, (rows, i)
             assert np.abs(lse[i].double().cpu().numpy() - ref_l).max() <= 1e-2, (rows, i)
+
+
+@pytest.mark.gpu
+def test_a_whole_pass_reads_partial_pages_and_replays():
+    """plan(..., whole=True): rows that end inside a page (a one-row block's every key, its own included),
+    captured after an empty plan and replayed after each new one, against the float64 attention over exactly
+    those rows; a partial row count without whole=True is refused."""
+    _need_flashinfer()
+    H, scale, b, per, dev = 16, 0.1352, 2, 20, "cuda"
+    g = torch.Generator().manual_seed(11)
+    cache = (torch.randn(b * per * PAGE, 576, generator=g) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(b, 1, H, 576, generator=g) * 0.5).to(torch.bfloat16)
+    table = torch.randperm(b * per, generator=g).to(torch.int32).view(b, per)
+    pool = torch.empty_like(cache)
+    pool.view(-1, PAGE, 576)[table.view(-1).long()] = cache.view(-1, PAGE, 576)
+    pool_d, q_d, table_d = pool.to(dev), q.to(dev), table.to(dev)
+    pre = fp.FlashInferPrefix(H, scale, max_batch=b, max_pages=per)
+    with pytest.raises(ValueError, match=r"rows\[0\]=645: expected a whole number of pages of 64"):
+        pre.plan([645, 64], 1, table_d)
+    pre.plan([0, 0], 1, table_d, whole=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pre.run(q_d, pool_d)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = pre.run(q_d, pool_d)
+    for rows in ([645, 1], [64, 1279], [700, 701]):
+        pre.plan(rows, 1, table_d, whole=True)
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, r in enumerate(rows):
+            c = cache[i * per * PAGE:i * per * PAGE + r].double().numpy()
+            qi = q[i].double().numpy()
+            ref, _ = prefix_attention(qi[..., :512], qi[..., 512:], c[:, :512], c[:, 512:], scale)
+            got = o[i].double().cpu().numpy()
+            assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-2, (rows, i)

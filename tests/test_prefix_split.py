@@ -41,7 +41,7 @@ def test_with_prefix_refuses_the_torch_paths_and_a_wrong_shape():
 def test_each_launch_plans_the_committed_pages_and_copies_the_same_rows():
     """PrefixSplit.plan(b, N): each active request cut at its host length rounded down to whole pages (padding
     slots 0), the pass of (bucket, N) planned with exactly the rows copied to the device (the invariant a
-    captured round relies on); meta picks the pass by the block's rows."""
+    captured round relies on); meta picks the pass by the block's rows. AR (whole): every key planned."""
     from types import SimpleNamespace
 
     from kdtree.engine.prefix import PrefixSplit
@@ -51,14 +51,15 @@ def test_each_launch_plans_the_committed_pages_and_copies_the_same_rows():
         def __init__(self, key):
             self.key = key
 
-        def plan(self, rows, nodes, page_table):
-            planned[self.key] = (list(rows), nodes, tuple(page_table.shape))
+        def plan(self, rows, nodes, page_table, whole=False):
+            planned[self.key] = (list(rows), nodes, tuple(page_table.shape)) + (("whole",) if whole else ())
 
     reqs = [SimpleNamespace(slot=1, length=700), SimpleNamespace(slot=0, length=63),
             SimpleNamespace(slot=2, length=128)]
-    e = SimpleNamespace(active=reqs, page_size=PAGE, page_table=torch.zeros(8, 20, dtype=torch.int32))
+    e = SimpleNamespace(active=reqs, page_size=PAGE, page_table=torch.zeros(8, 20, dtype=torch.int32),
+                        in_flight=False)
     split = PrefixSplit.__new__(PrefixSplit)
-    split.e, split.rows = e, torch.full((8,), -1, dtype=torch.int32)
+    split.e, split.rows, split.whole = e, torch.full((8,), -1, dtype=torch.int32), False
     split.passes = {(b, N): Pass((b, N)) for b in (4, 8) for N in (1, 9)}
     split.plan(4, 9)
     assert planned == {(4, 9): ([0, 640, 128, 0], 9, (4, 20))}
@@ -73,6 +74,15 @@ def test_each_launch_plans_the_committed_pages_and_copies_the_same_rows():
                      torch.full((4,), 701, dtype=torch.int32), None, None, 20 * PAGE, PAGE,
                      attn_impl="kernel")
     assert split.meta(meta1, 4).prefix is split.passes[4, 1]
+    # AR (whole): every key, its own row included, one more row while a round is in flight
+    split.whole, e.in_flight = True, True
+    split.plan(4, 1)
+    assert planned[4, 1] == ([65, 702, 130, 0], 1, (4, 20), "whole")
+    assert split.rows.tolist()[:4] == [65, 702, 130, 0]
+    got = split.meta(meta1, 4)
+    assert got.prefix is split.passes[4, 1] and got.prefix_whole and got.rest_seq_len is None
+    with pytest.raises(ValueError, match="with_whole: expected .* a one-row block"):
+        split.meta(meta, 4)
 
 
 def test_the_split_has_a_pass_for_every_block_the_policy_verifies():
@@ -182,12 +192,12 @@ class _SplitCheck:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_engines_split_rounds_equal_the_whole_attention(graphs, monkeypatch):
     """AR with prefix_attn="flashinfer" at the mid config's dimensions (2 MoE layers, INT4 experts), 600-740
-    synthetic context rows, graphs off / on: in each round, every layer's split attention (planned per
-    launch, replayed) against the whole attention over the same queries and cache; then on the final state a
-    9-row tree block through forward_paged with a split at each request's committed pages. The logits are
-    not compared: two bf16 roundings of one attention move a row to another expert set now and then, which
-    moves its logits far (docs/engine.md). A device cut a page before the plan's fails the check; run() then
-    serves to the end."""
+    synthetic context rows, graphs off / on: in each round (one at a time, then overlapped), every layer's
+    attention through FlashInfer's pass (AR: over every key, planned per launch, replayed) against
+    verify_attn's over the same queries and cache; then on the final state a 9-row tree block through
+    forward_paged with a split at each request's committed pages. The logits are not compared: two bf16
+    roundings of one attention move a row to another expert set now and then, which moves its logits far
+    (docs/engine.md). A pass planned a page short fails the check; run() then serves to the end."""
     _need()
     import kdtree.fused
     import kdtree.model
@@ -210,14 +220,20 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs, monkeypatch)
         lens = e.lens[:len(e.active)].tolist()
         e.step()
         errs.append((check.round_errors(len(lens)), lens))
+    for _ in range(4):   # run()'s schedule: each round planned while the previous one is in flight
+        e.step(overlap=True)
+        errs.append((check.round_errors(3), "overlapped"))
+    e.step()   # lands the round in flight, then one of its own
+    check.round_errors(3)
     assert len(check.layer) == layers and all(len(x) == layers for x, _ in errs), errs
     assert max(max(x) for x, _ in errs) <= 1e-2, errs   # NaN (a layer that did not write) fails too
+    assert e.prefix.whole   # AR: FlashInfer's pass over every key, no rest
     plan = PrefixSplit._plan
 
-    def off_by_a_page(self, b, N, rows):   # the device's cut a page before the plan's: that page twice
-        plan(self, b, N, rows)
-        self.rows[:b].copy_(torch.tensor([max(r - PAGE, 0) for r in rows], dtype=torch.int32))
-    monkeypatch.setattr(PrefixSplit, "_plan", off_by_a_page)
+    def short_by_a_page(self, b, N, rows):   # the pass planned a page short of every key: that page unseen
+        plan(self, b, N, [max(r - PAGE, 1) if r else 0 for r in rows])
+        self.rows[:b].copy_(torch.tensor(rows, dtype=torch.int32))
+    monkeypatch.setattr(PrefixSplit, "_plan", short_by_a_page)
     e.step()
     assert max(check.round_errors(len(e.active))) > 0.05   # the check can fail
     monkeypatch.setattr(PrefixSplit, "_plan", plan)

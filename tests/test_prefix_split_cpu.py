@@ -40,8 +40,9 @@ class _Prefix:
         self.heads, self.scale, self.max_batch, self.graph = heads, scale, max_batch, graph
         self.planned = None
 
-    def plan(self, rows, nodes, page_table):
+    def plan(self, rows, nodes, page_table, whole=False):
         assert len(rows) == self.max_batch or not self.graph
+        assert whole or all(r % PAGE == 0 for r in rows)
         self.rows, self.table, self.planned = list(rows), page_table[:len(rows)].clone(), (len(rows), nodes)
 
     def run(self, q, pool):
@@ -87,9 +88,10 @@ def _target():
 def _checked(e):
     """Wrap the engine's verify so that every round's split logits are compared with the same block's
     logits without the split, over the state before the round (the whole pass runs first; the split's
-    writes of the block rows then stand, as in an unchecked round). Returns the list the errors go to."""
+    writes of the block rows then stand, as in an unchecked round). Returns the lists the errors go to and
+    whether a round was in flight at each."""
     from kdtree.model import PagedMeta
-    errs, verify = [], e.runner.verify
+    errs, flights, verify = [], [], e.runner.verify
 
     def checked(tokens, positions, mask, mask_words, b, sampling):
         n = len(e.active)
@@ -98,19 +100,26 @@ def _checked(e):
         whole = e.model.forward_paged(tokens.long(), e.pool, meta).logits[:n].double()
         out = verify(tokens, positions, mask, mask_words, b, sampling)
         errs.append(float((out[0][:n].double() - whole).norm() / whole.norm()))
-        # the cut rows: each request's host length in whole pages, padding slots 0
-        cuts = [r.length // PAGE * PAGE for r in sorted(e.active, key=lambda r: r.slot)] + [0] * (b - n)
+        flights.append(e.in_flight)
+        # the cut rows: each request's host length in whole pages (AR: every key, its own row included),
+        # padding slots 0
+        if e.prefix.whole:
+            cuts = [int(x) for x in e.lens[:n] + 1] + [0] * (b - n)
+        else:
+            cuts = [r.length // PAGE * PAGE for r in sorted(e.active, key=lambda r: r.slot)] + [0] * (b - n)
         assert e.prefix.rows[:b].tolist() == cuts
         return out
     e.runner.verify = checked
-    return errs
+    return errs, flights
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", None), ("ddtree", 8), ("ddtree", "auto")])
 def test_the_engines_split_rounds_equal_the_whole_on_a_cpu(stand_ins, mode, budget):
     """Three requests of 600-740 synthetic rows (cuts from 576 / 640 / 704; the bucket's fourth slot
-    padding), eight rounds each verified with and without the split and its cut rows checked; then the cut
-    rows copied to the device a page before the plan's: that page is attended twice, and the check says so."""
+    padding; AR: FlashInfer's pass over every key), eight rounds each verified with and without the split
+    and its cut rows checked, then six overlapped rounds (run()'s schedule: AR plans a round while the
+    previous one is in flight); then the cut rows copied to the device a page before the plan's (AR: the
+    plan a page short of every key): that page is attended twice (unseen), and the check says so."""
     from kdtree import k26
     from kdtree.engine import Engine
     from kdtree.engine.prefix import PrefixSplit
@@ -126,19 +135,30 @@ def test_the_engines_split_rounds_equal_the_whole_on_a_cpu(stand_ins, mode, budg
     for i in range(3):
         e.add_request([11 + i, 12, 13, 14], 160, synthetic_context=600 + 70 * i)
     e.step()
-    errs = _checked(e)
+    errs, flights = _checked(e)
     for _ in range(8):
         e.step()
-    assert len(errs) == 8 and max(errs) <= 1e-3, errs   # float32 model, float64 attention
+    for _ in range(6):
+        e.step(overlap=True)
+    assert len(errs) == 14 and max(errs) <= 1e-3, errs   # float32 model, float64 attention
+    assert e.prefix.whole == (mode == "ar") and (mode != "ar" or any(flights)), flights
+    e.step()   # lands the round in flight, then one of its own
     plan = PrefixSplit._plan
 
     def off_by_a_page(self, b, N, rows):   # the device's cut a page before the plan's: that page twice
         plan(self, b, N, rows)
         self.rows[:b].copy_(torch.tensor([max(r - PAGE, 0) for r in rows], dtype=torch.int32))
-    PrefixSplit._plan = off_by_a_page
+
+    def short_by_a_page(self, b, N, rows):   # AR: the pass a page short of every key: that page unseen
+        plan(self, b, N, [max(r - PAGE, 1) if r else 0 for r in rows])
+        self.rows[:b].copy_(torch.tensor(rows, dtype=torch.int32))
+    PrefixSplit._plan = short_by_a_page if mode == "ar" else off_by_a_page
     try:
-        with pytest.raises(AssertionError):   # the cut rows' check sees it first ...
+        if mode == "ar":
             e.step()
+        else:
+            with pytest.raises(AssertionError):   # the cut rows' check sees it first ...
+                e.step()
     finally:
         PrefixSplit._plan = plan
     assert errs[-1] > 5e-3, errs               # ... after the logits' (5x the bound above)

@@ -141,12 +141,14 @@ def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]
     """Whether the engine would gain by taking FlashInfer's MLA, per cell where FlashInfer ran. Whole (decode
     and chains): the kernel's gain a layer (ours - FlashInfer's best side, the pool read in place included),
     its plan() host seconds (one a round, with the round's kv lengths given on the host) and the overlap the
-    engine gives up for it (ar's overlap_gain_s, where measured); "layers_to_pay": the layers a round needs
-    before the gain covers both costs, None with "why" where FlashInfer is not faster or its plan() was not
-    timed (an older record). The overlap is measured on the AR section's engine (the trained target, batch 1)
-    and charged to every cell alike. The split (prefix_attn="flashinfer", every kind, trees included, where
-    the record timed it): "split_gain_per_layer_s" = ours - the split; it keeps the overlap (its plan covers
-    the rows committed at launch), so its plan() is host work done while the round before runs."""
+    engine gives up for it: none at decode (the engine's AR takes the whole pass with prefix_attn="flashinfer"
+    and knows its lengths with a round in flight), else ar's overlap_gain_s, where measured (on the AR
+    section's engine, the trained target at batch 1, charged to every chain alike); "layers_to_pay": the
+    layers a round needs before the gain covers both costs, None with "why" where FlashInfer is not faster or
+    its plan() was not timed (an older record). The split (prefix_attn="flashinfer" on blocks, every kind,
+    trees included, where the record timed it): "split_gain_per_layer_s" = ours - the split; it keeps the
+    overlap (its plan covers the rows committed at launch), so its plan() is host work done while the round
+    before runs."""
     lost = (ar or {}).get("overlap_gain_s")
     out = []
     for r in rows:
@@ -166,8 +168,9 @@ def flashinfer_in_engine(rows: list[dict], ar: dict | None = None) -> list[dict]
         best = min(fi, key=fi.get)
         gain = t["ours"] - fi[best]
         plan = r.get("plan_s", {}).get(best)
-        cost = None if plan is None else plan + max(lost or 0.0, 0.0)
-        row.update(backend=best, gain_per_layer_s=gain, plan_s=plan)
+        lost_here = 0.0 if r["kind"] == "decode" else lost
+        cost = None if plan is None else plan + max(lost_here or 0.0, 0.0)
+        row.update(backend=best, gain_per_layer_s=gain, plan_s=plan, overlap_lost_s=lost_here)
         if gain <= 0:
             row["why"] = "FlashInfer is not faster than ours here"
         elif cost is None:

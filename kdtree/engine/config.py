@@ -48,7 +48,7 @@ class EngineConfig:
     overlap: bool = True
     admission: str = "eager"
     auto: object = None          # budget="auto": a kdtree.budget.AutoConfig (None: its defaults)
-    prefix_attn: str = "off"     # "flashinfer": the committed pages through FlashInfer (`engine.prefix`)
+    prefix_attn: str = "off"     # "flashinfer": committed pages (AR: all) via FlashInfer (`engine.prefix`)
     block_size: int = 0          # the drafter's L + 1 (set by resolve; 0 in mode ar)
 
     # ------------------------------------------------------------- derived (a resolved config)

@@ -84,7 +84,8 @@ class Engine:
     parallelism; step() always lands its own round); simulate: a `kdtree.simulate.Profile` (simulated
     acceptance at real shapes: every mode emits the profile's tokens; `simulated` names it); prefix_attn
     "off" | "flashinfer" (the verify attention over each request's committed pages through FlashInfer's MLA,
-    the rest through verify_attn, merged: `engine.prefix`; FlashInfer installed, one GPU).
+    the rest through verify_attn, merged; AR rounds wholly through FlashInfer: `engine.prefix`; FlashInfer
+    installed, one GPU).
 
     Sampling: each request's randomness is a counter-based stream keyed by (seed, the root's position, the
     row), drawn on the device as Gumbel noise, so its samples do not depend on its batch mates, the bucket or

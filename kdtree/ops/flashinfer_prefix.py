@@ -6,10 +6,12 @@ flashinfer-python is installed (the `peers` extra). Golden twin: verify_attn_gol
     o, lse = prefix.run(q, pool)             # [b, N, H, 512] bf16, [b, N, H] fp32 natural log
 
 Contract:
-  * plan(rows, nodes, page_table): rows host ints [b] (each request's prefix, a whole number of pages,
-    `attn_split.split_rows`), nodes N (query rows per request), page_table int32 [b, P] on the device (the
-    request's pages in order). Every query row of request i sees all of its rows[i] prefix rows (no mask).
-    The lengths stay on the host; the page indices are gathered on the device. One plan serves every layer.
+  * plan(rows, nodes, page_table, whole=False): rows host ints [b] (each request's prefix, a whole number of
+    pages, `attn_split.split_rows`; whole=True: any number, the last page partly read: a pass over all of a
+    one-row block's keys, its own row included), nodes N (query rows per request), page_table int32 [b, P]
+    on the device (the request's pages in order). Every query row of request i sees all of its rows[i]
+    rows (no mask). The lengths stay on the host; the page indices are gathered on the device. One plan
+    serves every layer.
   * run(q, pool): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's paged
     cache (pages of page_size rows). Reads the pool in place through strided views (its latent and rope
     columns). A request with an empty prefix gets lse -inf (its o is then ignored by the merge:
@@ -94,7 +96,7 @@ class FlashInferPrefix:
         self.planned: tuple[int, int] | None = None   # (b, N) of the last plan
         self._copied = None   # an event after the last plan's copies to the device
 
-    def plan(self, rows, nodes: int, page_table: torch.Tensor) -> None:
+    def plan(self, rows, nodes: int, page_table: torch.Tensor, whole: bool = False) -> None:
         """Plan the prefix pass of len(rows) requests of `nodes` query rows (module contract); host work plus
         small copies to the device, on the current stream. FlashInfer stages its schedule in one pinned host
         buffer and copies it asynchronously, so a plan first waits until the previous plan's copies have run
@@ -118,12 +120,14 @@ class FlashInferPrefix:
         if page_table.device != self.device:
             raise ValueError(f"page_table: on {page_table.device}, expected {self.device}")
         P = page_table.shape[1]
+        whole = checks.flag("whole", whole)
         pages = []
         for i, r in enumerate(rows):
             r = checks.int_in(f"rows[{i}]", r, 0, min(P, self.max_pages) * self.page_size)
-            if r % self.page_size:
-                raise ValueError(f"rows[{i}]={r}: expected a whole number of pages of {self.page_size}")
-            pages.append(r // self.page_size)
+            if r % self.page_size and not whole:
+                raise ValueError(f"rows[{i}]={r}: expected a whole number of pages of {self.page_size} "
+                                 "(or whole=True)")
+            pages.append(-(-r // self.page_size))
         # FlashInfer never sees an empty request: an empty prefix reads its first page (its answer is
         # masked to lse -inf below, which the merge ignores), so every plan has work in every request
         seen = [max(n, 1) for n in pages]
