@@ -87,7 +87,7 @@ def kernel_attention(qk: torch.Tensor, pool: torch.Tensor, meta, scale: float) -
                        page_size=meta.page_size, check_values=False, max_seq_len=meta.kv_cap)
         return o
     if meta.prefix_whole:   # AttnMeta.with_whole: the pass sees every key
-        return _launch(meta.prefix.run, qk, pool)[0]
+        return _launch(meta.prefix.run, qk, pool, lse=False)[0]
     from .ops.attn_merge import merge_states
     o_pre, lse_pre = _launch(meta.prefix.run, qk, pool)                          # [B, T, H, 512], [B, T, H]
     o_rest, lse_rest = _launch(kernels.verify_attn, qk, pool, meta.rest_page_table, meta.rest_seq_len,

@@ -23,6 +23,8 @@ def test_prefix_attn_is_checked_before_anything_is_built():
                                          "attention on a GPU"):
         EngineConfig(prefix_attn="flashinfer").resolve(m)
     assert EngineConfig().resolve(m).prefix_attn == "off"
+    with pytest.raises(ValueError, match="prefix_attn='flashinfer': not with deterministic=True"):
+        EngineConfig(prefix_attn="flashinfer", deterministic=True).resolve(m)
 
 
 def test_with_prefix_refuses_the_torch_paths_and_a_wrong_shape():
@@ -222,6 +224,7 @@ def test_the_engines_split_rounds_equal_the_whole_attention(graphs, monkeypatch)
         errs.append((check.round_errors(len(lens)), lens))
     for _ in range(4):   # run()'s schedule: each round planned while the previous one is in flight
         e.step(overlap=True)
+        assert e.in_flight
         errs.append((check.round_errors(3), "overlapped"))
     e.step()   # lands the round in flight, then one of its own
     check.round_errors(3)

@@ -45,15 +45,15 @@ class _Prefix:
         assert whole or all(r % PAGE == 0 for r in rows)
         self.rows, self.table, self.planned = list(rows), page_table[:len(rows)].clone(), (len(rows), nodes)
 
-    def run(self, q, pool):
+    def run(self, q, pool, lse=True):
         b, N = self.planned
         assert tuple(q.shape[:2]) == (b, N)
-        out, lse = torch.zeros(b, N, self.heads, 512, dtype=q.dtype), torch.zeros(b, N, self.heads)
+        out, s_all = torch.zeros(b, N, self.heads, 512, dtype=q.dtype), torch.zeros(b, N, self.heads)
         for i in range(b):
             c, qi = _rows(pool, self.table[i], self.rows[i]), q[i].double().numpy()
             o, s = vg.prefix_attention(qi[..., :512], qi[..., 512:], c[:, :512], c[:, 512:], self.scale)
-            out[i], lse[i] = torch.from_numpy(o).to(q.dtype), torch.from_numpy(s).float()
-        return out, lse
+            out[i], s_all[i] = torch.from_numpy(o).to(q.dtype), torch.from_numpy(s).float()
+        return out, (s_all if lse else None)
 
 
 def _merge(o1, l1, o2, l2):

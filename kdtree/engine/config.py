@@ -104,7 +104,7 @@ class EngineConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: expected True or False")
         moe = moe_path(model, self.moe, deterministic)
-        _check_prefix_attn(self.prefix_attn, model, backend)
+        _check_prefix_attn(self.prefix_attn, model, backend, deterministic)
         buckets = default_buckets(max_batch) if buckets is None else tuple(sorted(set(buckets)))
         return dataclasses.replace(
             self, budget=budget, max_batch=max_batch, max_len=max_len, max_tokens=max_tokens, graphs=graphs,
@@ -193,11 +193,15 @@ def prefix_nodes(cfg) -> tuple:
     return tuple(sorted({1, cfg.block_size} | {B + 1 for B in cfg.auto.budgets}))
 
 
-def _check_prefix_attn(prefix_attn, model: Transformer, backend: str) -> None:
-    """prefix_attn "flashinfer" needs the kernel attention on a GPU, one GPU and FlashInfer."""
+def _check_prefix_attn(prefix_attn, model: Transformer, backend: str, deterministic: bool = False) -> None:
+    """prefix_attn "flashinfer" needs the kernel attention on a GPU, one GPU and FlashInfer, and is refused
+    with deterministic=True (FlashInfer sizes a request's context chunks from its batch's total length)."""
     checks.one_of("prefix_attn", prefix_attn, PREFIX_ATTNS)
     if prefix_attn == "off":
         return
+    if deterministic:
+        raise ValueError(f"prefix_attn={prefix_attn!r}: not with deterministic=True (FlashInfer splits a "
+                         "request's context by its batch's total length, so its sums depend on batch mates)")
     if backend != "kernel" or model.attn_impl != "kernel" or model.device.type != "cuda":
         raise ValueError(f"prefix_attn={prefix_attn!r}: needs the kernel backend and attention on a GPU "
                          f"(backend {backend!r}, attn_impl {model.attn_impl!r}, device {model.device})")

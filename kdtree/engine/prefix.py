@@ -16,11 +16,12 @@ host length, plus one for a round in flight, plus its own row; no rest, no merge
 
 Invariants: the rows cut at are each active request's host length (`Request.length`, the rows cached before
 its next block: with a round in flight the device length is at least that) rounded down to whole pages, 0 for
-padding slots, so every cut is within [0, seq_len - N]. The plan of bucket b and the device copy of its rows
-are always written together (`_plan`), so a captured round replays the split it was planned for. Rounds run
-one at a time on one stream, which is what lets the passes share FlashInfer's float workspace. Rounds that
-run without a plan (the warm-up and capture rounds, budget="auto"'s start-up timing) run before any request,
-on padding slots, with the empty prefixes every pass is planned with at construction.
+padding slots, so every cut is within [0, seq_len - N] (AR: the rows planned are seq_len itself). The plan of
+bucket b and the device copy of its rows are always written together (`_plan`), so a captured round replays
+the split it was planned for. Rounds run one at a time on one stream, which is what lets the passes share
+FlashInfer's float workspace. Rounds that run without a plan (the warm-up and capture rounds, budget="auto"'s
+start-up timing) run before any request, on padding slots, with the empty prefixes every pass is planned with
+at construction.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class PrefixSplit:
         self.e = e
         self.nodes = tuple(sorted(set(int(n) for n in nodes)))
         self.whole = e.mode == "ar"   # one-row rounds whose keys the host knows: FlashInfer takes them whole
-        self.rows = torch.zeros(e.max_batch, dtype=torch.int32, device=e.device)   # [max_batch] rows cut at
+        self.rows = torch.zeros(e.max_batch, dtype=torch.int32, device=e.device)   # cut at (AR: planned)
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=e.device)
         graph = e.graph_reason is None
         self.passes = {(b, N): FlashInferPrefix(a.num_attention_heads, a.softmax_scale, b, e.pages_per_req,

@@ -143,9 +143,10 @@ class FlashInferPrefix:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def run(self, q: torch.Tensor, pool: torch.Tensor):
+    def run(self, q: torch.Tensor, pool: torch.Tensor, lse: bool = True):
         """(o bf16 [b, N, H, 512], lse fp32 [b, N, H] natural log) of the planned prefix pass (module
-        contract); q's b and N must be the plan's."""
+        contract); q's b and N must be the plan's. lse=False: (o, None), no lse computed (a whole pass,
+        which nothing merges)."""
         if self.planned is None:
             raise ValueError("run: no plan yet (call plan(rows, nodes, page_table) first)")
         b, N = self.planned
@@ -158,7 +159,11 @@ class FlashInferPrefix:
                              f"{self.page_size}, got {pool.dtype} {tuple(pool.shape)}")
         qf = q.reshape(b * N, self.heads, 576)
         pages = pool.view(-1, self.page_size, 576)
-        o, lse = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
-                                  pages[..., 512:], return_lse=True, return_lse_base_on_e=True)
-        lse = lse.view(b, N, self.heads).masked_fill(self._empty[:b, None, None], float("-inf"))
-        return o.view(b, N, self.heads, 512), lse
+        if not lse:
+            o = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
+                                 pages[..., 512:])
+            return o.view(b, N, self.heads, 512), None
+        o, s = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
+                                pages[..., 512:], return_lse=True, return_lse_base_on_e=True)
+        s = s.view(b, N, self.heads).masked_fill(self._empty[:b, None, None], float("-inf"))
+        return o.view(b, N, self.heads, 512), s
