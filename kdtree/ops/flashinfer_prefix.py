@@ -12,10 +12,10 @@ Contract:
     on the device (the request's pages in order). Every query row of request i sees all of its rows[i]
     rows (no mask). The lengths stay on the host; the page indices are gathered on the device. One plan
     serves every layer.
-  * run(q, pool): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's paged
-    cache (pages of page_size rows). Reads the pool in place through strided views (its latent and rope
-    columns). A request with an empty prefix gets lse -inf (its o is then ignored by the merge:
-    `attn_merge.merge_states`, `attn_split.merge_lse`).
+  * run(q, pool, lse=True): q bf16 [b, N, H, 576] (512 latent + 64 rope), pool bf16 [rows, 576] one layer's
+    paged cache (pages of page_size rows); lse=False returns (o, None), computing no lse. Reads the pool in
+    place through strided views (its latent and rope columns). A request with an empty prefix gets lse -inf
+    (its o is then ignored by the merge: `attn_merge.merge_states`, `attn_split.merge_lse`).
   * Graphs (graph=True): a run() captured after a plan replays correctly after any later plan of the same
     batch and nodes (FlashInfer sizes its launch from them at plan time); plan() itself runs outside.
   * `available()`: None where FlashInfer imports, else the reason.
@@ -159,11 +159,10 @@ class FlashInferPrefix:
                              f"{self.page_size}, got {pool.dtype} {tuple(pool.shape)}")
         qf = q.reshape(b * N, self.heads, 576)
         pages = pool.view(-1, self.page_size, 576)
+        got = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
+                               pages[..., 512:], return_lse=lse, return_lse_base_on_e=lse)
         if not lse:
-            o = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
-                                 pages[..., 512:])
-            return o.view(b, N, self.heads, 512), None
-        o, s = self.wrapper.run(qf[..., :512].contiguous(), qf[..., 512:].contiguous(), pages[..., :512],
-                                pages[..., 512:], return_lse=True, return_lse_base_on_e=True)
+            return got.view(b, N, self.heads, 512), None
+        o, s = got
         s = s.view(b, N, self.heads).masked_fill(self._empty[:b, None, None], float("-inf"))
         return o.view(b, N, self.heads, 512), s
